@@ -1,0 +1,5 @@
+"""``python -m torchhpc ...`` is the ``torchhpc`` command."""
+
+from torchhpc.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""Build ``mpiexec`` command lines that work with the MPI that mpi4py uses.
+
+Open MPI and MPICH (Hydra) spell oversubscription and binding differently; tests,
+benchmarks and ``torchhpc doctor`` start small local jobs through this module so
+that each of them does not have to know.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["find_mpiexec", "mpi_flavor", "mpiexec_argv", "local_job_env"]
+
+
+def find_mpiexec() -> str:
+    """Return the ``mpiexec`` beside this interpreter (venv with an MPI wheel), else the one on PATH."""
+    beside = Path(sys.executable).with_name("mpiexec")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec") or shutil.which("mpirun")
+    if found is None:
+        raise FileNotFoundError(
+            "no mpiexec found beside the Python interpreter or on PATH; "
+            "run `make env` (MPI wheels) or load your site's MPI module"
+        )
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def mpi_flavor(mpiexec: str | None = None) -> str:
+    """Return ``"openmpi"``, ``"mpich"`` or ``"unknown"`` from ``mpiexec --version``."""
+    exe = mpiexec or find_mpiexec()
+    try:
+        out = subprocess.run(
+            [exe, "--version"], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (out.stdout + out.stderr).lower()
+    if "open mpi" in text or "openrte" in text or "prte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel" in text:
+        return "mpich"
+    return "unknown"
+
+
+def mpiexec_argv(
+    nprocs: int, command: Sequence[str], *, oversubscribe: bool = True, mpiexec: str | None = None
+) -> list[str]:
+    """Argument vector running ``command`` on ``nprocs`` local ranks.
+
+    With ``oversubscribe`` the job may use more ranks than cores and ranks are not
+    pinned (pinning oversubscribed ranks to cores makes them fight for one core).
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    exe = mpiexec or find_mpiexec()
+    argv = [exe, "-n", str(nprocs)]
+    flavor = mpi_flavor(exe)
+    if oversubscribe and flavor == "openmpi":
+        argv += ["--oversubscribe", "--bind-to", "none"]
+    elif oversubscribe and flavor == "mpich":
+        argv += ["-bind-to", "none"]
+    return argv + list(command)
+
+
+def local_job_env(base: dict[str, str] | None = None, *, oversubscribed: bool = True) -> dict[str, str]:
+    """Environment for a small local job: one thread per rank, yielding MPI progress when oversubscribed."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if oversubscribed:
+        # Busy-polling ranks sharing a core starve each other; let them yield.
+        env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    return env
