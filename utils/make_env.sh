@@ -89,7 +89,7 @@ step "checking the environment"
 import torch, mpi4py
 from mpi4py import MPI
 print(f"torch {torch.__version__}, mpi4py {mpi4py.__version__}, "
-      f"{MPI.Get_library_version().replace(chr(0), "").splitlines()[0].strip()}")
+      f"{MPI.Get_library_version().replace(chr(0), '').splitlines()[0].strip()}")
 PY
 
 cat <<EOF
