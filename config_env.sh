@@ -13,7 +13,8 @@
 #    with an activation hook that exports the site's runtime settings (see utils/write_activation_hook.sh).
 #
 # Knobs: SITE, PYTORCH_VERSION (default: newest in utils/pytorch_versions.tsv), TORCHHPC_PREFIX (build/),
-# ENV_KIND (conda|venv), TORCHHPC_ENV_PREFIX_OVERRIDE, NCCL_OFI_PREFIX_OVERRIDE, TORCH_CUDA_ARCH_LIST_OVERRIDE,
+# ENV_KIND (conda|venv), TORCHHPC_ENV_PREFIX_OVERRIDE, NCCL_OFI_PREFIX_OVERRIDE, NCCL_VERSION_OVERRIDE,
+# TORCH_CUDA_ARCH_LIST_OVERRIDE,
 # MAX_JOBS, PBS_ACCOUNT/PBS_QUEUE/PBS_SELECT_BUILD/... (override the site's scheduler defaults),
 # TORCHHPC_NO_MODULES=1 (skip module loads), TORCHHPC_NO_ENV=1 (do not create/activate the environment),
 # TORCHHPC_QUIET=1 (no summary).
@@ -134,7 +135,7 @@ _torchhpc_config_env() {
   TORCHVISION_VERSION=$("$root/utils/pytorch_version.sh" "$version" torchvision) || return 1
   export PYTORCH_VERSION=$version TORCHVISION_VERSION
   TORCHHPC_PYTHON_VERSION=$("$root/utils/pytorch_version.sh" "$version" python) || return 1
-  NCCL_VERSION=$("$root/utils/pytorch_version.sh" "$version" nccl) || return 1
+  NCCL_VERSION=${NCCL_VERSION_OVERRIDE:-$("$root/utils/pytorch_version.sh" "$version" nccl)} || return 1
   TORCHHPC_PATCH_DIR="$root/patches/pytorch/$("$root/utils/pytorch_version.sh" "$version" patches)" || return 1
   export TORCHHPC_PYTHON_VERSION NCCL_VERSION TORCHHPC_PATCH_DIR
 
