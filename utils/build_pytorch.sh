@@ -2,12 +2,14 @@
 # Build PyTorch vX.Y.Z from source with our patches, then the matching torchvision, into the site's build
 # environment (created by config_env.sh).  Called by `make build-pytorch-vX.Y.Z`.
 #
-#   PYTORCH_VERSION=2.5.1 [SITE=derecho] [DRY_RUN=1] utils/build_pytorch.sh
+#   PYTORCH_VERSION=2.5.1 [SITE=derecho] [DRY_RUN=1] [STOP_AFTER=step] utils/build_pytorch.sh
 #
 # Steps (each skipped when its stamp says it is done): clone at the tag; apply
 # patches/pytorch/vX.Y.Z/*.patch in file-name order; update submodules; install the build requirements;
 # build a wheel (PYTORCH_BUILD_VERSION=X.Y.Z+torchhpc.<site>); install it; the same for torchvision; check
 # that the installed torch has the MPI backend (and NCCL/CUDA when built with CUDA).
+# STOP_AFTER=clone|patches|submodules|requirements|wheel|install|torchvision ends the build after that step
+# (e.g. STOP_AFTER=patches to read the patched tree).
 set -euo pipefail
 # shellcheck source=utils/lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
@@ -15,6 +17,17 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
 : "${PYTORCH_VERSION:?set PYTORCH_VERSION=X.Y.Z (see utils/pytorch_versions.tsv)}"
 PYTORCH_GIT=${PYTORCH_GIT:-https://github.com/pytorch/pytorch.git}
 TORCHVISION_GIT=${TORCHVISION_GIT:-https://github.com/pytorch/vision.git}
+STOP_AFTER=${STOP_AFTER:-}
+case "$STOP_AFTER" in
+  "" | clone | patches | submodules | requirements | wheel | install | torchvision) ;;
+  *) die "STOP_AFTER='$STOP_AFTER' is not a step (clone patches submodules requirements wheel install torchvision)" ;;
+esac
+done_step() {
+  if [[ "$1" == "$STOP_AFTER" ]]; then
+    echo "STOP_AFTER=$STOP_AFTER: stopping here"
+    exit 0
+  fi
+}
 load_config
 
 version=$PYTORCH_VERSION
@@ -47,6 +60,7 @@ else
   run git clone --branch "v$version" --depth 1 --shallow-submodules "$PYTORCH_GIT" "$src"
   stamp_write "pytorch-v$version.clone" "v$version"
 fi
+done_step clone
 
 step "patches: ${#patches[@]} from $TORCHHPC_PATCH_DIR"
 if stamp_ok "pytorch-v$version.patches" "$patch_sum"; then
@@ -61,6 +75,7 @@ else
   done
   stamp_write "pytorch-v$version.patches" "$patch_sum"
 fi
+done_step patches
 
 step "submodules"
 if stamp_ok "pytorch-v$version.submodules" "v$version"; then
@@ -70,6 +85,7 @@ else
   run_in "$src" git submodule update --init --recursive --depth 1 --jobs 8
   stamp_write "pytorch-v$version.submodules" "v$version"
 fi
+done_step submodules
 
 step "build requirements"
 reqs=(-r requirements.txt)
@@ -80,6 +96,7 @@ else
   run_in "$src" python -m pip install --upgrade "${reqs[@]}"
   stamp_write "pytorch-v$version.requirements" "$TORCHHPC_ENV_PREFIX"
 fi
+done_step requirements
 
 step "wheel: torch $PYTORCH_BUILD_VERSION"
 build_key="$PYTORCH_BUILD_VERSION $patch_sum USE_CUDA=$USE_CUDA arch=$TORCH_CUDA_ARCH_LIST nccl=$NCCL_ROOT"
@@ -90,6 +107,7 @@ else
   run_in "$src" python setup.py bdist_wheel --dist-dir "$wheels"
   stamp_write "pytorch-v$version.wheel" "$build_key"
 fi
+done_step wheel
 
 step "install torch into $TORCHHPC_ENV_PREFIX"
 if stamp_ok "pytorch-v$version.install" "$build_key $TORCHHPC_ENV_PREFIX"; then
@@ -99,6 +117,7 @@ else
     "torch==$PYTORCH_BUILD_VERSION"
   stamp_write "pytorch-v$version.install" "$build_key $TORCHHPC_ENV_PREFIX"
 fi
+done_step install
 
 step "torchvision v$TORCHVISION_VERSION"
 vision_key="$BUILD_VERSION $build_key"
@@ -112,6 +131,7 @@ else
     "torchvision==$BUILD_VERSION"
   stamp_write "vision-v$TORCHVISION_VERSION.install" "$vision_key $TORCHHPC_ENV_PREFIX"
 fi
+done_step torchvision
 
 step "check"
 run python "$TORCHHPC_ROOT/utils/check_torch_build.py" --torch-version "$PYTORCH_BUILD_VERSION" \

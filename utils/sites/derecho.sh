@@ -30,8 +30,8 @@ SITE_GPUS_PER_NODE=4
 site_configure() {
   SITE_CC=$(command -v gcc || true)
   SITE_CXX=$(command -v g++ || true)
-  SITE_MPICC=$(command -v mpicc || true)
-  SITE_MPICXX=$(command -v mpicxx || true)
+  SITE_MPICC=${MPICC:-$(command -v mpicc || true)}
+  SITE_MPICXX=${MPICXX:-$(command -v mpicxx || true)}
   # NCAR modules export NCAR_ROOT_<PACKAGE>; fall back to CUDA_HOME when run outside the module system.
   SITE_CUDA_HOME=${NCAR_ROOT_CUDA:-${CUDA_HOME:-}}
   SITE_CUDNN_ROOT=${NCAR_ROOT_CUDNN:-${CUDNN_ROOT:-}}

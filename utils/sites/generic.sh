@@ -39,9 +39,9 @@ site_configure() {
   local nvcc mpicc
   SITE_CC=$(command -v gcc || command -v cc || true)
   SITE_CXX=$(command -v g++ || command -v c++ || true)
-  mpicc=$(command -v mpicc || true)
+  mpicc=${MPICC:-$(command -v mpicc || true)}
   SITE_MPICC=$mpicc
-  SITE_MPICXX=$(command -v mpicxx || command -v mpic++ || true)
+  SITE_MPICXX=${MPICXX:-$(command -v mpicxx || command -v mpic++ || true)}
   nvcc=$(command -v nvcc || true)
   if [[ -n "${CUDA_HOME:-}" ]]; then
     SITE_CUDA_HOME=$CUDA_HOME
