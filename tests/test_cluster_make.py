@@ -53,13 +53,15 @@ def test_versions_come_from_the_table(tmp_path: Path) -> None:
 
 def test_make_n_pbs_build_shows_submission(tmp_path: Path) -> None:
     out = make(tmp_path, "-n", "build-pytorch-v2.5.1-pbs", "SITE=derecho").stdout
-    assert 'PYTORCH_VERSION="2.5.1" bash utils/pbs_submit.sh --name "torchhpc-build-v2.5.1" --shape build' in out
+    submit = 'PYTORCH_VERSION="2.5.1" bash utils/pbs_submit.sh --name "torchhpc-build-v2.5.1" --shape build'
+    assert submit in out
     assert "-- make build-pytorch-v2.5.1 SITE=\"derecho\"" in out
 
 
 def test_make_n_local_build_builds_nccl_then_pytorch(tmp_path: Path) -> None:
     lines = make(tmp_path, "-n", "build-pytorch-v2.4.1").stdout.splitlines()
-    assert [line.split()[-1] for line in lines] == ["utils/build_nccl-ofi-plugin.sh", "utils/build_pytorch.sh"]
+    scripts = [line.split()[-1] for line in lines]
+    assert scripts == ["utils/build_nccl-ofi-plugin.sh", "utils/build_pytorch.sh"]
     assert all('PYTORCH_VERSION="2.4.1"' in line for line in lines)
 
 
@@ -69,7 +71,8 @@ def job_and_submit(stdout: str) -> tuple[list[str], str]:
 
 
 def test_derecho_pbs_build_dry_run_prints_job_script_and_qcmd(tmp_path: Path) -> None:
-    out = make(tmp_path, "build-pytorch-v2.5.1-pbs", "SITE=derecho", "DRY_RUN=1", PBS_ACCOUNT="NTDD0001").stdout
+    out = make(tmp_path, "build-pytorch-v2.5.1-pbs", "SITE=derecho", "DRY_RUN=1",
+               PBS_ACCOUNT="NTDD0001").stdout
     script, submit = job_and_submit(out)
     assert script[1] == "#!/bin/bash -l"
     for directive in ("#PBS -N torchhpc-build-v2.5.1", "#PBS -A NTDD0001", "#PBS -q main",
@@ -133,7 +136,8 @@ def test_derecho_build_dry_run_shows_modules_variables_and_patch_order(tmp_path:
     last_apply = max(i for i, c in enumerate(commands) if "git apply" in c)
     assert torch_clone < last_apply < first_submodule
     assert any("requirements.txt mkl-static mkl-include" in c for c in commands)
-    assert any(c.endswith(f"setup.py bdist_wheel --dist-dir {tmp_path}/build/wheels/derecho") for c in commands)
+    wheel = f"setup.py bdist_wheel --dist-dir {tmp_path}/build/wheels/derecho"
+    assert any(c.endswith(wheel) for c in commands)
     assert any(c.endswith("torch==2.5.1+torchhpc.derecho") for c in commands)
     assert any("--branch v0.20.1" in c and "vision.git" in c for c in commands)
     assert commands[-1].endswith("--torchvision-version 0.20.1+torchhpc.derecho --cuda 1")
@@ -152,9 +156,10 @@ def test_test_pbs_dry_run_two_gpu_nodes_three_backends(tmp_path: Path) -> None:
                           "bash utils/run_all_reduce.sh")
     assert submit.startswith("qcmd -N torchhpc-test-all-reduce -q main -l select=2:")
     # What that job runs: one mpiexec per backend, 2 nodes x 4 GPUs.
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SITE": "derecho", "DRY_RUN": "1",
+           "TORCHHPC_NO_MODULES": "1"}
     runner = subprocess.run(["bash", "utils/run_all_reduce.sh"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SITE": "derecho",
-                                             "DRY_RUN": "1", "TORCHHPC_NO_MODULES": "1"})
+                            timeout=60, env=env)
     assert runner.returncode == 0, runner.stderr
     lines = [line for line in runner.stdout.splitlines() if line.startswith("+ mpiexec")]
     assert [line.split()[-1] for line in lines] == ["nccl", "mpi", "accl"]
