@@ -83,7 +83,7 @@ def test_derecho_pbs_build_dry_run_prints_job_script_and_qcmd(tmp_path: Path) ->
     assert script[-1] == f"make build-pytorch-v2.5.1 SITE=derecho TORCHHPC_PREFIX={tmp_path}/build"
     job = f"{tmp_path}/build/jobs/torchhpc-build-v2.5.1.pbs"
     assert submit == ("qcmd -N torchhpc-build-v2.5.1 -q main -l select=1:ncpus=64:mpiprocs=1:ngpus=4 "
-                      f"-l walltime=04:00:00 -A NTDD0001 -l job_priority=regular -- bash {job}")
+                      f"-l walltime=04:00:00 -A NTDD0001 -l job_priority=regular -- bash -l {job}")
     assert not Path(job).exists(), "a dry run must not write the job script"
 
 

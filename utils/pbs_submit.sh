@@ -79,7 +79,8 @@ JOB
 if [[ "$submit" == qcmd ]]; then
   submit_cmd=(qcmd -N "$name" -q "$queue" -l "select=$select" -l "walltime=$walltime")
   [[ -n "$account" ]] && submit_cmd+=(-A "$account")
-  submit_cmd+=("${extra[@]}" -- bash "$script")
+  # A login shell, as the #!/bin/bash -l line gives qsub jobs: the module command must be there.
+  submit_cmd+=("${extra[@]}" -- bash -l "$script")
 else
   submit_cmd=(qsub -W block=true "$script")
 fi

@@ -49,8 +49,9 @@ site_configure() {
     case " ${LDFLAGS:-} " in *" -lmpi_gtl_cuda "*) ;; *) export LDFLAGS="${LDFLAGS:+$LDFLAGS }$TORCHHPC_GTL_LDFLAGS" ;; esac
   fi
   # gcc 12 warns (as errors in some third_party targets) on code PyTorch does not own.
-  export CFLAGS="-Wno-maybe-uninitialized -Wno-uninitialized -Wno-nonnull"
-  export CXXFLAGS="$CFLAGS"
+  local quiet="-Wno-maybe-uninitialized -Wno-uninitialized -Wno-nonnull"
+  case " ${CFLAGS:-} " in *" $quiet "*) ;; *) export CFLAGS="${CFLAGS:+$CFLAGS }$quiet" ;; esac
+  case " ${CXXFLAGS:-} " in *" $quiet "*) ;; *) export CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }$quiet" ;; esac
 }
 
 site_runtime_env() {
