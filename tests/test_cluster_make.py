@@ -181,6 +181,10 @@ def test_spack_targets(tmp_path: Path) -> None:
     out = make(tmp_path, "spack-env", "SITE=derecho", "DRY_RUN=1").stdout
     assert f"+ cp {ROOT}/utils/sites/derecho.spack.yaml {ROOT}/build/spack-site.yaml" in out
     assert f"+ spack -e {ROOT} concretize --force --fresh" in out
+    out = make(tmp_path, "spack-install", "SITE=generic", "DRY_RUN=1").stdout
+    assert f"+ cp {ROOT}/utils/sites/generic.spack.yaml {ROOT}/build/spack-site.yaml" in out
+    concretize = out.index(f"+ spack -e {ROOT} concretize")
+    assert out.index(f"+ spack -e {ROOT} install --fail-fast") > concretize
     if shutil.which("spack") is None:
         proc = make(tmp_path, "spack-env", "SITE=derecho", check=False)
         assert proc.returncode != 0 and "no 'spack' command" in proc.stderr

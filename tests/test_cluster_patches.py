@@ -154,7 +154,7 @@ HARNESS = r"""
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   std::printf("aware=%%d\n", cudaAwareMpiCheck() ? 1 : 0);
-#if defined(MPIX_CUDA_AWARE_SUPPORT)
+#if defined(MPIX_CUDA_AWARE_SUPPORT) || defined(HARNESS_REAL_MPICH)
   std::printf("library=%%d\n", MPIX_Query_cuda_support());
 #endif
   MPI_Finalize();
@@ -252,4 +252,38 @@ def test_patched_check_with_real_open_mpi(tmp_path: Path, patched_function: str)
         pytest.skip("mpicxx is not Open MPI")
     plain = run_binary(binary)
     with_switch = run_binary(binary, MPICH_GPU_SUPPORT_ENABLED="1")
+    assert plain["aware"] == plain["library"] == with_switch["aware"]
+
+
+def mpich_compilers() -> list[list[str]]:
+    """Ways to compile against an installed MPICH: its C++ wrapper (Debian's mpicxx.mpich, or the mpicxx
+    next to mpichversion), as a command prefix."""
+    found = []
+    for wrapper in (shutil.which("mpicxx.mpich"), shutil.which("mpichversion")):
+        if wrapper is None:
+            continue
+        if wrapper.endswith("mpichversion"):
+            wrapper = str(Path(wrapper).parent / "mpicxx")
+        if Path(wrapper).exists():
+            show = subprocess.run([wrapper, "-show"], capture_output=True, text=True, timeout=30)
+            if show.returncode == 0 and "mpich" in show.stdout.lower():
+                found.append([wrapper])
+    return found
+
+
+def test_patched_check_with_real_mpich(tmp_path: Path, patched_function: str) -> None:
+    """With an MPICH installed, the MPICH branch is compiled against its mpi.h and asks the library."""
+    compilers = mpich_compilers()
+    if not compilers:
+        pytest.skip("no MPICH compiler wrapper here; the stand-in tests above cover the MPICH branches")
+    src = tmp_path / "check.cpp"
+    src.write_text(HARNESS % {"stub": "", "function": patched_function})
+    binary = tmp_path / "check"
+    cxx = [*compilers[0], "-std=c++17", "-Wall", "-Werror", "-DHARNESS_REAL_MPICH", str(src),
+           "-o", str(binary)]
+    proc = subprocess.run(cxx, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    plain = run_binary(binary)
+    with_switch = run_binary(binary, MPICH_GPU_SUPPORT_ENABLED="1")
+    # MPICH has the query, so its answer stands whatever MPICH_GPU_SUPPORT_ENABLED says.
     assert plain["aware"] == plain["library"] == with_switch["aware"]
