@@ -6,7 +6,7 @@ Launchers and the variables they set (the first that applies wins, in this order
 torchrun       ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (+ ``TORCHELASTIC_RUN_ID``)
 Open MPI       ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``
 Cray PALS      ``PALS_RANKID``, ``PALS_LOCAL_RANKID``, ``PMI_SIZE``, ``PMI_LOCAL_SIZE``
-MPICH Hydra    ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``/``PMI_LOCAL_RANK``, ``MPI_LOCALNRANKS``/``PMI_LOCAL_SIZE``
+MPICH Hydra    ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``/``PMI_LOCAL_RANK``, ``MPI_LOCALNRANKS``
 MVAPICH2       ``MV2_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``
 Slurm (srun)   ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_NODEID``
 mpi4py         no variables, MPI already initialised: ``COMM_WORLD`` and a shared-memory split
