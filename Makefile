@@ -39,7 +39,7 @@ test-mpi: $(PY) ## Run only the tests launched under mpiexec
 
 lint: $(PY) ## ruff over the Python sources; shellcheck over the shell scripts (when installed)
 	@$(VENV)/bin/ruff check src tests bench examples
-	@if command -v shellcheck >/dev/null; then shellcheck -x config_env.sh utils/*.sh .ci/run; \
+	@if command -v shellcheck >/dev/null; then shellcheck -x $$(ls *.sh utils/*.sh utils/*/*.sh 2>/dev/null) .ci/run; \
 	 else echo "shellcheck not installed; skipped"; fi
 
 doctor: $(PY) ## Check this environment for distributed training (torchhpc doctor)
