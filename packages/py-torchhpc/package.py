@@ -1,11 +1,15 @@
+# Spack recipes import their directives with `from spack.package import *` (Spack's convention).
+# ruff: noqa: F403, F405
 # torchhpc as a Spack package.  spack.yaml builds it from this checkout (its `develop:` entry), so the
 # recipe declares the version of pyproject.toml and no download source.
+import contextlib
+
 from spack.package import *
 
-try:  # Spack >= 1.0
+# Spack >= 1.0 keeps the build-system classes in the builtin repository; Spack <= 0.23 exports PythonPackage
+# from spack.package (imported above).
+with contextlib.suppress(ImportError):
     from spack_repo.builtin.build_systems.python import PythonPackage
-except ImportError:  # Spack <= 0.23 exports it from spack.package
-    pass
 
 
 class PyTorchhpc(PythonPackage):
