@@ -160,6 +160,7 @@ _torchhpc_config_env() {
     export CUDNN_ROOT=$SITE_CUDNN_ROOT CUDNN_LIB_DIR=$SITE_CUDNN_ROOT/lib CUDNN_INCLUDE_DIR=$SITE_CUDNN_ROOT/include
   fi
   export USE_CUDA=$cuda_ok USE_CUDNN=$cudnn_ok USE_NCCL=$cuda_ok USE_SYSTEM_NCCL=$cuda_ok
+  export FORCE_CUDA=$cuda_ok   # torchvision: build its CUDA ops even where no GPU is visible (login node)
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST_OVERRIDE:-$SITE_TORCH_CUDA_ARCH_LIST}
   export NCCL_ROOT=$NCCL_OFI_PREFIX NCCL_LIB_DIR=$NCCL_OFI_PREFIX/lib NCCL_INCLUDE_DIR=$NCCL_OFI_PREFIX/include
   export USE_MPI=1 USE_DISTRIBUTED=1 USE_GLOO=1 BUILD_TEST=0

@@ -46,6 +46,15 @@ print_vars TORCHHPC_SITE TORCHHPC_SITE_PROFILE TORCHHPC_SITE_MODULES PYTORCH_VER
   NCCL_INCLUDE_DIR TORCH_CUDA_ARCH_LIST CUDA_HOME BLAS MAX_JOBS CMAKE_PREFIX_PATH CC CXX MPICC LDFLAGS \
   TORCHHPC_ENV_PREFIX
 printf 'patch order: %s\n' "$(for p in "${patches[@]}"; do basename "$p"; done | paste -sd' ' -)"
+table_cuda=$("$TORCHHPC_ROOT/utils/pytorch_version.sh" "$version" cuda)
+table_cudnn=$("$TORCHHPC_ROOT/utils/pytorch_version.sh" "$version" cudnn)
+echo "version table: PyTorch $version was released for CUDA $table_cuda, cuDNN $table_cudnn"
+if [[ "$USE_CUDA" == 1 && -x "$CUDA_HOME/bin/nvcc" ]]; then
+  nvcc_version=$("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
+  if [[ "${nvcc_version%%.*}" != "${table_cuda%%.*}" ]]; then
+    echo "warning: CUDA here is $nvcc_version, PyTorch $version was released for CUDA $table_cuda" >&2
+  fi
+fi
 
 if [[ "$USE_SYSTEM_NCCL" == 1 && "$DRY_RUN" != 1 && ! -e "$NCCL_LIB_DIR/libnccl.so" ]]; then
   die "USE_SYSTEM_NCCL=1 but $NCCL_LIB_DIR/libnccl.so is missing: run 'make nccl-ofi' first"
