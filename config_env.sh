@@ -79,8 +79,11 @@ _torchhpc_create_env() {
       "$py" -m venv ${TORCHHPC_VENV_ARGS:-} "$prefix" || { _torchhpc_err "python -m venv $prefix failed"; return 1; }
     fi
   fi
-  bash "$TORCHHPC_ROOT/utils/write_activation_hook.sh" "$kind" "$prefix" \
-    || { _torchhpc_err "writing the activation hook into $prefix failed"; return 1; }
+  if [[ "${TORCHHPC_QUIET:-0}" == 1 ]]; then
+    bash "$TORCHHPC_ROOT/utils/write_activation_hook.sh" "$kind" "$prefix" >/dev/null
+  else
+    bash "$TORCHHPC_ROOT/utils/write_activation_hook.sh" "$kind" "$prefix" >&2
+  fi || { _torchhpc_err "writing the activation hook into $prefix failed"; return 1; }
 }
 
 _torchhpc_activate_env() {

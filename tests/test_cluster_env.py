@@ -97,6 +97,24 @@ def test_derecho_profile_sets_modules_build_variables_and_leaves_shell_options(t
     assert "ngpus=4" in out["TORCHHPC_PBS_SELECT_BUILD"]
 
 
+def test_sourcing_from_a_strict_script_works(tmp_path: Path) -> None:
+    """Job scripts run under `set -euo pipefail`; sourcing (twice, with a venv) must survive that."""
+    env = clean_env(tmp_path, SITE="generic", ENV_KIND="venv", TORCHHPC_QUIET="1",
+                    TORCHHPC_PREFIX=str(tmp_path / "build"), TORCHHPC_VENV_ARGS="--without-pip")
+    script = ("set -euo pipefail\nsource ./config_env.sh\nsource ./config_env.sh\n"
+              'echo "opts=$-"; echo "venv=$VIRTUAL_ENV"\n')
+    proc = bash(script, env)
+    out = parse_vars(proc.stdout)
+    assert "e" in out["opts"] and "u" in out["opts"], "the caller's own options must stay as they were"
+    assert out["venv"] == str(tmp_path / f"build/envs/torch-{latest_version()}-generic")
+    assert proc.stderr == ""
+
+
+def latest_version() -> str:
+    return subprocess.run(["utils/pytorch_version.sh", "--latest"], cwd=ROOT, capture_output=True, text=True,
+                          check=True, timeout=30).stdout.strip()
+
+
 def test_pbs_variables_override_site_defaults(tmp_path: Path) -> None:
     env = clean_env(tmp_path, SITE="derecho", TORCHHPC_NO_ENV="1", TORCHHPC_NO_MODULES="1",
                     PBS_QUEUE="develop", PBS_ACCOUNT="NTDD0001", PBS_SELECT_BUILD="1:ncpus=128")
