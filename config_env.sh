@@ -169,7 +169,10 @@ _torchhpc_config_env() {
   export USE_MPI=1 USE_DISTRIBUTED=1 USE_GLOO=1 BUILD_TEST=0
   export MAX_JOBS=${MAX_JOBS:-$SITE_MAX_JOBS}
   export BLAS=$SITE_BLAS
-  export CMAKE_PREFIX_PATH=$TORCHHPC_ENV_PREFIX
+  case ":${CMAKE_PREFIX_PATH:-}:" in
+    *":$TORCHHPC_ENV_PREFIX:"*) ;;
+    *) export CMAKE_PREFIX_PATH="$TORCHHPC_ENV_PREFIX${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH}" ;;
+  esac
   export PYTORCH_BUILD_VERSION="$version+torchhpc.$site" PYTORCH_BUILD_NUMBER=1
   export BUILD_VERSION="$TORCHVISION_VERSION+torchhpc.$site"   # read by torchvision's setup.py
 
