@@ -6,7 +6,9 @@
 """
 
 from . import mgrit
+from .layer_parallel import LayerParallel
+from .layers import ODEBlock
 from .mgrit import MGRITResult, solve
 from .options import MGRITOptions
 
-__all__ = ["mgrit", "solve", "MGRITResult", "MGRITOptions"]
+__all__ = ["mgrit", "solve", "MGRITResult", "MGRITOptions", "LayerParallel", "ODEBlock"]
