@@ -110,3 +110,147 @@ def test_one_level_is_sequential_and_exact(comm: MPI.Comm) -> None:
         assert float(u) == pytest.approx((1 / (1 + 5 / 16)) ** j, rel=1e-14)
     # the critical path of a sequential solve is every step
     assert res.critical_path == len(prob.t) - 1
+
+
+# ---------------------------------------------------------------------------- LayerParallel
+from torch import nn  # noqa: E402
+
+from torchhpc.braid import LayerParallel  # noqa: E402
+
+
+class _Step(nn.Module):
+    """A residual branch tanh(W x + b) on 4 features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class _StepDt(nn.Module):
+    """A step that applies dt itself (forward takes dt), with BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4, dtype=torch.float64)
+        self.bn = nn.BatchNorm1d(4, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, dt: float) -> torch.Tensor:
+        return x + dt * torch.relu(self.bn(self.lin(x)))
+
+
+def _open() -> nn.Module:
+    return nn.Linear(3, 4, dtype=torch.float64)
+
+
+def _close() -> nn.Module:
+    return nn.Linear(4, 2, dtype=torch.float64)
+
+
+def _run_and_compare(comm: MPI.Comm, lp: LayerParallel, x: torch.Tensor):
+    """Forward+backward layer-parallel and serially; relative errors of output, input and parameter grads."""
+    seq = lp.build_sequential_on_root()  # weights before the step (BatchNorm stats too)
+    xp = x.clone().requires_grad_(True)
+    y = lp(xp)
+    (y.square().sum() + y.sum()).backward()
+    mine = {(lp.layer_start + i, n): p.grad.clone() for i, m in enumerate(lp.layers)
+            for n, p in m.named_parameters()}
+    stats = {(lp.layer_start + i, n): b.clone() for i, m in enumerate(lp.layers)
+             for n, b in m.named_buffers()}
+    grads = comm.gather(mine, root=0)
+    bufs = comm.gather(stats, root=0)
+    errs = None
+    if comm.Get_rank() == 0:
+        xs = x.clone().requires_grad_(True)
+        ys = seq(xs)
+        (ys.square().sum() + ys.sum()).backward()
+        merged = {k: v for part in grads for k, v in part.items()}
+        merged_bufs = {k: v for part in bufs for k, v in part.items()}
+        worst, worst_buf, count = 0.0, 0.0, 0
+        for k, blk in enumerate(seq):
+            mod = blk.layer if hasattr(blk, "layer") else blk
+            # per layer: a bias in front of BatchNorm has a gradient that is zero up to round-off
+            diff = torch.cat([(merged[(k, n)] - p.grad).reshape(-1) for n, p in mod.named_parameters()])
+            ref = torch.cat([p.grad.reshape(-1) for _, p in mod.named_parameters()])
+            worst = max(worst, float(diff.norm() / ref.norm()))
+            count += len(list(mod.named_parameters()))
+            for n, b in mod.named_buffers():
+                worst_buf = max(worst_buf, float((merged_bufs[(k, n)] - b).double().norm()
+                                                 / max(b.double().norm(), 1e-300)))
+        assert count == len(merged), "every parameter of the serial net has a parallel gradient"
+        errs = (float((y - ys).norm() / ys.norm()), float((xp.grad - xs.grad).norm() / xs.grad.norm()), worst,
+                worst_buf)
+    errs = comm.bcast(errs, root=0)
+    return y, errs
+
+
+@pytest.mark.parametrize("steps", [9, 13])  # 11 and 15 layers: uneven over 2 and 4 ranks
+def test_layer_parallel_one_level_is_exact(comm: MPI.Comm, steps: int) -> None:
+    lp = LayerParallel(comm, [_open, _Step, _close], [1, steps, 1], Tf=2.0, max_fwd_levels=1,
+                       max_bwd_levels=1)
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    _, errs = _run_and_compare(comm, lp, x)
+    assert max(errs) <= 1e-12, errs
+    assert lp.getFwdStats()[0] == 1 and lp.getBwdStats()[0] == 1
+
+
+def test_layer_parallel_many_levels_enough_iterations_is_exact(comm: MPI.Comm) -> None:
+    lp = LayerParallel(comm, [_open, _Step, _close], [1, 14, 1], Tf=2.0, max_fwd_levels=3, max_bwd_levels=3,
+                       max_iters=30)
+    lp.setAbsTol(0.0)  # iterate until the residual is exactly zero or max_iters
+    lp.setMaxIters(12)
+    torch.manual_seed(1)
+    _, errs = _run_and_compare(comm, lp, torch.randn(5, 3, dtype=torch.float64))
+    assert max(errs) <= 1e-12, errs
+
+
+def test_layer_parallel_mgrit_converges_monotonically(comm: MPI.Comm) -> None:
+    lp = LayerParallel(comm, [_Step], [32], Tf=4.0, max_fwd_levels=3, max_bwd_levels=3, max_iters=20)
+    lp.setCFactor(2)
+    lp.setNumRelax("F")
+    lp.setAbsTol(1e-9)
+    torch.manual_seed(2)
+    y, errs = _run_and_compare(comm, lp, torch.randn(8, 4, dtype=torch.float64) * 2)
+    assert max(errs[:3]) <= 1e-6, errs
+    for its, res in (lp.getFwdStats(), lp.getBwdStats()):
+        assert 2 < its < 20 and res[-1] < 1e-9, res
+        assert all(b < a for a, b in zip(res, res[1:], strict=False)), res
+    assert lp.last_fwd.levels == 3 and lp.last_bwd.levels == 3
+
+
+def test_layer_parallel_batchnorm_and_dt_layers(comm: MPI.Comm) -> None:
+    lp = LayerParallel(comm, [_open, _StepDt, _close], [1, 9, 1], Tf=1.0, max_fwd_levels=2, max_bwd_levels=2,
+                       max_iters=10)
+    lp.setAbsTol(1e-13)
+    torch.manual_seed(3)
+    _, errs = _run_and_compare(comm, lp, torch.randn(7, 3, dtype=torch.float64))
+    # running statistics are updated exactly once per forward pass, as in the serial network
+    assert max(errs) <= 1e-10, errs
+
+
+def test_layer_parallel_rejects_dropout_in_training(comm: MPI.Comm) -> None:
+    def drop() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Dropout(0.5))
+
+    lp = LayerParallel(comm, [drop], [4 * comm.Get_size()], Tf=1.0)
+    with pytest.raises(ValueError, match="Dropout"):
+        lp(torch.zeros(2, 4, dtype=torch.float64))
+    lp.eval()  # in eval mode dropout is the identity and allowed
+    assert lp(torch.ones(2, 4, dtype=torch.float64)).shape == (2, 4)
+
+
+def test_layer_parallel_bad_arguments(comm: MPI.Comm) -> None:
+    size = comm.Get_size()
+    if size > 1:
+        with pytest.raises(ValueError, match="more ranks"):
+            LayerParallel(comm, [_Step], [size - 1], Tf=1.0)
+    with pytest.raises(ValueError, match="Tf must be positive"):
+        LayerParallel(comm, [_Step], [8], Tf=-1.0)
+    lp = LayerParallel(comm, [_Step], [8], Tf=1.0, max_fwd_levels=2)
+    with pytest.raises(ValueError, match="coarsening factor"):
+        lp.setCFactor(1)
+    with pytest.raises(ValueError, match="one step count per layer block"):
+        LayerParallel(comm, [_Step, _Step], [8], Tf=1.0)

@@ -27,12 +27,12 @@ from .grid import Hierarchy, even_split
 from .layers import (
     LayerSpec,
     ODEBlock,
+    bn_training,
     build_layer,
     call_layer,
     check_layer_modes,
     ode_step,
     takes_dt,
-    update_running_stats,
 )
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions, relax_sweeps
@@ -145,14 +145,15 @@ class LayerParallel(nn.Module):
             k = end
         return out
 
-    def _prop(self, x: torch.Tensor, i0: int, i1: int, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _prop(self, x: torch.Tensor, i0: int, i1: int, args: tuple, kwargs: dict,
+              pure: bool = True) -> torch.Tensor:
         """Propagate from point i0 to i1: exact on the fine grid, re-discretised on coarse grids."""
         for k, nsteps in self._pieces(i0, i1):
             layer = self._layer(k)
             if self._ode[k]:
-                x = ode_step(layer, x, nsteps * self.dt, args, kwargs, takes_dt(layer))
+                x = ode_step(layer, x, nsteps * self.dt, args, kwargs, takes_dt(layer), pure)
             else:
-                x = call_layer(layer, x, args, kwargs)
+                x = call_layer(layer, x, args, kwargs, pure)
         return x
 
     def _hierarchies(self) -> tuple[Hierarchy, Hierarchy]:
@@ -245,8 +246,11 @@ class LayerParallel(nn.Module):
         states = dict(zip(res.index, res.u, strict=True))
         if res.ghost is not None:
             states[res.index[0] - 1] = res.ghost
-        for i, layer in enumerate(self.layers):
-            update_running_stats(layer, states[self.layer_start + i], args, kwargs)
+        with torch.no_grad():  # BatchNorm running statistics: one update per layer from the converged input
+            for i, layer in enumerate(self.layers):
+                if bn_training(layer):
+                    k = self.layer_start + i
+                    self._prop(states[k], k, k + 1, args, kwargs, pure=False)
         y = _bcast_tensor(self.comm, states.get(self.nlayers), self.size - 1, device)
         self.last_fwd = res
         self._fwd_stats = (res.iterations, list(res.residuals))

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["ODEBlock", "LayerSpec", "takes_dt", "check_layer_modes", "call_layer"]
+__all__ = ["ODEBlock", "LayerSpec", "takes_dt", "check_layer_modes", "call_layer", "bn_training", "ode_step"]
 
 LayerSpec = Callable[[], nn.Module] | nn.Module
 
@@ -52,25 +52,24 @@ def check_layer_modes(layer: nn.Module, index: int) -> None:
                 "iteration has no fixed point. Put dropout outside LayerParallel or call .eval() on it.")
 
 
-def call_layer(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+def call_layer(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict,
+               pure: bool = True) -> torch.Tensor:
     """Evaluate ``layer`` without side effects on BatchNorm running statistics.
 
     MGRIT evaluates a layer many times per pass; in training mode BatchNorm uses the batch
     statistics of each evaluation (so the step is still a function of its input) but updates
     clones of its running buffers.  The real buffers are updated once, from the converged input,
-    by :func:`update_running_stats`.
+    by one call with ``pure=False`` (see :func:`bn_training`).
     """
-    if not _bn_training(layer):
+    if not pure or not _bn_training(layer):
         return layer(x, *args, **kwargs)
     buffers = {name: b.clone() for name, b in layer.named_buffers()}
     return torch.func.functional_call(layer, buffers, (x, *args), kwargs, strict=False)
 
 
-def update_running_stats(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> None:
-    """One real evaluation of a BatchNorm-carrying layer in training mode, as the serial network does."""
-    if _bn_training(layer):
-        with torch.no_grad():
-            layer(x, *args, **kwargs)
+def bn_training(layer: nn.Module) -> bool:
+    """Whether evaluating ``layer`` would update BatchNorm running statistics."""
+    return _bn_training(layer)
 
 
 class ODEBlock(nn.Module):
@@ -83,12 +82,12 @@ class ODEBlock(nn.Module):
         self._takes_dt = takes_dt(layer)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return ode_step(self.layer, x, self.dt, args, kwargs, self._takes_dt)
+        return ode_step(self.layer, x, self.dt, args, kwargs, self._takes_dt, pure=False)
 
 
 def ode_step(layer: nn.Module, x: torch.Tensor, dt: float, args: tuple, kwargs: dict,
-             with_dt: bool) -> torch.Tensor:
+             with_dt: bool, pure: bool = True) -> torch.Tensor:
     """The ODE-block update of ``x`` over a step ``dt``."""
     if with_dt:
-        return call_layer(layer, x, args, {**kwargs, "dt": dt})
-    return x + dt * call_layer(layer, x, args, kwargs)
+        return call_layer(layer, x, args, {**kwargs, "dt": dt}, pure)
+    return x + dt * call_layer(layer, x, args, kwargs, pure)
