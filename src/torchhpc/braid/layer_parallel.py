@@ -201,25 +201,23 @@ class LayerParallel(nn.Module):
         ch.flush()
         self._timers["weights"] += time.perf_counter() - t0
 
-    def _point_shapes(self, shape: torch.Size, dtype: torch.dtype) -> list[torch.Size]:
-        """State shape at every point (for zero initial guesses), found on meta tensors."""
+    def _point_shapes(self, shape: torch.Size, dtype: torch.dtype, device: torch.device) -> list[torch.Size]:
+        """State shape at every point, for zero initial guesses.
+
+        ODE steps keep the shape; each ordinary layer is run once on zeros (a fresh copy in eval
+        mode, no grad) to learn its output shape.  Cached per input shape.
+        """
         key = (tuple(shape), dtype)
         if key not in self._shapes:
-            if all(self._ode):
-                self._shapes[key] = [shape] * (self.nlayers + 1)
-            else:
-                x = torch.empty(shape, dtype=dtype, device="meta")
-                shapes = [x.shape]
-                for k in range(self.nlayers):
-                    spec = self._specs[self._block_of[k]]
-                    with torch.device("meta"):
-                        layer = spec() if not isinstance(spec, nn.Module) else None
-                    if layer is None:
-                        layer = build_layer(spec, 0).to("meta")
+            shapes, x = [torch.Size(shape)], None
+            for k in range(self.nlayers):
+                if not self._ode[k]:
+                    if x is None or x.shape != shapes[-1]:
+                        x = torch.zeros(shapes[-1], dtype=dtype, device=device)
                     with torch.no_grad():
-                        x = ode_step(layer, x, self.dt, (), {}, takes_dt(layer)) if self._ode[k] else layer(x)
-                    shapes.append(x.shape)
-                self._shapes[key] = shapes
+                        x = self._build(k).to(device).eval()(x)
+                shapes.append(shapes[-1] if self._ode[k] else x.shape)
+            self._shapes[key] = shapes
         return self._shapes[key]
 
     # ------------------------------------------------------------------ passes
@@ -234,7 +232,7 @@ class LayerParallel(nn.Module):
         device = x.device
         shape, dtype = self.comm.bcast((x.shape, x.dtype) if self.rank == 0 else None, root=0)
         self._exchange_layers(device)
-        shapes = self._point_shapes(shape, dtype)
+        shapes = self._point_shapes(shape, dtype, device)
         u0 = x.detach() if self.rank == 0 else torch.zeros(shape, dtype=dtype, device=device)
         c = self.layer_counts
         def zeros(j: int) -> torch.Tensor:
@@ -271,7 +269,7 @@ class LayerParallel(nn.Module):
                        x_meta: tuple):
         t0 = time.perf_counter()
         n, c, device = self.nlayers, self.layer_counts, gy.device
-        shapes = self._point_shapes(*x_meta)
+        shapes = self._point_shapes(*x_meta, device)
         w0 = gy.detach() if self.rank == self.size - 1 else torch.zeros_like(gy)
         def psi(w: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
             return self._vjp(states[n - j1], w, n - j1, n - j0, args, kwargs)
