@@ -254,3 +254,39 @@ def test_layer_parallel_bad_arguments(comm: MPI.Comm) -> None:
         lp.setCFactor(1)
     with pytest.raises(ValueError, match="one step count per layer block"):
         LayerParallel(comm, [_Step, _Step], [8], Tf=1.0)
+
+
+# ---------------------------------------------------------------------------- GRUs
+from torchhpc.braid import GRUParallel, GRUSerial  # noqa: E402
+
+
+@pytest.mark.parametrize(("levels", "iters", "bound"), [(1, 1, 1e-12), (3, 30, 1e-12), (3, 4, 1e-6)])
+def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bound: float) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    lengths = [5 + (r % 2) for r in range(size)]  # uneven chunks
+    total = sum(lengths)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, total, 2, dtype=torch.float64, generator=gen)
+    h0 = torch.randn(3, 4, dtype=torch.float64, generator=gen) * 0.5
+    par = GRUParallel(comm, 2, 4, max_levels=levels, cfactor=2, max_iters=iters,
+                      tol=0.0 if bound < 1e-9 else 1e-10, seed=3, dtype=torch.float64)
+    ser = GRUSerial(2, 4, seed=3, dtype=torch.float64)
+    lo = sum(lengths[:rank])
+    xl = x[:, lo:lo + lengths[rank]].clone().requires_grad_(True)
+    h0p = h0.clone().requires_grad_(True)
+    y, last = par(xl, h0p)
+    ((y * y).sum() + last.sum()).backward()
+    xs, h0s = x.clone().requires_grad_(True), h0.clone().requires_grad_(True)
+    ys, lasts = ser(xs, h0s)
+    # the parallel loss: local terms summed over ranks; the replicated final state counts once
+    ((ys * ys).sum() + lasts.sum()).backward()
+    ys_loc = ys[:, lo:lo + lengths[rank]]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    errs = [rel(y.detach(), ys_loc.detach()), rel(last.detach(), lasts.detach()),
+            rel(xl.grad, xs.grad[:, lo:lo + lengths[rank]]), rel(h0p.grad, h0s.grad)]
+    errs += [rel(p.grad, q.grad) for p, q in zip(par.parameters(), ser.parameters(), strict=True)]
+    assert max(errs) <= bound, errs
+    assert comm.allreduce(max(errs), op=MPI.MAX) <= bound

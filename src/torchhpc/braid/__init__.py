@@ -6,9 +6,11 @@
 """
 
 from . import mgrit
+from .gru import GRUParallel, GRUSerial
 from .layer_parallel import LayerParallel
 from .layers import ODEBlock
 from .mgrit import MGRITResult, solve
 from .options import MGRITOptions
 
-__all__ = ["mgrit", "solve", "MGRITResult", "MGRITOptions", "LayerParallel", "ODEBlock"]
+__all__ = ["mgrit", "solve", "MGRITResult", "MGRITOptions", "LayerParallel", "ODEBlock", "GRUParallel",
+           "GRUSerial"]
