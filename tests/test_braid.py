@@ -141,3 +141,14 @@ def test_layer_parallel_settings_and_serial_twin() -> None:
     its, res = lp.getFwdStats()
     assert its >= 1 and len(res) == its and lp.getBwdStats()[0] >= 1
     assert lp.getTimers()["forward"] > 0 and "backward=" in lp.getTimersString()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_layer_parallel_on_cuda_matches_cpu() -> None:
+    lp = LayerParallel(MPI.COMM_SELF, [lambda: nn.Linear(3, 3, dtype=torch.float64)], [6], Tf=1.0,
+                       max_fwd_levels=2, max_bwd_levels=2, max_iters=10)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y_cpu = lp(x)
+    lp.to("cuda")
+    y_gpu = lp(x.cuda())
+    assert y_gpu.is_cuda and torch.allclose(y_gpu.cpu(), y_cpu, atol=1e-12)
