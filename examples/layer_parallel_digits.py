@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--levels", type=int, default=3, help="MGRIT levels (1 = exact, pipelined)")
     ap.add_argument("--cfactor", type=int, default=4)
     ap.add_argument("--iters", type=int, default=2, help="MGRIT iterations per forward and backward")
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--Tf", type=float, default=1.0)

@@ -102,6 +102,14 @@ def test_solution_independent_of_rank_count(comm: MPI.Comm) -> None:
         assert float((u - exact[j]).abs().max()) <= 1e-9
 
 
+def test_solve_rejects_more_ranks_than_points(comm: MPI.Comm) -> None:
+    if comm.Get_size() < 3:
+        pytest.skip("needs more ranks than the smallest time grid (2 points)")
+    _, step, u0 = dahlquist()
+    with pytest.raises(ValueError, match="more ranks"):
+        solve(step, u0, [0.0, 1.0], comm)
+
+
 def test_one_level_is_sequential_and_exact(comm: MPI.Comm) -> None:
     prob, step, u0 = dahlquist(nt=17)
     res = solve(step, u0, prob.t, comm, max_levels=1)
@@ -263,7 +271,9 @@ from torchhpc.braid import GRUParallel, GRUSerial  # noqa: E402
 @pytest.mark.parametrize(("levels", "iters", "bound"), [(1, 1, 1e-12), (3, 30, 1e-12), (3, 15, 1e-6)])
 def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bound: float) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    lengths = [5 + (r % 2) for r in range(size)]  # uneven chunks
+    lengths = [24 // size] * size  # 24 steps at every rank count, in uneven chunks
+    if size > 1:
+        lengths[0], lengths[-1] = lengths[0] + 1, lengths[-1] - 1
     total = sum(lengths)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(3, total, 2, dtype=torch.float64, generator=gen)
