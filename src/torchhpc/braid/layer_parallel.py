@@ -110,6 +110,8 @@ class LayerParallel(nn.Module):
         self.layers = nn.ModuleList([self._build(k) for k in owned])
         self._takes_dt = [takes_dt(m) for m in self.layers]
         self._cache: dict[int, nn.Module] = {}
+        self._plan: tuple[list[tuple[int, int]], list[int]] = ([], [])
+        self._plan_key: tuple | None = None
         self._shapes: dict[tuple, list[torch.Size]] = {}
         self.fwd_opts = MGRITOptions.build(max_levels=max_fwd_levels, max_iter=max_iters, tol=1e-9,
                                            nested_iteration=False)
@@ -175,22 +177,29 @@ class LayerParallel(nn.Module):
 
     def _exchange_layers(self, device: torch.device) -> None:
         """Send owned weights to the ranks whose coarse steps use them; receive the ones this rank uses."""
-        fwd, bwd = self._hierarchies()
-        if fwd.nlevels == 1 and bwd.nlevels == 1:
+        key = tuple((o.max_levels, tuple(o.cfactor), o.min_coarse) for o in (self.fwd_opts, self.bwd_opts))
+        if self._plan_key != key:  # which owned layers go to whom, and which this rank receives
+            fwd, bwd = self._hierarchies()
+            sends: list[tuple[int, int]] = []
+            recvs: list[int] = []
+            if fwd.nlevels > 1 or bwd.nlevels > 1:
+                for r in range(self.size):
+                    need = sorted(self._needed_layers(r, fwd, bwd))
+                    if r == self.rank:
+                        recvs = [k for k in need if not self._owns(k)]
+                    else:
+                        sends += [(r, k) for k in need if self._owns(k)]
+            self._plan, self._plan_key = (sends, recvs), key
+        sends, recvs = self._plan
+        if not sends and not recvs:
             return
         t0 = time.perf_counter()
         ch = Channel(self.comm, self.timeout)
         owner = [r for r, c in enumerate(self.layer_counts) for _ in range(c)]
-        for r in range(self.size):
-            if r == self.rank:
-                continue
-            for k in sorted(self._needed_layers(r, fwd, bwd)):
-                if self._owns(k):
-                    for t in self._layer(k).state_dict().values():
-                        ch.send(t, r, _LAYER_TAG)
-        for k in sorted(self._needed_layers(self.rank, fwd, bwd)):
-            if self._owns(k):
-                continue
+        for r, k in sends:
+            for t in self._layer(k).state_dict().values():
+                ch.send(t, r, _LAYER_TAG)
+        for k in recvs:
             if k not in self._cache:
                 self._cache[k] = self._build(k).to(device)
             layer = self._cache[k]
