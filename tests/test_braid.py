@@ -152,3 +152,23 @@ def test_layer_parallel_on_cuda_matches_cpu() -> None:
     lp.to("cuda")
     y_gpu = lp(x.cuda())
     assert y_gpu.is_cuda and torch.allclose(y_gpu.cpu(), y_cpu, atol=1e-12)
+
+
+def test_channel_round_trips_dtypes_and_times_out() -> None:
+    from torchhpc.braid.transport import Channel
+
+    ch = Channel(MPI.COMM_SELF.Dup(), timeout=0.3)
+    tensors = [torch.randn(3, 4, dtype=torch.float64), torch.randn(2, dtype=torch.bfloat16),
+               torch.tensor(True), torch.arange(6, dtype=torch.int32).reshape(2, 3)[:, 1:]]
+    ch.tick(5)
+    for t in tensors:
+        ch.send(t, 0, tag=7)
+    ch.clock = 0
+    for t in tensors:
+        got = ch.recv(0, tag=7)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+    ch.flush()
+    assert ch.clock == 5  # a receive advances the logical clock to the sender's
+    with pytest.raises(TimeoutError, match="receive from rank 0"):
+        ch.recv(0, tag=8)
+    ch.comm.Free()

@@ -28,15 +28,23 @@ _HDR = 12  # clock, dtype code, ndim, up to 9 dims
 
 
 def cuda_aware_mpi() -> bool:
-    """Whether MPI can read and write CUDA device buffers directly."""
+    """Whether MPI can read and write CUDA device buffers directly.
+
+    ``TORCHHPC_CUDA_AWARE_MPI=0/1`` decides; otherwise Cray MPICH's ``MPICH_GPU_SUPPORT_ENABLED=1``
+    or Open MPI's ``MPIX_Query_cuda_support()`` (looked up in the loaded MPI library) say yes.
+    """
     env = os.environ.get("TORCHHPC_CUDA_AWARE_MPI")
     if env is not None:
         return env not in ("0", "", "false", "no")
+    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1":
+        return True
     try:
-        from mpi4py import MPI as _mpi
+        import ctypes
 
-        return bool(getattr(_mpi, "Query_cuda_support", lambda: False)())
-    except Exception:  # noqa: BLE001 - any failure means "not known to be CUDA-aware"
+        query = ctypes.CDLL(None).MPIX_Query_cuda_support  # present in CUDA-capable Open MPI builds
+        query.restype = ctypes.c_int
+        return bool(query())
+    except (AttributeError, OSError):
         return False
 
 
@@ -52,6 +60,9 @@ def wait_all(requests: list[MPI.Request], timeout: float, what: str) -> None:
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
         if time.monotonic() > deadline:
+            for req in requests:  # best effort: do not leave a receive posted into a buffer we drop
+                if req != MPI.REQUEST_NULL:
+                    req.Cancel()
             raise TimeoutError(f"rank {MPI.COMM_WORLD.Get_rank()}: {what} not complete after {timeout:.0f} s "
                                "(a peer rank died or diverged?)")
 
