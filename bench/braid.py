@@ -164,17 +164,18 @@ def predict(rows: list[dict], out_png: Path) -> list[tuple]:
     ranks = [16, 32, 64, 128, 256, 512, 1024]
     table = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for n in (1024, 4096, 16384):
+    for n, lv in ((1024, levels), (4096, levels), (16384, levels), (16384, 30)):
         ps = [p for p in ranks if p <= n]
         speed = []
         for p in ps:
-            sf, mf = model_critical_path(n + 1, p, levels, m, 1, its_f)
-            sb, mb = model_critical_path(n + 1, p, levels, m, 1, its_b)
+            sf, mf = model_critical_path(n + 1, p, lv, m, 1, its_f)
+            sb, mb = model_critical_path(n + 1, p, lv, m, 1, its_b)
             t_par = sf * c_f + sb * c_b + math.ceil(n / p) * c_b + (mf + mb) * alpha
             s = n * (c_f + c_b) / t_par
             speed.append(s)
-            table.append((n, p, s))
-        ax.plot(ps, speed, marker="o", label=f"N = {n} layers")
+            table.append((f"{n}" if lv == levels else f"{n}, all levels", p, s))
+        ax.plot(ps, speed, marker="o", linestyle="-" if lv == levels else "--",
+                label=f"N = {n} layers" + ("" if lv == levels else ", levels down to 2 points"))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
     ax.set_xlabel("ranks")
@@ -250,7 +251,7 @@ def main() -> None:
     table = predict(rows, args.png)
     print(f"\nMODEL (not a measurement) of speedup over serial, written to {args.png}:")
     print("| layers | " + " | ".join(str(p) for p in sorted({p for _, p, _ in table})) + " ranks |")
-    by_n: dict[int, dict[int, float]] = {}
+    by_n: dict[str, dict[int, float]] = {}
     for n, p, s in table:
         by_n.setdefault(n, {})[p] = s
     ps = sorted({p for _, p, _ in table})
