@@ -249,7 +249,10 @@ def main() -> None:
               f"{r['crit'] / r['serial_steps']:.2f} | "
               f"{r['t_par'] * 1e3:.1f} ms / {r['t_ser'] * 1e3:.1f} ms = {r['t_par'] / r['t_ser']:.2f} |")
     table = predict(rows, args.png)
-    print(f"\nMODEL (not a measurement) of speedup over serial, written to {args.png}:")
+    ref = max((r for r in rows if r["ranks"] > 1), key=lambda r: r["steps"], default=rows[-1])
+    print(f"\nmeasured costs ({ref['steps']} steps, {ref['ranks']} ranks): step {ref['c_f'] * 1e3:.2f} ms, "
+          f"adjoint step {ref['c_b'] * 1e3:.2f} ms, message {ref['alpha'] * 1e6:.0f} us")
+    print(f"MODEL (not a measurement) of speedup over serial, written to {args.png}:")
     print("| layers | " + " | ".join(str(p) for p in sorted({p for _, p, _ in table})) + " ranks |")
     by_n: dict[str, dict[int, float]] = {}
     for n, p, s in table:

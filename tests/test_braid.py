@@ -172,3 +172,10 @@ def test_channel_round_trips_dtypes_and_times_out() -> None:
     with pytest.raises(TimeoutError, match="receive from rank 0"):
         ch.recv(0, tag=8)
     ch.comm.Free()
+
+
+def test_custom_partition_is_accepted_and_checked() -> None:
+    res = solve(_dahlquist(), U0, T, MPI.COMM_SELF, max_levels=3, partition=[len(T)], tol=1e-10)
+    assert res.converged and res.index == list(range(len(T)))
+    with pytest.raises(ValueError, match="does not split"):
+        solve(_dahlquist(), U0, T, MPI.COMM_SELF, partition=[len(T) - 1])

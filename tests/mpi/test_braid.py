@@ -92,6 +92,14 @@ def test_solution_independent_of_rank_count(comm: MPI.Comm) -> None:
     for j, u in zip(par.index, par.u, strict=True):
         assert float((u - ser.u[j]).abs().max()) <= 1e-13 * float(ser.u[j].abs().max()) + 1e-15
     assert comm.allreduce(len(par.index)) == len(prob.t)
+    if comm.Get_size() > 1:  # a skewed partition: rank 0 holds only the initial point
+        from torchhpc.braid.grid import even_split
+
+        counts = [1, *even_split(len(prob.t) - 1, comm.Get_size() - 1)]
+        skew = solve(step, u0, prob.t, comm, partition=counts, **opts)
+        assert skew.residuals == pytest.approx(ser.residuals, rel=1e-10)
+        for j, u in zip(skew.index, skew.u, strict=True):
+            assert float((u - ser.u[j]).abs().max()) <= 1e-13 * float(ser.u[j].abs().max()) + 1e-15
     # the serial answer (time stepping) is reached
     x = u0
     exact = [x]

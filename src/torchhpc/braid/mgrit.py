@@ -96,8 +96,8 @@ class MGRIT:
         first = lev0.lo - 1 if lev0.has_ghost else lev0.lo
         for j in range(first, lev0.hi):
             self.u[0][j] = u0 if j == 0 else make(j)
-        if self.rank == 0:
-            for lvl in range(1, self.L):
+        for lvl in range(1, self.L):  # the initial condition is point 0 on every level
+            if not self.lv[lvl].empty and self.lv[lvl].lo == 0:
                 self.u[lvl][0] = u0
 
     # ------------------------------------------------------------------ helpers
