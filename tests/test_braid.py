@@ -179,3 +179,30 @@ def test_custom_partition_is_accepted_and_checked() -> None:
     assert res.converged and res.index == list(range(len(T)))
     with pytest.raises(ValueError, match="does not split"):
         solve(_dahlquist(), U0, T, MPI.COMM_SELF, partition=[len(T) - 1])
+
+
+class _Scaled(nn.Module):
+    """A step whose forward takes an extra argument and keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return scale * torch.tanh(self.lin(x) + shift)
+
+
+def test_extra_args_reach_every_layer_and_print_level(capsys) -> None:
+    lp = LayerParallel(MPI.COMM_SELF, [_Scaled], [8], Tf=1.0, max_fwd_levels=3, max_bwd_levels=3,
+                       max_iters=20)
+    lp.setAbsTol(1e-13)
+    lp.setPrintLevel(1)
+    shift = torch.full((3,), 0.3, dtype=torch.float64)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    y = lp(x, shift, scale=2.0)
+    assert "MGRIT iter" in capsys.readouterr().out
+    ref = x
+    for layer in lp.build_sequential_on_root():
+        ref = layer(ref, shift, scale=2.0)
+    assert torch.allclose(y, ref, atol=1e-12)
+    assert not torch.allclose(lp(x, shift, scale=1.0), y)
