@@ -11,16 +11,28 @@ import pytest
 
 from torchhpc import doctor
 
-
-def run_doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "PALS_"))}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "torchhpc", "doctor", *args], capture_output=True, text=True,
-                          env=full_env, timeout=120, check=False)
+LAUNCH_PREFIXES = ("OMPI_", "PMI_", "SLURM_", "PALS_", "MV2_")
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 
 
-def test_report_lines_and_exit_status() -> None:
-    res = run_doctor()
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No launcher variables: the doctor sees a plain single process."""
+    for key in list(os.environ):
+        if key.startswith(LAUNCH_PREFIXES) or key in LAUNCH_VARS:
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+def report(capsys, *args: str) -> tuple[int, str]:
+    status = doctor.main(list(args))
+    return status, capsys.readouterr().out
+
+
+def test_console_command_reports_every_check() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCH_PREFIXES) and k not in LAUNCH_VARS}
+    res = subprocess.run([sys.executable, "-m", "torchhpc", "doctor"], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "torchhpc doctor"
@@ -32,29 +44,34 @@ def test_report_lines_and_exit_status() -> None:
     assert lines[-1].endswith("FAIL")
 
 
-def test_json_matches_and_strict_fails_on_warnings() -> None:
-    res = run_doctor("--json")
-    checks = json.loads(res.stdout)
+def test_json_matches_and_strict_fails_on_warnings(clean_env, capsys) -> None:
+    status, out = report(capsys, "--json")
+    checks = json.loads(out)
+    assert status == (1 if any(c["status"] == "FAIL" for c in checks) else 0)
     assert {c["status"] for c in checks} <= {"OK", "WARN", "FAIL"}
     assert all(c["hint"] for c in checks if c["status"] != "OK"), "every WARN/FAIL says what to do"
     by_name = {c["name"]: c for c in checks}
     assert by_name["mpi"]["status"] == "OK" and "MPI" in by_name["mpi"]["value"]
-    strict = run_doctor("--strict")
+    strict, _ = report(capsys, "--strict")
     has_warn = any(c["status"] == "WARN" for c in checks)
-    assert strict.returncode == (1 if has_warn else 0)
+    assert strict == (1 if has_warn else 0)
 
 
-def test_contradictory_launch_is_a_failure() -> None:
-    res = run_doctor("--json", env={"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-    assert res.returncode == 1
-    launcher = next(c for c in json.loads(res.stdout) if c["name"] == "launcher")
+def test_contradictory_launch_is_a_failure(clean_env, capsys) -> None:
+    for key, value in {"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}.items():
+        clean_env.setenv(key, value)
+    status, out = report(capsys, "--json")
+    assert status == 1
+    launcher = next(c for c in json.loads(out) if c["name"] == "launcher")
     assert launcher["status"] == "FAIL" and "rank 3 >= world size 2" in launcher["value"]
 
 
-def test_site_profile_and_runtime_variables_are_reported() -> None:
-    res = run_doctor("--json", env={"TORCHHPC_SITE": "derecho", "TORCHHPC_SITE_PROFILE": "/x/derecho.sh",
-                                    "NCCL_SOCKET_IFNAME": "hsn", "FI_CXI_DISABLE_HOST_REGISTER": "1"})
-    checks = {c["name"]: c for c in json.loads(res.stdout)}
+def test_site_profile_and_runtime_variables_are_reported(clean_env, capsys) -> None:
+    for key, value in {"TORCHHPC_SITE": "derecho", "TORCHHPC_SITE_PROFILE": "/x/derecho.sh",
+                       "NCCL_SOCKET_IFNAME": "hsn", "FI_CXI_DISABLE_HOST_REGISTER": "1"}.items():
+        clean_env.setenv(key, value)
+    _, out = report(capsys, "--json")
+    checks = {c["name"]: c for c in json.loads(out)}
     assert checks["site profile"]["value"] == "derecho (/x/derecho.sh)"
     assert "NCCL_SOCKET_IFNAME=hsn" in checks["runtime vars"]["value"]
     assert "FI_CXI_DISABLE_HOST_REGISTER=1" in checks["runtime vars"]["value"]

@@ -1,4 +1,5 @@
-"""torchhpc.launcher under a real mpiexec: detection, and init_distributed with no MASTER_ADDR/PORT."""
+"""Foundation under a real mpiexec: the harness's world, launcher detection, init_distributed without
+MASTER_ADDR/PORT, and torchhpc doctor printing once (one file, so the suite pays for one job start per size)."""
 
 import os
 
@@ -6,9 +7,23 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from torchhpc import doctor
 from torchhpc.launcher import init_distributed, world_info
 
 MPI_RANKS = (1, 2, 4)
+
+
+def test_world_is_consistent(comm: MPI.Comm) -> None:
+    ranks = comm.allgather(comm.Get_rank())
+    assert ranks == list(range(comm.Get_size()))
+
+
+def test_torch_tensor_allreduce_through_mpi4py(comm: MPI.Comm) -> None:
+    t = torch.full((1000,), float(comm.Get_rank() + 1), dtype=torch.float64)
+    out = torch.empty_like(t)
+    comm.Allreduce(t.numpy(), out.numpy(), op=MPI.SUM)
+    n = comm.Get_size()
+    assert torch.all(out == n * (n + 1) / 2)
 
 
 def test_world_info_matches_mpi(comm: MPI.Comm) -> None:
@@ -40,3 +55,13 @@ def test_init_distributed_agrees_on_master_through_mpi(comm: MPI.Comm) -> None:
         assert init_distributed(backend="gloo") == info  # idempotent
     finally:
         dist.destroy_process_group()
+
+
+def test_doctor_under_mpiexec(comm: MPI.Comm, capsys) -> None:
+    status = doctor.main(["--json"])
+    out = capsys.readouterr().out
+    assert comm.allgather(status) == [status] * comm.Get_size()
+    if comm.Get_rank() == 0:
+        assert f"rank 0/{comm.Get_size()}" in out
+    else:
+        assert out == ""
