@@ -230,3 +230,31 @@ def test_errors_are_clear_and_agreed(comm):
         dist.barrier()
         g = dist.new_group(list(range(comm.size)))
         assert MPI.COMM_WORLD.size == dist.get_world_size(g)
+
+
+def test_sampling_over_chunk_tensors_matches_plain_tensors(comm):
+    """Multi-layer sampling with indptr/indices/probs in ChunkTensors (remote rows included) gives
+    exactly the minibatches of the same sampler on ordinary tensors; ranks may have no seeds."""
+    from torchhpc.chunkstore import NeighborSampler
+
+    g = torch.Generator().manual_seed(9)
+    n = 300
+    deg = torch.randint(0, 20, (n,), generator=g)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), deg.cumsum(0)])
+    indices = torch.randint(0, n, (int(indptr[-1]),), generator=g)
+    probs = torch.rand(len(indices), generator=g)
+    seeds = torch.arange(comm.rank, n, 11) if comm.rank != 1 else torch.empty(0, dtype=torch.int64)
+    for rpn in _node_splits(comm)[-1:]:
+        with ChunkTensor(len(indptr), torch.int64, 30 * 8, ranks_per_node=rpn) as cp, \
+                ChunkTensor(len(indices), torch.int64, 200 * 8, ranks_per_node=rpn) as ci, \
+                ChunkTensor(len(probs), torch.float32, 0, ranks_per_node=rpn) as cw:
+            cp.load_from_tensor(indptr)
+            ci.load_from_tensor(indices)
+            cw.load_from_tensor(probs)
+            for replace in (False, True):
+                for pr_plain, pr_chunk in ((None, None), (probs, cw)):
+                    a = NeighborSampler(indptr, indices, [5, 3], replace, pr_plain, seed=comm.rank)(seeds)
+                    b = NeighborSampler(cp, ci, [5, 3], replace, pr_chunk, seed=comm.rank)(seeds)
+                    assert torch.equal(a.n_id, b.n_id)
+                    for x, y in zip(a.blocks, b.blocks, strict=True):
+                        assert torch.equal(x.edge_index, y.edge_index) and torch.equal(x.e_id, y.e_id)

@@ -8,11 +8,13 @@
 """
 
 from .chunk_tensor import SUPPORTED_DTYPES, ChunkTensor, IndexSplit, MemoryReport, TierPart
-from .ordering import hot_order_by_degree
+from .ordering import hot_order_by_degree, hot_order_from_scores
+from .sampling import Block, MiniBatch, NeighborSampler, sample_neighbors
 from .shm import SharedMemoryTooSmall, reap_dead_segments
 from .topology import NodeTopology, node_topology
 
 __all__ = [
     "ChunkTensor", "IndexSplit", "MemoryReport", "TierPart", "SUPPORTED_DTYPES", "hot_order_by_degree",
+    "hot_order_from_scores", "sample_neighbors", "NeighborSampler", "Block", "MiniBatch",
     "SharedMemoryTooSmall", "reap_dead_segments", "NodeTopology", "node_topology",
 ]
