@@ -1,9 +1,16 @@
 """ChunkTensor: one logical tensor over device, node-shared host and remote-node memory.
 
 Every rank can gather any row.  Rows of this node are read straight from memory that all
-local ranks map: each local rank's "device" chunk (its GPU memory, shared with local peers
-through CUDA IPC; without a GPU, a shared-memory segment owned by that rank) and the node's
-host tier (one shared-memory segment per node, registered with CUDA when there is a GPU).
+local ranks map: each local rank's "device" chunk and the node's host tier.
+
+- With CUDA, a device chunk is that rank's GPU memory, opened by its local peers through CUDA
+  IPC, and the host tier is one shared-memory segment per node, page-locked with
+  ``cudaHostRegister``.
+- Without CUDA, a rank's "device" memory is ordinary host memory, so the node keeps one
+  shared-memory segment for its whole shard: the device chunks are its leading sub-ranges
+  (accounted per rank) and the host tier the rest.  Local peers read any chunk directly, and a
+  gather of rows from any mix of local tiers is one ``index_select``.
+
 Rows held by other nodes are fetched with all-to-all exchanges over torch.distributed, so a
 gather is collective only when the tensor spans more than one node.
 """
@@ -161,18 +168,16 @@ class ChunkTensor:
         my_dev_rows = lay.device_rows[node][lr]
         host_rows = lay.host_rows(node)
         ordered = topo.comm.bcast(hot_order is not None if topo.rank == 0 else None, root=0)
-        mine: dict[str, tuple[str, int] | None] = {"device": None, "host": None, "map": None}
+        mine: dict[str, tuple[str, int] | None] = {"host": None, "map": None}
         error = None
         dev_tensor = None
         try:
             if self.use_cuda:
                 dev_tensor = torch.empty((my_dev_rows, *self.row_shape), dtype=self.dtype, device=self.device)
-            elif my_dev_rows:
-                seg = Segment.create(my_dev_rows * self.row_bytes)
-                self._segments.append(seg)
-                mine["device"] = (str(seg.path), seg.nbytes)
             if lr == 0:
-                seg = Segment.create(host_rows * self.row_bytes)
+                # With CUDA the segment is the host tier; without, it holds the whole node shard and
+                # the ranks' device chunks are its leading sub-ranges (see _gather_node).
+                seg = Segment.create((host_rows if self.use_cuda else lay.node_rows(node)) * self.row_bytes)
                 self._segments.append(seg)
                 mine["host"] = (str(seg.path), seg.nbytes)
                 if ordered:
@@ -192,9 +197,16 @@ class ChunkTensor:
             cuda_handles = topo.node_comm.allgather(reduce_tensor(dev_tensor) if dev_tensor.numel() else None)
         own = {str(s.path): s for s in self._segments}
         try:
+            seg = own.get(descs[0]["host"][0]) or Segment.attach(*descs[0]["host"])
+            if seg not in self._segments:
+                self._segments.append(seg)
+            self._host_seg = seg
+            whole = seg.tensor.view(self.dtype).view(-1, *self.row_shape)
+            starts = lay.segment_starts(node)
+            self._node_view = None if self.use_cuda else whole
+            self._host_view = whole if self.use_cuda else whole[starts[-1]:]
             self._device_views: list[torch.Tensor] = []
-            for j, d in enumerate(descs):
-                rows = lay.device_rows[node][j]
+            for j in range(len(descs)):
                 if self.use_cuda:
                     if j == lr:
                         t = dev_tensor
@@ -204,19 +216,9 @@ class ChunkTensor:
                         fn, args = cuda_handles[j]
                         t = fn(*args)
                     self._ipc_keep.append(t)
-                elif d["device"] is None:
-                    t = torch.empty((0, *self.row_shape), dtype=self.dtype)
                 else:
-                    seg = own.get(d["device"][0]) or Segment.attach(*d["device"])
-                    if seg not in self._segments:
-                        self._segments.append(seg)
-                    t = seg.tensor.view(self.dtype).view(rows, *self.row_shape)
+                    t = whole[starts[j]:starts[j + 1]]
                 self._device_views.append(t)
-            seg = own.get(descs[0]["host"][0]) or Segment.attach(*descs[0]["host"])
-            if seg not in self._segments:
-                self._segments.append(seg)
-            self._host_seg = seg
-            self._host_view = seg.tensor.view(self.dtype).view(host_rows, *self.row_shape)
             self._pos_of = self._id_at = None
             if ordered:
                 seg = own.get(descs[0]["map"][0]) or Segment.attach(*descs[0]["map"])
@@ -299,11 +301,14 @@ class ChunkTensor:
             idx = torch.as_tensor(idx, dtype=torch.int64)
         if idx.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"ChunkTensor index must be an int32 or int64 tensor, got {idx.dtype}")
-        idx = idx.reshape(-1).cpu()
+        if idx.dim() != 1:
+            idx = idx.reshape(-1)
+        if idx.device.type != "cpu":
+            idx = idx.cpu()
         if idx.numel():
-            lo, hi = torch.aminmax(idx)
+            lo, hi = (v.item() for v in torch.aminmax(idx))
             if lo < 0 or hi >= self.num_rows:
-                bad = int(lo) if lo < 0 else int(hi)
+                bad = lo if lo < 0 else hi
                 raise IndexError(f"index {bad} is out of range for a ChunkTensor of {self.num_rows} rows")
         if self._pos_of is not None:
             return self._pos_of.index_select(0, idx)
@@ -318,6 +323,8 @@ class ChunkTensor:
             return out
         starts = self._seg_starts
         views = [*self._device_views, self._host_view]
+        if self._node_view is not None:  # CPU: every tier of the node is one mapping, one gather
+            return self._gather_from(self._node_view, lp, out)
         lo, hi = (int(v) for v in torch.aminmax(lp))
         first = int(torch.bucketize(torch.tensor(lo), self._bounds, right=True))
         if first == len(views) - 1 or hi < starts[first + 1]:  # one tier: a single gather
@@ -366,9 +373,10 @@ class ChunkTensor:
         table = torch.tensor([r[lr % len(r)] for r in self.topo.node_ranks], dtype=torch.int64)
         return table[nodes]
 
-    def _gather(self, pos: torch.Tensor) -> torch.Tensor:
+    def _gather(self, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         n = pos.numel()
-        out = torch.empty((n, *self.row_shape), dtype=self.dtype, device=self.device)
+        if out is None:
+            out = torch.empty((n, *self.row_shape), dtype=self.dtype, device=self.device)
         if self.topo.num_nodes == 1:
             return self._gather_node(pos, out)
         if n:
@@ -397,14 +405,33 @@ class ChunkTensor:
         return out
 
     # ------------------------------------------------------------------ gathers
-    def index(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    def index(self, idx: torch.Tensor | Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``idx`` (int32/int64, any shape, duplicates allowed), shaped ``idx.shape + row_shape``.
+
+        ``out`` (contiguous, ``len(idx)`` rows of this dtype, on this rank's device) is filled and
+        returned instead of a new tensor, which saves allocating and faulting in fresh pages.
 
         Collective over the group when the tensor spans several nodes (every rank calls it, the
         same number of times); purely local otherwise.
         """
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else (len(idx),)
-        return self._gather(self._positions(idx)).reshape(*shape, *self.row_shape)
+        pos = self._positions(idx)
+        if out is not None:
+            want = (pos.numel(), *self.row_shape)
+            if out.shape != want:
+                if out.numel() != math.prod(want) or not out.is_contiguous():
+                    raise ValueError(f"out must be a contiguous tensor with {math.prod(want)} elements "
+                                     f"(shape {want}), got shape {tuple(out.shape)}")
+                out = out.view(want)
+            if out.dtype != self.dtype or out.device.type != self.device.type or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous {self.dtype} tensor on {self.device}, "
+                                 f"got {out.dtype} on {out.device}")
+        if self._node_view is not None and self.topo.num_nodes == 1:  # CPU, one node: one gather
+            res = torch.index_select(self._node_view, 0, pos, out=out) if out is not None \
+                else torch.index_select(self._node_view, 0, pos)
+        else:
+            res = self._gather(pos, out)
+        return res if len(shape) == 1 else res.reshape(*shape, *self.row_shape)
 
     def __getitem__(self, idx: torch.Tensor | Sequence[int] | int | slice) -> torch.Tensor:
         if isinstance(idx, int):
