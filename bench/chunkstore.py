@@ -50,6 +50,21 @@ def _time(fn, min_time: float, max_reps: int = 50) -> float:
     return statistics.median(times)
 
 
+def _time_pair(f_base, f_new, min_time: float, max_reps: int = 60) -> tuple[float, float]:
+    """Median seconds of two functions timed alternately, so load changes hit both alike."""
+    f_base()
+    f_new()
+    tb: list[float] = []
+    tn: list[float] = []
+    start = time.perf_counter()
+    while len(tb) < 5 or (time.perf_counter() - start < 2 * min_time and len(tb) < max_reps):
+        for f, acc in ((f_base, tb), (f_new, tn)):
+            t = time.perf_counter()
+            f()
+            acc.append(time.perf_counter() - t)
+    return statistics.median(tb), statistics.median(tn)
+
+
 def _pss() -> int:
     import psutil
 
@@ -133,10 +148,9 @@ def worker(args: argparse.Namespace) -> None:
             store = remote if tier.startswith("remote") else ct
             buf = torch.empty(batch, DIM)
             comm.Barrier()
-            t_base = _time(lambda idx=idx, buf=buf: torch.index_select(private, 0, idx, out=buf),
-                           args.min_time)
-            comm.Barrier()
             if store is remote:
+                t_base = _time(lambda idx=idx, buf=buf: torch.index_select(private, 0, idx, out=buf),
+                               args.min_time)
                 # collective: every rank must run the same repetitions, so time a fixed count
                 reps = 5
                 comm.Barrier()
@@ -145,7 +159,9 @@ def worker(args: argparse.Namespace) -> None:
                     store.index(idx, out=buf)
                 t_ct = (time.perf_counter() - t0) / reps
             else:
-                t_ct = _time(lambda idx=idx, store=store, buf=buf: store.index(idx, out=buf), args.min_time)
+                t_base, t_ct = _time_pair(
+                    lambda idx=idx, buf=buf: torch.index_select(private, 0, idx, out=buf),
+                    lambda idx=idx, store=store, buf=buf: store.index(idx, out=buf), args.min_time)
             comm.Barrier()
             both = comm.gather((t_ct, t_base), root=0)
             if rank == 0:

@@ -10,6 +10,9 @@ from mpi4py import MPI
 __all__ = ["NodeTopology", "node_topology"]
 
 RANKS_PER_NODE_ENV = "TORCHHPC_RANKS_PER_NODE"
+# One topology (and one node communicator) per (communicator, grouping): ChunkTensors come and go,
+# communicators would pile up otherwise.
+_CACHE: dict[tuple[int, int | None], NodeTopology] = {}
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,12 @@ def node_topology(comm: MPI.Comm | None = None, ranks_per_node: int | None = Non
     rank, size = comm.Get_rank(), comm.Get_size()
     if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
         ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
+    if ranks_per_node is not None and ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
+    key = (comm.py2f(), ranks_per_node)
+    if key in _CACHE:
+        return _CACHE[key]
     if ranks_per_node is not None:
-        if ranks_per_node < 1:
-            raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
         color = rank // ranks_per_node
         node_comm = comm.Split(color, rank)
     else:
@@ -56,5 +62,7 @@ def node_topology(comm: MPI.Comm | None = None, ranks_per_node: int | None = Non
     leaders = comm.allgather(leader)
     order = sorted(set(leaders))
     node_ranks = tuple(tuple(r for r in range(size) if leaders[r] == lead) for lead in order)
-    return NodeTopology(comm=comm, node_comm=node_comm, rank=rank, size=size,
+    topo = NodeTopology(comm=comm, node_comm=node_comm, rank=rank, size=size,
                         node=order.index(leader), local_rank=node_comm.Get_rank(), node_ranks=node_ranks)
+    _CACHE[key] = topo
+    return topo
