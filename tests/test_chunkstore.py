@@ -150,3 +150,12 @@ def test_killed_mpi_job_leaves_no_segments():
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert not [p for p, owner in list_segments() if owner in pids]
+
+
+def test_hot_order_helpers():
+    from torchhpc.chunkstore import hot_order_by_degree, hot_order_from_scores
+
+    assert torch.equal(hot_order_by_degree(torch.tensor([0, 1, 4, 4, 6])), torch.tensor([1, 3, 0, 2]))
+    assert torch.equal(hot_order_from_scores(torch.tensor([0.5, 2.0, 0.5])), torch.tensor([1, 0, 2]))
+    with pytest.raises(ValueError, match="1-D"):
+        hot_order_from_scores(torch.zeros(2, 2))

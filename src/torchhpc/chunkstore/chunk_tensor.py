@@ -516,7 +516,6 @@ class ChunkTensor:
     def load_from_tensor(self, t: torch.Tensor | None, src: int | None = 0) -> None:
         """Fill from tensor ``t`` held by rank ``src`` (``src=None``: every rank passes the same ``t``).
 
-
         Collective.  Only node leaders write; rows for other nodes go to their leaders over
         torch.distributed in bounded blocks.
         """
