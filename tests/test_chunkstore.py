@@ -159,3 +159,14 @@ def test_hot_order_helpers():
     assert torch.equal(hot_order_from_scores(torch.tensor([0.5, 2.0, 0.5])), torch.tensor([1, 0, 2]))
     with pytest.raises(ValueError, match="1-D"):
         hot_order_from_scores(torch.zeros(2, 2))
+
+
+def test_empty_shapes():
+    with ChunkTensor((0, 4), torch.float32, 0) as ct:
+        ct.load_from_tensor(torch.empty(0, 4))
+        assert ct.index(torch.empty(0, dtype=torch.int64)).shape == (0, 4)
+        with pytest.raises(IndexError, match="out of range"):
+            ct[torch.tensor([0])]
+    with ChunkTensor((5, 0), torch.int32, 0) as ct:
+        ct.load_from_tensor(torch.empty(5, 0, dtype=torch.int32))
+        assert ct[torch.tensor([4, 0])].shape == (2, 0)

@@ -201,7 +201,8 @@ class ChunkTensor:
             if seg not in self._segments:
                 self._segments.append(seg)
             self._host_seg = seg
-            whole = seg.tensor.view(self.dtype).view(-1, *self.row_shape)
+            seg_rows = host_rows if self.use_cuda else lay.node_rows(node)
+            whole = seg.tensor.view(self.dtype).view(seg_rows, *self.row_shape)
             starts = lay.segment_starts(node)
             self._node_view = None if self.use_cuda else whole
             self._host_view = whole if self.use_cuda else whole[starts[-1]:]
@@ -235,6 +236,7 @@ class ChunkTensor:
         if self.use_cuda and self._host_view.numel():
             # Page-lock the host tier so copies to the GPU run at full speed (cudaHostRegisterDefault).
             torch.cuda.cudart().cudaHostRegister(self._host_view.data_ptr(), self._host_seg.nbytes, 0)
+            self._registered = self._host_view.data_ptr()
         if ordered:
             self._fill_order(hot_order)
         starts = lay.segment_starts(node)
@@ -629,6 +631,9 @@ class ChunkTensor:
 
     def close(self) -> None:
         """Drop this rank's mappings (not collective); the memory is freed when the last rank lets go."""
+        if getattr(self, "_registered", None):
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
         self._device_views = []
         self._host_view = None  # type: ignore[assignment]
         self._pos_of = self._id_at = None
