@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
-    init_gloo(comm)
+    own_group = not dist.is_initialized()
+    if own_group:
+        init_gloo(comm)
     t0 = time.perf_counter()
     graph = None
     if rank == 0:  # one rank builds the graph; the others receive their rows through the shared tiers
@@ -203,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict:
         history.append({"features_only_acc": ref})
     for ct in (feats, c_indptr, c_indices, c_label):
         ct.close()
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
     return {"history": history}
 
 
