@@ -399,11 +399,11 @@ class ChunkTensor:
                                 self._gather_node(pos.index_select(0, local_sel) - self._node_start))
             remote_pos = pos.index_select(0, remote_sel)
         dest = self._remote_dest(self._node_of(remote_pos)) if remote_pos.numel() else remote_pos
-        got = fetch_remote_rows(remote_pos, dest, self.topo.size, self._serve, self.row_bytes, self.group,
-                                self.comm_device)
+        got, order = fetch_remote_rows(remote_pos, dest, self.topo.size, self._serve, self.row_bytes,
+                                       self.group, self.comm_device)
         if remote_sel.numel():
             rows = got.to(self.device).view(self.dtype).reshape(remote_sel.numel(), *self.row_shape)
-            out.index_copy_(0, remote_sel.to(out.device), rows)
+            out.index_copy_(0, remote_sel.index_select(0, order).to(out.device), rows)
         return out
 
     # ------------------------------------------------------------------ gathers

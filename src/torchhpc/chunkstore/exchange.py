@@ -23,12 +23,13 @@ def fetch_remote_rows(
     row_bytes: int,
     group: dist.ProcessGroup | None,
     comm_device: torch.device,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Ask rank ``dest[i]`` for storage position ``positions[i]``; answer peers' requests with ``serve``.
 
     Collective over ``group``: every rank calls it, with zero requests if it needs no remote
-    rows.  Rows travel as raw bytes, so every dtype works with every backend.  Returns a
-    ``(len(positions), row_bytes)`` uint8 tensor in the order of ``positions``.
+    rows.  Rows travel as raw bytes, so every dtype works with every backend.  Returns the rows
+    as a ``(len(positions), row_bytes)`` uint8 tensor grouped by serving rank, and ``order``:
+    row ``i`` answers ``positions[order[i]]`` (the caller scatters once, straight to its output).
     """
     order = torch.argsort(dest, stable=True)
     send_pos = positions[order].to(torch.int64)
@@ -42,6 +43,4 @@ def fetch_remote_rows(
     rows = serve(req.cpu()).reshape(len(req), row_bytes).to(comm_device)
     got = torch.empty((len(send_pos), row_bytes), dtype=torch.uint8, device=comm_device)
     _alltoall(got, rows, sc, rc, group)
-    result = torch.empty_like(got)
-    result[order.to(comm_device)] = got
-    return result
+    return got, order
