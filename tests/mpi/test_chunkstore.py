@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from torchhpc.chunkstore import ChunkTensor, hot_order_by_degree
 
@@ -237,9 +236,11 @@ def test_errors_are_clear_and_agreed(comm):
     with pytest.raises(ValueError, match="permutation"):
         ChunkTensor(5, torch.float32, 0, hot_order=torch.tensor([0, 0, 1, 2, 3]))
     if comm.size >= 2:
-        dist.barrier()
-        g = dist.new_group(list(range(comm.size)))
-        assert MPI.COMM_WORLD.size == dist.get_world_size(g)
+        # arguments that differ between ranks are refused on every rank
+        with pytest.raises(ValueError, match="differ between ranks"):
+            ChunkTensor((10, 4), torch.float32, 16 * (comm.rank + 1))
+        with pytest.raises(ValueError, match="differ between ranks"):
+            ChunkTensor((10 + comm.rank, 4), torch.float32, 0)
 
 
 def test_sampling_over_chunk_tensors_matches_plain_tensors(comm):

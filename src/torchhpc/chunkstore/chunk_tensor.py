@@ -167,6 +167,13 @@ class ChunkTensor:
         node, lr = topo.node, topo.local_rank
         my_dev_rows = lay.device_rows[node][lr]
         host_rows = lay.host_rows(node)
+        # Every rank must describe the same tensor, or the layouts (and every gather) would disagree.
+        sig = (tuple(self.shape), str(self.dtype), self.capacity_per_device, self.use_cuda)
+        sigs = topo.comm.allgather(sig)
+        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+        if bad:
+            raise ValueError(f"ChunkTensor (shape, dtype, capacity_per_device, use_cuda) differ between "
+                             f"ranks: rank 0 has {sigs[0]}, rank {bad[0]} has {sigs[bad[0]]}")
         ordered = topo.comm.bcast(hot_order is not None if topo.rank == 0 else None, root=0)
         mine: dict[str, tuple[str, int] | None] = {"host": None, "map": None}
         error = None
