@@ -102,7 +102,7 @@ def test_gather_1d_and_hot_order(comm, ordered):
                 ct.index(idx, out=torch.empty(n - 1, dtype=torch.int64))
             # the per-tier gather used when tiers are separate memories (GPU chunks + host tier),
             # exercised here on CPU views of the same data
-            ct._node_view = None
+            ct._node_view, ct._fast = None, False
             mixed = torch.cat([idx, _boundary_ids(ct), idx[::3]])
             assert torch.equal(ct[mixed], t[mixed])
             assert torch.equal(ct[_boundary_ids(ct)[:2]], t[_boundary_ids(ct)[:2]])

@@ -38,6 +38,7 @@ __all__ = ["ChunkTensor", "TierPart", "IndexSplit", "MemoryReport", "SUPPORTED_D
 SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
                  torch.bfloat16: np.uint16, torch.float32: np.float32, torch.float64: np.float64}
+_INDEX_DTYPES = (torch.int32, torch.int64)
 _LOAD_BLOCK_BYTES = 64 << 20  # rows are copied in blocks of this size: bounded extra memory
 
 
@@ -248,6 +249,9 @@ class ChunkTensor:
             self._fill_order(hot_order)
         starts = lay.segment_starts(node)
         self._seg_starts = starts
+        self._row_size = torch.Size(self.row_shape)
+        self._fast = (self._node_view is not None and topo.num_nodes == 1 and self._pos_of is None
+                      and self.num_rows > 0)
         self._bounds = torch.tensor(starts[1:], dtype=torch.int64)  # bucket edges: device chunks, host
         self._node_start = lay.node_starts[node]
         self._node_end = lay.node_starts[node + 1]
@@ -423,6 +427,23 @@ class ChunkTensor:
         Collective over the group when the tensor spans several nodes (every rank calls it, the
         same number of times); purely local otherwise.
         """
+        if self._fast and isinstance(idx, torch.Tensor) and idx.dim() == 1 and idx.dtype in _INDEX_DTYPES \
+                and idx.device.type == "cpu":
+            # One node on CPU, no reordering: the node view is the whole tensor, and index_select's own
+            # bounds check (it also refuses negative ids) replaces a separate validation pass.
+            if out is None:
+                try:
+                    return torch.index_select(self._node_view, 0, idx)
+                except IndexError:
+                    self._positions(idx)  # raises the descriptive error
+                    raise
+            if out.dtype == self.dtype and out.device.type == "cpu" and out.is_contiguous() \
+                    and out.shape[0] == idx.shape[0] and out.shape[1:] == self._row_size:
+                try:
+                    return torch.index_select(self._node_view, 0, idx, out=out)
+                except IndexError:
+                    self._positions(idx)
+                    raise
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else (len(idx),)
         pos = self._positions(idx)
         if out is not None:
@@ -641,6 +662,8 @@ class ChunkTensor:
         if getattr(self, "_registered", None):
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
+        self._fast = False
+        self._node_view = None
         self._device_views = []
         self._host_view = None  # type: ignore[assignment]
         self._pos_of = self._id_at = None
