@@ -7,7 +7,9 @@ some process maps it, so neither a normal exit, Ctrl-C nor SIGKILL can leak it. 
 only window in which a name exists is job set-up; a crash there leaves a named file
 whose owner is dead, and :func:`reap_dead_segments` (run whenever a segment is
 created) removes those.  Owner liveness is checked by pid *and* process start time,
-so a recycled pid does not protect a stale segment.
+so a recycled pid does not protect a stale segment.  Jobs that share ``/dev/shm`` but not a PID
+namespace (some container set-ups) cannot see each other's owners: give them separate
+directories with ``TORCHHPC_SHM_DIR``.
 """
 
 from __future__ import annotations
