@@ -1,0 +1,685 @@
+"""ChunkTensor: one logical tensor over device, node-shared host and remote-node memory.
+
+Every rank can gather any row.  Rows of this node are read straight from memory that all
+local ranks map: each local rank's "device" chunk and the node's host tier.
+
+- With CUDA, a device chunk is that rank's GPU memory, opened by its local peers through CUDA
+  IPC, and the host tier is one shared-memory segment per node, page-locked with
+  ``cudaHostRegister``.
+- Without CUDA, a rank's "device" memory is ordinary host memory, so the node keeps one
+  shared-memory segment for its whole shard: the device chunks are its leading sub-ranges
+  (accounted per rank) and the host tier the rest.  Local peers read any chunk directly, and a
+  gather of rows from any mix of local tiers is one ``index_select``.
+
+Rows held by other nodes are fetched with all-to-all exchanges over torch.distributed, so a
+gather is collective only when the tensor spans more than one node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .exchange import fetch_remote_rows
+from .layout import Layout, plan_layout, positions_from_order
+from .shm import Segment
+from .topology import NodeTopology, node_topology
+
+__all__ = ["ChunkTensor", "TierPart", "IndexSplit", "MemoryReport", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
+                 torch.bfloat16: np.uint16, torch.float32: np.float32, torch.float64: np.float64}
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_LOAD_BLOCK_BYTES = 64 << 20  # rows are copied in blocks of this size: bounded extra memory
+
+
+class TierPart(NamedTuple):
+    """Rows of one tier inside an index: ``order`` are positions in the index, ``ids`` the row ids."""
+
+    order: torch.Tensor
+    ids: torch.Tensor
+
+
+class IndexSplit(NamedTuple):
+    """An index split by where its rows live, as seen from this rank."""
+
+    local: TierPart  # this rank's device chunk
+    device: TierPart  # device chunks of the other local ranks
+    host: TierPart  # this node's host tier
+    remote: TierPart  # other nodes
+
+
+@dataclass
+class MemoryReport:
+    """Bytes held per tier, per rank and per node (host tier counted once, on its node)."""
+
+    per_rank: list[dict[str, int]]
+    per_node: list[dict[str, int]]
+
+    def __str__(self) -> str:
+        lines = ["rank node device_bytes host_bytes_mapped", *(
+            f"{r['rank']:>4} {r['node']:>4} {r['device_bytes']:>12} {r['host_bytes_mapped']:>17}"
+            for r in self.per_rank), "node device_bytes host_bytes total_bytes", *(
+            f"{n['node']:>4} {n['device_bytes']:>12} {n['host_bytes']:>10} {n['total_bytes']:>11}"
+            for n in self.per_node)]
+        return "\n".join(lines)
+
+
+class ChunkTensor:
+    """A 1-D or 2-D tensor whose rows are spread over the ranks' devices, node host memory and nodes.
+
+    Construction is collective over ``comm``.  ``capacity_per_device`` is in bytes; rows go
+    first to the device tier of each local rank (up to that capacity, spread evenly), the rest
+    of the node's rows to its shared host tier; with several nodes the rows are sharded evenly
+    by node.  ``hot_order`` (a permutation of row ids, hottest first; read on rank 0) places
+    the hottest rows in the fastest tiers while callers keep using the original ids.
+    ``group`` is the torch.distributed group used for cross-node exchanges (default: the
+    default group); its ranks must be the ranks of ``comm``.  ``ranks_per_node`` overrides the
+    shared-memory node detection (see :func:`node_topology`).
+    """
+
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        dtype: torch.dtype,
+        capacity_per_device: int,
+        group: dist.ProcessGroup | None = None,
+        *,
+        comm: MPI.Comm | None = None,
+        hot_order: torch.Tensor | None = None,
+        ranks_per_node: int | None = None,
+        use_cuda: bool | None = None,
+    ):
+        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        if len(shape) not in (1, 2) or any(s < 0 for s in shape):
+            raise ValueError(f"ChunkTensor shape must be 1-D or 2-D with sizes >= 0, got {shape}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"ChunkTensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.row_shape = tuple(shape[1:])
+        self.row_bytes = math.prod(self.row_shape) * torch.empty((), dtype=dtype).element_size()
+        self.capacity_per_device = int(capacity_per_device)
+        self.topo: NodeTopology = node_topology(comm, ranks_per_node)
+        topo = self.topo
+        self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        if self.use_cuda and not torch.cuda.is_available():
+            raise RuntimeError("use_cuda=True but torch.cuda.is_available() is False")
+        self.device = (torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+                       if self.use_cuda else torch.device("cpu"))
+        self.layout: Layout = plan_layout(shape[0], self.row_bytes, self.capacity_per_device,
+                                          [len(r) for r in topo.node_ranks])
+        self.group = None
+        self.comm_device = torch.device("cpu")
+        if topo.num_nodes > 1:
+            self.group = self._check_group(group)
+        self._segments: list[Segment] = []
+        self._ipc_keep: list[torch.Tensor] = []
+        self._setup_memory(hot_order)
+
+    # ------------------------------------------------------------------ set-up
+    def _check_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+        topo = self.topo
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"this ChunkTensor spans {topo.num_nodes} nodes: initialise torch.distributed (any backend) "
+                "before creating it; remote rows are fetched with all-to-all over it")
+        if dist.get_world_size(group) != topo.size or dist.get_rank(group) != topo.rank:
+            raise RuntimeError(
+                f"torch.distributed group (rank {dist.get_rank(group)} of {dist.get_world_size(group)}) does "
+                f"not match the MPI communicator (rank {topo.rank} of {topo.size}); pass a matching group")
+        self.comm_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return group
+
+    def _agree(self, error: BaseException | None) -> None:
+        """Collective: raise on every rank if a step failed on any rank (instead of leaving peers hanging).
+
+        Peers raise the same exception type as the failing rank, with its rank and message.
+        """
+        info = None if error is None else (type(error), str(error))
+        try:
+            infos = self.topo.comm.allgather(info)
+        except Exception:  # exception type not picklable: fall back to its message
+            infos = self.topo.comm.allgather(None if error is None else (RuntimeError, str(error)))
+        if error is not None:
+            self.close()
+            raise error
+        bad = [(r, i) for r, i in enumerate(infos) if i is not None]
+        if bad:
+            self.close()
+            rank, (typ, msg) = bad[0]
+            try:
+                exc = typ(f"on rank {rank}: {msg}")
+            except Exception:
+                exc = RuntimeError(f"on rank {rank}: {typ.__name__}: {msg}")
+            raise exc
+
+    def _setup_memory(self, hot_order: torch.Tensor | None) -> None:
+        topo, lay = self.topo, self.layout
+        node, lr = topo.node, topo.local_rank
+        my_dev_rows = lay.device_rows[node][lr]
+        host_rows = lay.host_rows(node)
+        # Every rank must describe the same tensor, or the layouts (and every gather) would disagree.
+        sig = (tuple(self.shape), str(self.dtype), self.capacity_per_device, self.use_cuda)
+        sigs = topo.comm.allgather(sig)
+        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+        if bad:
+            raise ValueError(f"ChunkTensor (shape, dtype, capacity_per_device, use_cuda) differ between "
+                             f"ranks: rank 0 has {sigs[0]}, rank {bad[0]} has {sigs[bad[0]]}")
+        ordered = topo.comm.bcast(hot_order is not None if topo.rank == 0 else None, root=0)
+        mine: dict[str, tuple[str, int] | None] = {"host": None, "map": None}
+        error = None
+        dev_tensor = None
+        try:
+            if self.use_cuda:
+                dev_tensor = torch.empty((my_dev_rows, *self.row_shape), dtype=self.dtype, device=self.device)
+            if lr == 0:
+                # With CUDA the segment is the host tier; without, it holds the whole node shard and
+                # the ranks' device chunks are its leading sub-ranges (see _gather_node).
+                seg = Segment.create((host_rows if self.use_cuda else lay.node_rows(node)) * self.row_bytes)
+                self._segments.append(seg)
+                mine["host"] = (str(seg.path), seg.nbytes)
+                if ordered:
+                    seg = Segment.create(2 * 8 * lay.num_rows)
+                    self._segments.append(seg)
+                    mine["map"] = (str(seg.path), seg.nbytes)
+        except BaseException as e:  # noqa: BLE001 - re-raised on every rank by _agree
+            error = e
+        self._agree(error)
+
+        # Map the peers' segments, then let owners unlink the names: nothing can leak after this.
+        error = None
+        descs = topo.node_comm.allgather(mine)
+        cuda_handles = None
+        if self.use_cuda:
+            from torch.multiprocessing.reductions import reduce_tensor
+            cuda_handles = topo.node_comm.allgather(reduce_tensor(dev_tensor) if dev_tensor.numel() else None)
+        own = {str(s.path): s for s in self._segments}
+        try:
+            seg = own.get(descs[0]["host"][0]) or Segment.attach(*descs[0]["host"])
+            if seg not in self._segments:
+                self._segments.append(seg)
+            self._host_seg = seg
+            seg_rows = host_rows if self.use_cuda else lay.node_rows(node)
+            whole = seg.tensor.view(self.dtype).view(seg_rows, *self.row_shape)
+            starts = lay.segment_starts(node)
+            self._node_view = None if self.use_cuda else whole
+            self._host_view = whole if self.use_cuda else whole[starts[-1]:]
+            self._device_views: list[torch.Tensor] = []
+            for j in range(len(descs)):
+                if self.use_cuda:
+                    if j == lr:
+                        t = dev_tensor
+                    elif cuda_handles[j] is None:
+                        t = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device)
+                    else:
+                        fn, args = cuda_handles[j]
+                        t = fn(*args)
+                    self._ipc_keep.append(t)
+                else:
+                    t = whole[starts[j]:starts[j + 1]]
+                self._device_views.append(t)
+            self._pos_of = self._id_at = None
+            if ordered:
+                seg = own.get(descs[0]["map"][0]) or Segment.attach(*descs[0]["map"])
+                if seg not in self._segments:
+                    self._segments.append(seg)
+                maps = seg.tensor.view(torch.int64).view(2, lay.num_rows)
+                self._pos_of, self._id_at = maps[0], maps[1]
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        topo.node_comm.Barrier()
+        for s in self._segments:
+            s.unlink()
+        self._agree(error)
+        if self.use_cuda and self._host_view.numel():
+            # Page-lock the host tier so copies to the GPU run at full speed (cudaHostRegisterDefault).
+            torch.cuda.cudart().cudaHostRegister(self._host_view.data_ptr(), self._host_seg.nbytes, 0)
+            self._registered = self._host_view.data_ptr()
+        if ordered:
+            self._fill_order(hot_order)
+        starts = lay.segment_starts(node)
+        self._seg_starts = starts
+        self._row_size = torch.Size(self.row_shape)
+        self._fast = (self._node_view is not None and topo.num_nodes == 1 and self._pos_of is None
+                      and self.num_rows > 0)
+        self._bounds = torch.tensor(starts[1:], dtype=torch.int64)  # bucket edges: device chunks, host
+        self._node_start = lay.node_starts[node]
+        self._node_end = lay.node_starts[node + 1]
+        self._node_edges = torch.tensor(lay.node_starts[1:-1], dtype=torch.int64)
+
+    def _fill_order(self, hot_order: torch.Tensor | None) -> None:
+        topo = self.topo
+        error = None
+        if topo.rank == 0:
+            try:
+                pos_of, id_at = positions_from_order(hot_order, self.layout)
+            except BaseException as e:  # noqa: BLE001
+                error, pos_of, id_at = e, None, None
+        self._agree(error)
+        leaders = topo.comm.Split(0 if topo.local_rank == 0 else MPI.UNDEFINED, topo.rank)
+        if topo.local_rank == 0:
+            buf = torch.stack([pos_of, id_at]) if topo.rank == 0 else torch.empty(2, self.layout.num_rows,
+                                                                                   dtype=torch.int64)
+            leaders.Bcast(buf.numpy(), root=0)
+            self._pos_of.copy_(buf[0])
+            self._id_at.copy_(buf[1])
+            leaders.Free()
+        topo.node_comm.Barrier()
+
+    # ------------------------------------------------------------------ properties and views
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.shape[0]
+
+    def host_view(self) -> torch.Tensor:
+        """This node's host tier (rows in storage order; see :meth:`host_ids`)."""
+        return self._host_view
+
+    def device_view(self) -> torch.Tensor:
+        """This rank's device chunk (rows in storage order; see :meth:`device_ids`)."""
+        return self._device_views[self.topo.local_rank]
+
+    def _ids_at(self, lo: int, hi: int) -> torch.Tensor:
+        if self._id_at is None:
+            return torch.arange(lo, hi, dtype=torch.int64)
+        return self._id_at[lo:hi].clone()
+
+    def host_ids(self) -> torch.Tensor:
+        """Original row ids of :meth:`host_view`'s rows."""
+        return self._ids_at(self._node_start + self._seg_starts[-1], self._node_end)
+
+    def device_ids(self) -> torch.Tensor:
+        """Original row ids of :meth:`device_view`'s rows."""
+        j = self.topo.local_rank
+        base = self._node_start
+        return self._ids_at(base + self._seg_starts[j], base + self._seg_starts[j + 1])
+
+    # ------------------------------------------------------------------ index handling
+    def _positions(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Validate ``idx`` and return the storage positions of its rows (flat, on the CPU)."""
+        if not isinstance(idx, torch.Tensor):
+            idx = torch.as_tensor(idx, dtype=torch.int64)
+        if idx.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"ChunkTensor index must be an int32 or int64 tensor, got {idx.dtype}")
+        if idx.dim() != 1:
+            idx = idx.reshape(-1)
+        if idx.device.type != "cpu":
+            idx = idx.cpu()
+        if idx.numel():
+            lo, hi = (v.item() for v in torch.aminmax(idx))
+            if lo < 0 or hi >= self.num_rows:
+                bad = lo if lo < 0 else hi
+                raise IndexError(f"index {bad} is out of range for a ChunkTensor of {self.num_rows} rows")
+        if self._pos_of is not None:
+            return self._pos_of.index_select(0, idx)
+        return idx
+
+    def _gather_node(self, lp: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at node-local storage positions ``lp`` (all on this node), on this rank's device."""
+        n = lp.numel()
+        if out is None:
+            out = torch.empty((n, *self.row_shape), dtype=self.dtype, device=self.device)
+        if n == 0:
+            return out
+        starts = self._seg_starts
+        views = [*self._device_views, self._host_view]
+        if self._node_view is not None:  # CPU: every tier of the node is one mapping, one gather
+            return self._gather_from(self._node_view, lp, out)
+        lo, hi = (int(v) for v in torch.aminmax(lp))
+        first = int(torch.bucketize(torch.tensor(lo), self._bounds, right=True))
+        if first == len(views) - 1 or hi < starts[first + 1]:  # one tier: a single gather
+            self._gather_from(views[first], lp if starts[first] == 0 else lp - starts[first], out)
+            return out
+        seg = torch.bucketize(lp, self._bounds, right=True)
+        for k, view in enumerate(views):
+            sel = (seg == k).nonzero().squeeze(1)
+            if sel.numel():
+                rows = self._gather_from(view, lp.index_select(0, sel) - starts[k])
+                out.index_copy_(0, sel.to(out.device), rows.to(out.device))
+        return out
+
+    def _gather_from(self, view: torch.Tensor, off: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        if view.device.type == "cpu":
+            if out is not None and out.device.type == "cpu":
+                return torch.index_select(view, 0, off, out=out)
+            rows = view.index_select(0, off)
+            if out is None:
+                return rows
+            return out.copy_(rows, non_blocking=False)
+        rows = view.index_select(0, off.to(view.device))
+        if out is None:
+            return rows
+        return out.copy_(rows)
+
+    def _node_of(self, pos: torch.Tensor) -> torch.Tensor:
+        return torch.bucketize(pos, self._node_edges, right=True)
+
+    def _serve(self, pos: torch.Tensor) -> torch.Tensor:
+        """Answer remote requests: rows at global storage positions on this node, as bytes."""
+        if pos.numel() and (pos.min() < self._node_start or pos.max() >= self._node_end):
+            raise RuntimeError("remote request for a row this node does not hold (inconsistent layouts)")
+        rows = self._gather_node(pos - self._node_start)
+        return self._as_bytes(rows)
+
+    def _as_bytes(self, rows: torch.Tensor) -> torch.Tensor:
+        n = rows.shape[0]
+        flat = rows.contiguous().reshape(n, math.prod(self.row_shape))
+        return flat.view(torch.uint8).reshape(n, self.row_bytes)
+
+    def _remote_dest(self, nodes: torch.Tensor) -> torch.Tensor:
+        """Rank of each other node serving this rank: same local rank, wrapped if that node is smaller."""
+        lr = self.topo.local_rank
+        table = torch.tensor([r[lr % len(r)] for r in self.topo.node_ranks], dtype=torch.int64)
+        return table[nodes]
+
+    def _gather(self, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        n = pos.numel()
+        if out is None:
+            out = torch.empty((n, *self.row_shape), dtype=self.dtype, device=self.device)
+        if self.topo.num_nodes == 1:
+            return self._gather_node(pos, out)
+        if n:
+            nodes = self._node_of(pos)
+            here = nodes == self.topo.node
+            all_here = bool(here.all())
+        else:
+            all_here = True
+        if all_here:
+            self._gather_node(pos - self._node_start, out)
+            remote_sel = torch.empty(0, dtype=torch.int64)
+            remote_pos = remote_sel
+        else:
+            local_sel = here.nonzero().squeeze(1)
+            remote_sel = (~here).nonzero().squeeze(1)
+            if local_sel.numel():
+                out.index_copy_(0, local_sel.to(out.device),
+                                self._gather_node(pos.index_select(0, local_sel) - self._node_start))
+            remote_pos = pos.index_select(0, remote_sel)
+        dest = self._remote_dest(self._node_of(remote_pos)) if remote_pos.numel() else remote_pos
+        got, order = fetch_remote_rows(remote_pos, dest, self.topo.size, self._serve, self.row_bytes,
+                                       self.group, self.comm_device)
+        if remote_sel.numel():
+            rows = got.to(self.device).view(self.dtype).reshape(remote_sel.numel(), *self.row_shape)
+            out.index_copy_(0, remote_sel.index_select(0, order).to(out.device), rows)
+        return out
+
+    # ------------------------------------------------------------------ gathers
+    def index(self, idx: torch.Tensor | Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``idx`` (int32/int64, any shape, duplicates allowed), shaped ``idx.shape + row_shape``.
+
+        ``out`` (contiguous, ``len(idx)`` rows of this dtype, on this rank's device) is filled and
+        returned instead of a new tensor, which saves allocating and faulting in fresh pages.
+
+        Collective over the group when the tensor spans several nodes (every rank calls it, the
+        same number of times); purely local otherwise.
+        """
+        if self._fast and isinstance(idx, torch.Tensor) and idx.dim() == 1 and idx.dtype in _INDEX_DTYPES \
+                and idx.device.type == "cpu":
+            # One node on CPU, no reordering: the node view is the whole tensor, and index_select's own
+            # bounds check (it also refuses negative ids) replaces a separate validation pass.
+            if out is None:
+                try:
+                    return torch.index_select(self._node_view, 0, idx)
+                except IndexError:
+                    self._positions(idx)  # raises the descriptive error
+                    raise
+            if out.dtype == self.dtype and out.device.type == "cpu" and out.is_contiguous() \
+                    and out.shape[0] == idx.shape[0] and out.shape[1:] == self._row_size:
+                try:
+                    return torch.index_select(self._node_view, 0, idx, out=out)
+                except IndexError:
+                    self._positions(idx)
+                    raise
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else (len(idx),)
+        pos = self._positions(idx)
+        if out is not None:
+            want = (pos.numel(), *self.row_shape)
+            if out.shape != want:
+                if out.numel() != math.prod(want) or not out.is_contiguous():
+                    raise ValueError(f"out must be a contiguous tensor with {math.prod(want)} elements "
+                                     f"(shape {want}), got shape {tuple(out.shape)}")
+                out = out.view(want)
+            if out.dtype != self.dtype or out.device.type != self.device.type or not out.is_contiguous():
+                raise ValueError(f"out must be a contiguous {self.dtype} tensor on {self.device}, "
+                                 f"got {out.dtype} on {out.device}")
+        if self._node_view is not None and self.topo.num_nodes == 1:  # CPU, one node: one gather
+            res = torch.index_select(self._node_view, 0, pos, out=out) if out is not None \
+                else torch.index_select(self._node_view, 0, pos)
+        else:
+            res = self._gather(pos, out)
+        return res if len(shape) == 1 else res.reshape(*shape, *self.row_shape)
+
+    def __getitem__(self, idx: torch.Tensor | Sequence[int] | int | slice) -> torch.Tensor:
+        if isinstance(idx, int):
+            return self.index(torch.tensor([idx]))[0]
+        if isinstance(idx, slice):
+            return self.index(torch.arange(self.num_rows)[idx])
+        return self.index(idx)
+
+    def split_index(self, idx: torch.Tensor | Sequence[int]) -> IndexSplit:
+        """Split ``idx`` by tier as seen from this rank: own device chunk, other local devices, host, remote.
+
+        Each part gives the positions in ``idx`` and the row ids; not collective.
+        """
+        if not isinstance(idx, torch.Tensor):
+            idx = torch.as_tensor(idx, dtype=torch.int64)
+        pos = self._positions(idx)
+        flat = idx.reshape(-1).cpu().to(torch.int64)
+        nodes = self._node_of(pos)
+        here = nodes == self.topo.node
+        seg = torch.bucketize(pos - self._node_start, self._bounds, right=True)
+        lr, host_k = self.topo.local_rank, len(self._device_views)
+        masks = (here & (seg == lr), here & (seg != lr) & (seg != host_k), here & (seg == host_k), ~here)
+        parts = []
+        for m in masks:
+            sel = m.nonzero().squeeze(1)
+            parts.append(TierPart(sel, flat.index_select(0, sel)))
+        return IndexSplit(*parts)
+
+    def _tier_gather(self, idx: torch.Tensor | Sequence[int], part: str) -> torch.Tensor:
+        """Gather rows that must all lie in one of this node's tiers; never collective."""
+        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else (len(idx),)
+        split = self.split_index(idx)
+        n = sum(p.order.numel() for p in split)
+        if getattr(split, part).order.numel() != n:
+            raise ValueError(f"{part}_index got ids outside the {part} tier of rank {self.topo.rank}")
+        pos = self._positions(idx) - self._node_start
+        return self._gather_node(pos).reshape(*shape, *self.row_shape)
+
+    def local_index(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Gather rows that all live in this rank's device chunk (error otherwise)."""
+        return self._tier_gather(idx, "local")
+
+    def device_index(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Gather rows that all live in other local ranks' device chunks (error otherwise)."""
+        return self._tier_gather(idx, "device")
+
+    def host_index(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Gather rows that all live in this node's host tier (error otherwise)."""
+        return self._tier_gather(idx, "host")
+
+    def remote_index(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Gather rows that all live on other nodes (error otherwise); collective over the group."""
+        split = self.split_index(idx)
+        ok = split.remote.order.numel() == sum(p.order.numel() for p in split)
+        if self.topo.num_nodes > 1:
+            # Agree first so that a rank with a bad index does not leave its peers in the exchange.
+            flags = self.topo.comm.allgather(ok)
+            if not all(flags):
+                raise ValueError(f"remote_index got ids this node holds, on rank {flags.index(False)}")
+            return self.index(idx)
+        if not ok:
+            raise ValueError("remote_index got ids this node holds (there is only one node)")
+        return self.index(idx)
+
+    # ------------------------------------------------------------------ loading
+    def _write_node_rows(self, offset: int, rows: torch.Tensor) -> None:
+        """Write ``rows`` at node-local storage offsets ``offset:offset+len(rows)``, across tiers."""
+        starts = self._seg_starts
+        views = [*self._device_views, self._host_view]
+        end = offset + rows.shape[0]
+        for k, view in enumerate(views):
+            a, b = max(offset, starts[k]), min(end, starts[k + 1] if k + 1 < len(starts) else self._node_end
+                                                 - self._node_start)
+            if a < b:
+                view[a - starts[k]:b - starts[k]].copy_(rows[a - offset:b - offset])
+
+    def _check_source(self, shape: tuple[int, ...], what: str) -> None:
+        if tuple(shape) != tuple(self.shape):
+            raise ValueError(f"{what} has shape {tuple(shape)} but the ChunkTensor has shape "
+                             f"{tuple(self.shape)}")
+
+    def load_from_tensor(self, t: torch.Tensor | None, src: int | None = 0) -> None:
+        """Fill from tensor ``t`` held by rank ``src`` (``src=None``: every rank passes the same ``t``).
+
+        Collective.  Only node leaders write; rows for other nodes go to their leaders over
+        torch.distributed in bounded blocks.
+        """
+        topo = self.topo
+        error = None
+        have = src is None or topo.rank == src
+        if have:
+            try:
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"load_from_tensor needs a tensor on rank {topo.rank}, "
+                                    f"got {type(t).__name__}")
+                self._check_source(tuple(t.shape), "load_from_tensor input")
+                if t.dtype != self.dtype:
+                    raise TypeError(f"load_from_tensor input has dtype {t.dtype} but the ChunkTensor holds "
+                                    f"{self.dtype}; convert it first")
+            except BaseException as e:  # noqa: BLE001
+                error = e
+        if src is not None and not 0 <= src < topo.size:
+            error = error or ValueError(f"src={src} is not a rank of the communicator (size {topo.size})")
+        self._agree(error)
+        lay = self.layout
+        block = max(1, _LOAD_BLOCK_BYTES // max(self.row_bytes, 1))
+        src_node = None if src is None else next(n for n, r in enumerate(topo.node_ranks) if src in r)
+        for n in range(topo.num_nodes):
+            lo, hi = lay.node_starts[n], lay.node_starts[n + 1]
+            leader = topo.node_ranks[n][0]
+            writer = leader if src is None or src_node != n else src
+            for a in range(lo, hi, block):
+                b = min(hi, a + block)
+                if topo.rank == writer and have:
+                    rows = t.index_select(0, self._ids_at(a, b).to(t.device)).cpu()
+                    self._write_node_rows(a - lo, rows)
+                elif topo.rank == src:
+                    rows = t.index_select(0, self._ids_at(a, b).to(t.device)).contiguous()
+                    payload = self._as_bytes(rows).to(self.comm_device)
+                    dist.send(payload, dst=leader, group=self.group)
+                elif topo.rank == writer:
+                    payload = torch.empty((b - a, self.row_bytes), dtype=torch.uint8, device=self.comm_device)
+                    dist.recv(payload, src=src, group=self.group)
+                    rows = payload.cpu().view(self.dtype).reshape(b - a, *self.row_shape)
+                    self._write_node_rows(a - lo, rows)
+        self._sync()
+
+    def load_from_file(self, source: str | Path | np.ndarray) -> None:
+        """Fill from a ``.npy`` file, a raw binary file (C order, this dtype) or a (memory-mapped) array.
+
+        Collective.  Each local rank copies its share of its node's rows straight from the memory
+        map in bounded blocks, so no process ever holds the whole tensor.  A file must be
+        readable at the same path on every node; bfloat16 data is read as uint16 bit patterns.
+        """
+        topo = self.topo
+        error = None
+        arr = None
+        try:
+            if isinstance(source, np.ndarray):
+                arr = source
+            else:
+                path = Path(source)
+                if path.suffix == ".npy":
+                    arr = np.load(path, mmap_mode="r")
+                else:
+                    arr = np.memmap(path, dtype=_NUMPY_DTYPES[self.dtype], mode="r", shape=tuple(self.shape))
+            name = "array" if isinstance(source, np.ndarray) else str(source)
+            self._check_source(arr.shape, f"source {name}")
+            want = np.dtype(_NUMPY_DTYPES[self.dtype])
+            if arr.dtype != want:
+                raise TypeError(f"source holds {arr.dtype} but the ChunkTensor holds {self.dtype} "
+                                f"(needs numpy {want})")
+        except BaseException as e:  # noqa: BLE001
+            error = e
+        self._agree(error)
+        lay = self.layout
+        lo, hi = lay.node_starts[topo.node], lay.node_starts[topo.node + 1]
+        share = -(-(hi - lo) // topo.local_size)
+        my_lo, my_hi = min(hi, lo + topo.local_rank * share), min(hi, lo + (topo.local_rank + 1) * share)
+        block = max(1, _LOAD_BLOCK_BYTES // max(self.row_bytes, 1))
+        for a in range(my_lo, my_hi, block):
+            b = min(my_hi, a + block)
+            if self._id_at is None:
+                chunk = np.array(arr[a:b])  # one bounded block, writable
+            else:
+                ids = self._ids_at(a, b).numpy()
+                srt = np.argsort(ids, kind="stable")
+                chunk = np.empty((b - a, *arr.shape[1:]), dtype=arr.dtype)
+                chunk[srt] = arr[ids[srt]]  # sorted reads from the file, then back to storage order
+            rows = torch.from_numpy(chunk)
+            if self.dtype == torch.bfloat16:
+                rows = rows.view(torch.bfloat16)
+            self._write_node_rows(a - lo, rows)
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.use_cuda:
+            torch.cuda.synchronize(self.device)
+        self.topo.comm.Barrier()
+
+    # ------------------------------------------------------------------ reporting and lifecycle
+    def memory_report(self) -> MemoryReport:
+        """Bytes per tier per rank and per node (collective over the communicator)."""
+        topo, lay = self.topo, self.layout
+        me = {"rank": topo.rank, "node": topo.node,
+              "device_bytes": lay.device_rows[topo.node][topo.local_rank] * self.row_bytes,
+              "host_bytes_mapped": lay.host_rows(topo.node) * self.row_bytes}
+        per_rank = topo.comm.allgather(me)
+        per_node = []
+        for n in range(topo.num_nodes):
+            dev = sum(lay.device_rows[n]) * self.row_bytes
+            host = lay.host_rows(n) * self.row_bytes
+            per_node.append({"node": n, "device_bytes": dev, "host_bytes": host, "total_bytes": dev + host})
+        return MemoryReport(per_rank, per_node)
+
+    def close(self) -> None:
+        """Drop this rank's mappings (not collective); the memory is freed when the last rank lets go."""
+        if getattr(self, "_registered", None):
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+        self._fast = False
+        self._node_view = None
+        self._device_views = []
+        self._host_view = None  # type: ignore[assignment]
+        self._pos_of = self._id_at = None
+        self._ipc_keep = []
+        for s in getattr(self, "_segments", []):
+            s.close()
+        self._segments = []
+
+    def __enter__(self) -> ChunkTensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        lay, node = self.layout, self.topo.node
+        return (f"ChunkTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"node {node}/{self.topo.num_nodes}, "
+                f"device rows {lay.device_rows[node]}, host rows {lay.host_rows(node)})")

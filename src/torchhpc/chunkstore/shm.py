@@ -1,0 +1,184 @@
+"""POSIX shared-memory segments that cannot outlive their job.
+
+A segment is a file in ``/dev/shm`` named ``torchhpc-cs.<pid>.<starttime>.<token>``
+after the process that created it.  Once every local rank has mapped it, the creator
+unlinks the name (:meth:`Segment.unlink`): the memory then lives exactly as long as
+some process maps it, so neither a normal exit, Ctrl-C nor SIGKILL can leak it.  The
+only window in which a name exists is job set-up; a crash there leaves a named file
+whose owner is dead, and :func:`reap_dead_segments` (run whenever a segment is
+created) removes those.  Owner liveness is checked by pid *and* process start time,
+so a recycled pid does not protect a stale segment.  Jobs that share ``/dev/shm`` but not a PID
+namespace (some container set-ups) cannot see each other's owners: give them separate
+directories with ``TORCHHPC_SHM_DIR``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+import torch
+
+__all__ = ["PREFIX", "Segment", "SharedMemoryTooSmall", "shm_dir", "reap_dead_segments", "list_segments"]
+
+PREFIX = "torchhpc-cs"
+_NAME_RE = re.compile(rf"^{re.escape(PREFIX)}\.(\d+)\.(\d+)\.[0-9a-f]+$")
+
+
+class SharedMemoryTooSmall(MemoryError):
+    """Raised when the shared-memory file system cannot hold a requested segment."""
+
+
+def shm_dir() -> Path:
+    """Directory of POSIX shared memory: ``$TORCHHPC_SHM_DIR`` (odd systems, tests), else ``/dev/shm``."""
+    return Path(os.environ.get("TORCHHPC_SHM_DIR", "/dev/shm"))
+
+
+def _start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (field 22 of /proc/pid/stat), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) may hold spaces or parentheses: split after the last ')'.
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _owner_alive(pid: int, start: int) -> bool:
+    if not Path("/proc").is_dir():  # no procfs: fall back to pid existence only
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    now = _start_time(pid)
+    return now is not None and now == start
+
+
+def list_segments(directory: Path | None = None) -> list[tuple[Path, int]]:
+    """Named chunkstore segments present in the shared-memory directory, with their owner pid."""
+    d = directory or shm_dir()
+    out = []
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m:
+            out.append((d / name, int(m.group(1))))
+    return out
+
+
+def reap_dead_segments(directory: Path | None = None) -> list[Path]:
+    """Unlink segments left by processes that died during set-up; return what was removed."""
+    removed = []
+    d = directory or shm_dir()
+    for path, _pid in list_segments(d):
+        m = _NAME_RE.match(path.name)
+        assert m is not None
+        if not _owner_alive(int(m.group(1)), int(m.group(2))):
+            try:
+                path.unlink()
+                removed.append(path)
+            except FileNotFoundError:
+                pass  # another job's reaper was faster
+    return removed
+
+
+def _too_small_message(nbytes: int, free: int, d: Path) -> str:
+    return (
+        f"shared memory at {d} has {free / 2**30:.2f} GiB free but a chunkstore segment needs "
+        f"{nbytes / 2**30:.2f} GiB. Raise the limit: `mount -o remount,size=<N>G {d}` (as root), "
+        f"`docker run --shm-size=<N>g` / a Kubernetes memory-backed emptyDir in containers, "
+        f"or place fewer rows in the host tier (larger capacity_per_device, or more nodes)."
+    )
+
+
+class Segment:
+    """One mapped shared-memory segment; ``tensor`` is a flat uint8 view of it."""
+
+    def __init__(self, path: Path, nbytes: int, fd: int, owner: bool):
+        self.path = path
+        self.nbytes = nbytes
+        self.owner = owner
+        st = os.fstat(fd)
+        self.inode = (st.st_dev, st.st_ino)
+        # mmap refuses length 0; keep one page so empty tiers still have a valid mapping.
+        self._mm = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
+        self._unlinked = False
+
+    @classmethod
+    def create(cls, nbytes: int, directory: Path | None = None) -> Segment:
+        """Create and map a new segment of ``nbytes`` owned by this process (reaps dead segments first)."""
+        if nbytes < 0:
+            raise ValueError(f"segment size must be >= 0, got {nbytes}")
+        d = directory or shm_dir()
+        if not d.is_dir():
+            raise FileNotFoundError(f"shared-memory directory {d} does not exist (set TORCHHPC_SHM_DIR)")
+        reap_dead_segments(d)
+        vfs = os.statvfs(d)
+        free = vfs.f_bavail * vfs.f_frsize
+        if nbytes > free:
+            raise SharedMemoryTooSmall(_too_small_message(nbytes, free, d))
+        pid = os.getpid()
+        name = f"{PREFIX}.{pid}.{_start_time(pid) or 0}.{secrets.token_hex(6)}"
+        path = d / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+            if nbytes:
+                # Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of
+                # killing a later write with SIGBUS.
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                        vfs = os.statvfs(d)
+                        raise SharedMemoryTooSmall(
+                            _too_small_message(nbytes, vfs.f_bavail * vfs.f_frsize, d)) from e
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        return cls(path, nbytes, fd, owner=True)
+
+    @classmethod
+    def attach(cls, path: str | Path, nbytes: int) -> Segment:
+        """Map an existing segment created by a local peer."""
+        path = Path(path)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(
+                f"shared segment {path} vanished before this rank mapped it; do all ranks of the node "
+                f"see the same {path.parent}?") from e
+        return cls(path, nbytes, fd, owner=False)
+
+    def unlink(self) -> None:
+        """Remove the name (owner only); the memory stays valid while any process maps it."""
+        if self.owner and not self._unlinked:
+            self.path.unlink(missing_ok=True)
+            self._unlinked = True
+
+    def close(self) -> None:
+        """Unlink (owner) and unmap; views of the segment must have been dropped."""
+        self.unlink()
+        self.tensor = None  # type: ignore[assignment]
+        # If a caller still holds a view, the mapping goes when that view is freed.
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+
+    def __repr__(self) -> str:
+        return f"Segment({self.path.name}, {self.nbytes} B, owner={self.owner})"

@@ -1,0 +1,172 @@
+"""Single-process ChunkTensor tests: layout, shared-memory lifecycle after crashes, limits, CUDA skip."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchhpc.chunkstore import ChunkTensor, SharedMemoryTooSmall, reap_dead_segments
+from torchhpc.chunkstore.layout import plan_layout, positions_from_order
+from torchhpc.chunkstore.shm import Segment, list_segments
+from torchhpc.mpirun import local_job_env, mpiexec_argv
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _env():
+    env = local_job_env()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (SRC, env.get("PYTHONPATH")) if p)
+    env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
+    env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    return env
+
+
+def test_layout_fills_devices_evenly_then_host():
+    lay = plan_layout(100, 8, 30 * 8, [2, 2])
+    assert lay.node_starts == (0, 50, 100)
+    assert lay.device_rows == ((25, 25), (25, 25))  # capacity 30 rows but only 50 per node: split evenly
+    assert lay.host_rows(0) == 0
+    lay = plan_layout(101, 8, 10 * 8 + 7, [3])
+    assert lay.device_rows == ((10, 10, 10),) and lay.host_rows(0) == 71
+    assert lay.segment_starts(0) == [0, 10, 20, 30]
+    assert plan_layout(5, 8, 0, [2, 1]).device_rows == ((0, 0), (0,))
+    with pytest.raises(ValueError, match="smaller than one row"):
+        plan_layout(5, 8, 4, [1])
+    with pytest.raises(ValueError, match=">= 0"):
+        plan_layout(5, 8, -1, [1])
+
+
+def test_hot_order_deals_rows_over_nodes():
+    lay = plan_layout(7, 4, 0, [1, 1])
+    order = torch.tensor([6, 5, 4, 3, 2, 1, 0])
+    pos_of, id_at = positions_from_order(order, lay)
+    # hottest (6) first on node 0, second hottest (5) first on node 1 (which starts at position 4)
+    assert pos_of[6] == 0 and pos_of[5] == 4 and pos_of[4] == 1
+    assert torch.equal(id_at[pos_of], torch.arange(7))
+
+
+def test_single_process_gather_and_views():
+    t = torch.randn(50, 3)
+    with ChunkTensor(t.shape, t.dtype, 12 * 20) as ct:
+        ct.load_from_tensor(t)
+        assert torch.equal(ct.device_view(), t[:20]) and torch.equal(ct.host_view(), t[20:])
+        idx = torch.tensor([19, 20, 0, 49, 19, 20])
+        assert torch.equal(ct[idx], t[idx])
+
+
+def test_too_small_shared_memory_says_how_to_raise_it():
+    with pytest.raises(SharedMemoryTooSmall, match=r"--shm-size|remount"):
+        ChunkTensor((2**40, 64), torch.float32, 0)  # 256 TiB host tier
+    assert not [p for p, pid in list_segments() if pid == os.getpid()]
+
+
+def test_cuda_requested_without_gpu_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(RuntimeError, match="cuda"):
+        ChunkTensor((4, 4), torch.float32, 0, use_cuda=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_device_tier_gathers():
+    t = torch.randn(300, 8)
+    with ChunkTensor(t.shape, t.dtype, 100 * 32, use_cuda=True) as ct:
+        ct.load_from_tensor(t)
+        assert ct.device_view().is_cuda
+        idx = torch.randint(0, 300, (1000,))
+        assert torch.equal(ct[idx].cpu(), t[idx])
+
+
+def _wait_line(proc, want, timeout=60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        line = proc.stdout.readline()
+        if want in line:
+            return line
+        if not line and proc.poll() is not None:
+            break
+    raise AssertionError(f"child never printed {want!r}")
+
+
+def test_segment_of_a_killed_process_is_reaped():
+    """A process killed while its segment still has a name (job set-up) leaves it; the next job reaps it."""
+    code = textwrap.dedent("""
+        import sys, time
+        from torchhpc.chunkstore.shm import Segment
+        s = Segment.create(1 << 20)
+        print("READY", s.path, flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=_env())
+    path = Path(_wait_line(proc, "READY").split()[1])
+    assert path.exists()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert path.exists()  # the dead owner could not clean up
+    live = Segment.create(4096)  # creating a segment (as the next job does) reaps the dead one
+    try:
+        assert not path.exists()
+        assert reap_dead_segments() == [] and live.path.exists()  # live owners are left alone
+    finally:
+        live.close()
+    assert not live.path.exists()
+
+
+def test_killed_mpi_job_leaves_no_segments():
+    """SIGKILL the ranks of a 2-rank job holding ChunkTensors: nothing of it remains in /dev/shm."""
+    code = textwrap.dedent("""
+        import os, time, torch
+        from mpi4py import MPI
+        from torchhpc.chunkstore import ChunkTensor
+        ct = ChunkTensor((1000, 16), torch.float32, 100 * 64)
+        ct.load_from_tensor(torch.randn(1000, 16))
+        print("READY", os.getpid(), flush=True)
+        time.sleep(60)
+    """)
+    cmd = mpiexec_argv(2, [sys.executable, "-c", code])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
+                            start_new_session=True)
+    pids: set[int] = set()
+    try:
+        pids = {int(_wait_line(proc, "READY").split()[1]), int(_wait_line(proc, "READY").split()[1])}
+        # while running, the ranks map their segments but none has a name left
+        for pid in pids:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            assert "torchhpc-cs." in maps and "(deleted)" in maps
+        assert not [p for p, owner in list_segments() if owner in pids]
+    finally:
+        # a crash: the ranks die by SIGKILL (mpiexec runs each rank in its own process group)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert not [p for p, owner in list_segments() if owner in pids]
+
+
+def test_hot_order_helpers():
+    from torchhpc.chunkstore import hot_order_by_degree, hot_order_from_scores
+
+    assert torch.equal(hot_order_by_degree(torch.tensor([0, 1, 4, 4, 6])), torch.tensor([1, 3, 0, 2]))
+    assert torch.equal(hot_order_from_scores(torch.tensor([0.5, 2.0, 0.5])), torch.tensor([1, 0, 2]))
+    with pytest.raises(ValueError, match="1-D"):
+        hot_order_from_scores(torch.zeros(2, 2))
+
+
+def test_empty_shapes():
+    with ChunkTensor((0, 4), torch.float32, 0) as ct:
+        ct.load_from_tensor(torch.empty(0, 4))
+        assert ct.index(torch.empty(0, dtype=torch.int64)).shape == (0, 4)
+        with pytest.raises(IndexError, match="out of range"):
+            ct[torch.tensor([0])]
+    with ChunkTensor((5, 0), torch.int32, 0) as ct:
+        ct.load_from_tensor(torch.empty(5, 0, dtype=torch.int32))
+        assert ct[torch.tensor([4, 0])].shape == (2, 0)
