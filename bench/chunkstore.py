@@ -25,12 +25,10 @@ import argparse
 import gc
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,25 +70,13 @@ def _pss() -> int:
     return psutil.Process().memory_full_info().pss
 
 
-def _init_gloo(comm) -> None:
-    import torch.distributed as dist
-
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                            world_size=comm.size, timeout=timedelta(seconds=300))
-
-
 def worker(args: argparse.Namespace) -> None:
     """Runs on every rank under mpiexec; rank 0 prints one JSON line with the results."""
     import torch
     from mpi4py import MPI
 
     from torchhpc.chunkstore import ChunkTensor
+    from torchhpc.launcher import init_distributed
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
@@ -136,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
         tiers["other device"] = peer_ids[(rank + 1) % size]
     remote = None
     if size > 1:
-        _init_gloo(comm)
+        init_distributed(backend="gloo", timeout=300)
         remote = ChunkTensor((rows, DIM), torch.float32, 0, ranks_per_node=size // 2)
         if remote.topo.local_rank == 0:
             remote.host_view().copy_(private[remote.host_ids()])

@@ -13,9 +13,7 @@ graph.  Training is data-parallel (DDP over gloo); every rank samples its own mi
 from __future__ import annotations
 
 import argparse
-import socket
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from torchhpc.chunkstore import Block, ChunkTensor, NeighborSampler, hot_order_by_degree
+from torchhpc.launcher import init_distributed
 
 
 def generate_graph(n: int, avg_degree: int, classes: int, dim: int, seed: int):
@@ -83,17 +82,6 @@ class GraphSAGE(nn.Module):
         return x
 
 
-def init_gloo(comm: MPI.Comm) -> None:
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                            world_size=comm.size, timeout=timedelta(seconds=300))
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=1_000_000)
@@ -117,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     rank, size = comm.rank, comm.size
     own_group = not dist.is_initialized()
     if own_group:
-        init_gloo(comm)
+        init_distributed(backend="gloo", timeout=300)
     t0 = time.perf_counter()
     graph = None
     if rank == 0:  # one rank builds the graph; the others receive their rows through the shared tiers

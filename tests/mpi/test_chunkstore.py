@@ -5,8 +5,6 @@ own host segment and rows of other groups travel through torch.distributed all-t
 """
 
 import os
-import socket
-from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from torchhpc.chunkstore import ChunkTensor, hot_order_by_degree
+from torchhpc.launcher import init_distributed
 
 MPI_RANKS = (1, 2, 4)
 MPI_TIMEOUT = 120
@@ -21,14 +20,7 @@ MPI_TIMEOUT = 120
 
 @pytest.fixture(scope="module", autouse=True)
 def gloo(comm):
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=comm.rank,
-                            world_size=comm.size, timeout=timedelta(seconds=60))
+    init_distributed(backend="gloo", timeout=60)
     yield
     dist.destroy_process_group()
 
