@@ -1,4 +1,4 @@
-"""torchhpc.rehearsal under mpiexec: global sampling over one-sided reads, integrity under concurrency, state."""
+"""torchhpc.rehearsal under mpiexec: global one-sided sampling, integrity under concurrency, state."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def decode(samples: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def make(comm: MPI.Comm, **kw) -> RehearsalBuffer:
-    args = dict(num_classes=K, slots_per_class=6, num_candidates=4, num_representatives=5, sample_shapes=SHAPE,
-                sample_dtypes=torch.float64, seed=11, comm=comm)
+    args = dict(num_classes=K, slots_per_class=6, num_candidates=4, num_representatives=5,
+                sample_shapes=SHAPE, sample_dtypes=torch.float64, seed=11, comm=comm)
     args.update(kw)
     return RehearsalBuffer(**args)
 
