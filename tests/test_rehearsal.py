@@ -341,3 +341,25 @@ def test_cuda_outputs() -> None:
             assert out.samples.is_cuda and out.targets.is_cuda and out.weights.is_cuda
             check_encoded(out.samples.cpu(), out.targets.cpu(), 4)
         assert buf.storage.bytes.is_pinned()
+
+
+def test_output_memory_is_recycled_only_when_released() -> None:
+    with local_buffer() as buf:
+        kept = []
+        for step in range(8):
+            y = torch.tensor([0, 1, 2])
+            buf.accumulate(encoded_batch(y, torch.arange(3) + 3 * step), y)
+            out = buf.wait()
+            kept.append((out.samples[:3], out.targets.numpy()))  # a view and a numpy array keep memory alive
+        for step, (samples, targets) in enumerate(kept):
+            ids = check_encoded(samples, torch.from_numpy(targets[:3]), 4)
+            assert torch.equal(ids, torch.arange(3) + 3 * step), "a held batch was overwritten"
+        del kept, samples, targets, out
+        ptrs = set()
+        for step in range(8, 16):
+            y = torch.tensor([0, 1, 2])
+            buf.accumulate(encoded_batch(y, torch.arange(3) + 3 * step), y)
+            out = buf.wait()
+            ptrs.add(out.samples.data_ptr())
+            del out
+        assert len(ptrs) == 1  # released batches are reused instead of reallocated

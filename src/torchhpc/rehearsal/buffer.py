@@ -33,6 +33,20 @@ __all__ = ["AugmentedBatch", "RehearsalBuffer", "TASKS", "STAGES"]
 TASKS = ("rehearsal", "kd", "rehearsal+kd")
 STAGES = ("sampling", "remote_fetch", "copy", "update")
 _STATE_FORMAT = 1
+_POOL_SIZE = 4  # recycled output batches: one being filled, one in training, slack for a held reference
+
+
+def _storage_refs(t: torch.Tensor) -> int:
+    """How many tensors (and other holders) share ``t``'s memory; a view or numpy array adds one."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+def _no_refs(t: torch.Tensor) -> int:
+    return -1
+
+
+if not hasattr(torch._C, "_storage_Use_Count"):  # private torch API: without it, never recycle
+    _storage_refs = _no_refs  # noqa: F811
 
 
 class AugmentedBatch(NamedTuple):
@@ -200,6 +214,7 @@ class RehearsalBuffer:
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
         self.stream_seen = np.zeros(self.K, dtype=np.int64)
 
+        self._pool: list[tuple[dict[str, torch.Tensor], list[int]]] = []
         self._staging: dict[str, torch.Tensor] | None = None
         if self.device.type == "cuda":
             self._staging = self._alloc_rows(max(self.R, 1), torch.device("cpu"), pin=True)
@@ -471,6 +486,7 @@ class RehearsalBuffer:
             except BaseException as exc:  # handed to wait(), which re-raises it in the caller
                 result = exc
             self._results.put(result)
+            del req, result  # hold no reference to a handed-out batch: its memory can be recycled
 
     def _stop_worker(self) -> None:
         if self._worker.is_alive():
@@ -480,6 +496,23 @@ class RehearsalBuffer:
     def _add_time(self, stage: str, seconds: float) -> None:
         self._timings[stage] += seconds
         self._timing_counts[stage] += 1
+
+    def _output_block(self, rows: int, capacity: int) -> dict[str, torch.Tensor]:
+        """Tensors for an augmented batch of ``rows`` rows, recycled once the caller has let go of them.
+
+        Fresh multi-megabyte allocations cost far more than the copy into them (the kernel
+        maps and zeroes new pages, and unmaps them when freed), so finished batches are
+        reused, but only when no tensor anywhere still refers to their memory.
+        """
+        for block, counts in self._pool:
+            if block["label"].shape[0] >= rows and all(
+                _storage_refs(t) == c for t, c in zip(block.values(), counts, strict=True)
+            ):
+                return block
+        block = self._alloc_rows(max(rows, capacity), self.device)
+        if _storage_refs is not _no_refs and len(self._pool) < _POOL_SIZE:
+            self._pool.append((block, [_storage_refs(t) for t in block.values()]))
+        return block
 
     def _alloc_rows(self, rows: int, device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
         out = {"label": torch.empty(rows, dtype=torch.int64, device=device, pin_memory=pin)}
@@ -501,7 +534,7 @@ class RehearsalBuffer:
 
         # Destination rows: the whole augmented batch (standard) or the caller's tensors (flyweight).
         if self.mode == "standard":
-            dest = self._alloc_rows(b + m, self.device)
+            dest = self._output_block(b + m, b + self.R)
             first = b
         else:
             out = req.out
