@@ -9,16 +9,12 @@ killed at the limit and reported as a failure, never left running.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from torchhpc.mpirun import local_job_env, mpiexec_argv
+from _mpijob import run_mpi
 
 MPI_DIR = Path(__file__).parent / "mpi"
 DEFAULT_RANKS = (2, 4)
@@ -41,27 +37,6 @@ def _cases() -> list:
         for n in ranks:
             cases.append(pytest.param(path, n, timeout, id=f"{path.stem}-np{n}"))
     return cases
-
-
-def run_mpi(nprocs: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run ``argv`` under mpiexec with ``nprocs`` ranks; kill the whole job at ``timeout``."""
-    env = local_job_env()
-    # Open MPI refuses to start as root unless told; CI containers run as root.
-    env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
-    env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    cmd = mpiexec_argv(nprocs, argv)
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f}s (hung?); output:\n{out[-20000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
 @pytest.mark.parametrize(("path", "nprocs", "timeout"), _cases())

@@ -32,7 +32,7 @@ def find_mpiexec() -> str:
     return found
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mpi_flavor(mpiexec: str | None = None) -> str:
     """Return ``"openmpi"``, ``"mpich"`` or ``"unknown"`` from ``mpiexec --version``."""
     exe = mpiexec or find_mpiexec()

@@ -1,0 +1,36 @@
+# Spack recipes import their directives with `from spack.package import *` (Spack's convention).
+# ruff: noqa: F403, F405
+# torchhpc as a Spack package.  spack.yaml builds it from this checkout (its `develop:` entry), so the
+# recipe declares the version of pyproject.toml and no download source.
+import contextlib
+
+from spack.package import *
+
+# Spack >= 1.0 keeps the build-system classes in the builtin repository; Spack <= 0.23 exports PythonPackage
+# from spack.package (imported above).
+with contextlib.suppress(ImportError):
+    from spack_repo.builtin.build_systems.python import PythonPackage
+
+
+class PyTorchhpc(PythonPackage):
+    """Distributed PyTorch on HPC systems: a torch.distributed backend over MPI, distributed rehearsal
+    buffers, layer-parallel (MGRIT) training and tiered GNN feature stores."""
+
+    license("BSD-3-Clause")
+
+    version("0.1.0")
+
+    variant("cuda", default=True, description="Use a CUDA build of PyTorch (NCCL alongside MPI)")
+
+    depends_on("python@3.10:", type=("build", "run"))
+    depends_on("py-setuptools@68:", type="build")
+    depends_on("py-numpy@1.23:", type=("build", "run"))
+    depends_on("py-mpi4py@3.1:", type=("build", "run"))
+    depends_on("py-psutil@5.9:", type=("build", "run"))
+    # torch is left out of pyproject.toml on purpose (the environment provides it); here it is explicit.
+    depends_on("py-torch+distributed+mpi", type=("build", "run"))
+    depends_on("py-torch+cuda+nccl", when="+cuda", type=("build", "run"))
+    depends_on("py-torch~cuda", when="~cuda", type=("build", "run"))
+    depends_on("py-pytest@7:", type="test")
+
+    import_modules = ["torchhpc"]

@@ -1,0 +1,245 @@
+"""``torchhpc doctor``: one screen that says whether this environment is fit for distributed training.
+
+Every line is OK / WARN / FAIL and, when not OK, says what to do.  ``--json`` prints the same as JSON;
+the exit status is 1 when something FAILed (``--strict``: also when something WARNed), else 0.  Run it
+under ``mpiexec -n 2`` on GPU nodes to also prove CUDA-aware MPI with a real device-buffer transfer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+__all__ = ["Check", "run_checks", "main"]
+
+OK, WARN, FAIL = "OK", "WARN", "FAIL"
+RUNTIME_PREFIXES = ("NCCL_", "FI_", "MPICH_", "OMPI_MCA_", "UCX_", "CUDA_VISIBLE_DEVICES", "TORCHHPC_")
+AWS_OFI_LIBS = ("libnccl-net.so", "libnccl-net-ofi.so", "libnccl-net-aws-ofi.so")
+
+
+@dataclass
+class Check:
+    """One line of the report."""
+
+    name: str
+    status: str
+    value: str
+    hint: str = ""
+
+
+def _python() -> Check:
+    return Check("python", OK, f"{platform.python_version()} ({sys.executable})")
+
+
+def _torch() -> Check:
+    try:
+        import torch
+    except ImportError as exc:
+        return Check("torch", FAIL, f"not importable ({exc})", "run `make env`, or activate the built environment")
+    cuda = torch.version.cuda or "none (CPU build)"
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return Check("torch", OK, f"{torch.__version__}, CUDA {cuda}" + (f", cuDNN {cudnn}" if cudnn else ""))
+
+
+def _gpus() -> Check:
+    import torch
+
+    if not torch.cuda.is_available():
+        hint = ("this torch is a CPU build; install a CUDA build (`make build-pytorch-*` on a cluster)"
+                if torch.version.cuda is None else "no GPU visible: check CUDA_VISIBLE_DEVICES and the node type")
+        return Check("gpus", WARN, "none", hint)
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return Check("gpus", OK, f"{len(names)}: " + ", ".join(sorted(set(names))))
+
+
+def _find_libs(names: Sequence[str]) -> list[str]:
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
+    dirs += ["/usr/lib64", "/usr/lib", "/usr/local/lib", "/usr/lib/x86_64-linux-gnu"]
+    found = []
+    for d in dirs:
+        for name in names:
+            found += glob.glob(os.path.join(d, name))
+    plugin = os.environ.get("NCCL_NET_PLUGIN")
+    if plugin and os.path.isabs(plugin) and os.path.exists(plugin):
+        found.insert(0, plugin)
+    return list(dict.fromkeys(found))
+
+
+def _on_slingshot() -> bool:
+    return os.path.isdir("/sys/class/cxi") or bool(glob.glob("/dev/cxi*"))
+
+
+def _nccl() -> list[Check]:
+    import torch
+    import torch.distributed as dist
+
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return [Check("nccl", WARN, "not available (no CUDA)", "GPU training needs a CUDA build of torch with NCCL")]
+    version = ".".join(str(v) for v in torch.cuda.nccl.version())
+    checks = [Check("nccl", OK, version)]
+    net = os.environ.get("NCCL_NET", "")
+    plugins = _find_libs(AWS_OFI_LIBS)
+    value = f"NCCL_NET={net or '(unset)'}; plugin: {plugins[0] if plugins else 'not found'}"
+    if net.lower().replace(" ", "") in ("awslibfabric", "ofi") and not plugins:
+        checks.append(Check("nccl net", FAIL, value, "NCCL_NET asks for the AWS OFI plugin but no libnccl-net*.so "
+                            "is on LD_LIBRARY_PATH: run `make nccl-ofi` and source config_env.sh"))
+    elif _on_slingshot() and not plugins:
+        checks.append(Check("nccl net", WARN, value, "Slingshot NICs found but no aws-ofi-nccl plugin: NCCL falls "
+                            "back to TCP sockets and runs far slower; run `make nccl-ofi`"))
+    else:
+        checks.append(Check("nccl net", OK, value))
+    return checks
+
+
+def _mpi(probe: bool) -> list[Check]:
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        return [Check("mpi", FAIL, f"mpi4py not importable ({exc})", "run `make env` (or MPI=system MPICC=...)")]
+    from torchhpc import mpi_info
+
+    library = mpi_info.library_version().split(", package:")[0]
+    checks = [Check("mpi", OK, f"{library} (mpi4py {sys.modules['mpi4py'].__version__})")]
+    level = mpi_info.thread_level()
+    checks.append(Check("mpi threads", OK if level == "multiple" else WARN, level,
+                        "" if level == "multiple" else "accl's asynchronous ops and rehearsal's background worker "
+                        "need MPI_THREAD_MULTIPLE; use an MPI built with thread support"))
+    import torch
+
+    query = mpi_info.cuda_aware_query()
+    if not torch.cuda.is_available():
+        checks.append(Check("cuda-aware mpi", OK, f"not needed (no GPU); query: {query.supported} via {query.source}"))
+        return checks
+    text = f"query says {query.supported} via {query.source}"
+    if probe and MPI.COMM_WORLD.Get_size() >= 2:
+        result = mpi_info.cuda_aware_probe()
+        text += f"; probe: {'passed' if result.supported else 'FAILED'} ({result.source})"
+        aware = result.supported
+    else:
+        text += "; not probed (run under `mpiexec -n 2 torchhpc doctor` to test a real device transfer)"
+        aware = query.supported
+    if aware:
+        checks.append(Check("cuda-aware mpi", OK, text + "; accl passes CUDA tensors to MPI directly"))
+    else:
+        checks.append(Check("cuda-aware mpi", WARN, text + "; accl stages CUDA tensors through pinned host memory",
+                            "for GPU-direct MPI use a CUDA-aware MPI (Cray: MPICH_GPU_SUPPORT_ENABLED=1)"))
+    return checks
+
+
+def _backends() -> Check:
+    import torch.distributed as dist
+
+    have = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    try:
+        import torchhpc.accl  # noqa: F401
+
+        have["accl"] = "accl" in dist.Backend.backend_list or hasattr(dist.Backend, "ACCL")
+    except Exception:  # noqa: BLE001 -- any import failure means "not available"
+        have["accl"] = False
+    text = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in have.items())
+    if not (have["gloo"] or have["nccl"] or have["mpi"] or have["accl"]):
+        return Check("backends", FAIL, text, "this torch has no distributed backend at all")
+    if not (have["mpi"] or have["accl"]):
+        return Check("backends", WARN, text, "no MPI backend: `import torchhpc.accl` provides one")
+    return Check("backends", OK, text)
+
+
+def _libfabric() -> Check:
+    fi_info = shutil.which("fi_info")
+    if fi_info is None:
+        return Check("libfabric", OK if not _on_slingshot() else WARN, "fi_info not on PATH",
+                     "" if not _on_slingshot() else "load the libfabric module to use Slingshot")
+    try:
+        out = subprocess.run([fi_info, "-l"], capture_output=True, text=True, timeout=20, check=False).stdout
+    except subprocess.TimeoutExpired:
+        return Check("libfabric", WARN, "fi_info -l timed out", "check the libfabric installation")
+    # `fi_info -l` prints "provider:" flush left, then indented "version: x.y" lines.
+    providers = sorted({line.rstrip()[:-1] for line in out.splitlines() if line.rstrip().endswith(":")
+                        and not line[:1].isspace()})
+    return Check("libfabric", OK, "providers: " + (", ".join(providers) or "none"))
+
+
+def _site() -> Check:
+    site = os.environ.get("TORCHHPC_SITE")
+    if not site:
+        return Check("site profile", OK, "none (local environment; on a cluster, `source config_env.sh`)")
+    return Check("site profile", OK, f"{site} ({os.environ.get('TORCHHPC_SITE_PROFILE', '?')})")
+
+
+def _launcher() -> Check:
+    from torchhpc.launcher import LauncherError, world_info
+
+    try:
+        info = world_info()
+    except LauncherError as exc:
+        return Check("launcher", FAIL, str(exc), "fix the launch environment before training")
+    return Check("launcher", OK, f"{info.launcher}: rank {info.rank}/{info.world_size}, "
+                 f"local {info.local_rank}/{info.local_size}")
+
+
+def _runtime_vars() -> Check:
+    names = sorted(k for k in os.environ if k.startswith(RUNTIME_PREFIXES))
+    value = " ".join(f"{k}={os.environ[k]}" for k in names) if names else "none set"
+    return Check("runtime vars", OK, value)
+
+
+def _guard(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 -- a broken check is a finding, not a crash
+        return [Check(name, FAIL, f"check crashed: {type(exc).__name__}: {exc}", "report this as a bug")]
+    return result if isinstance(result, list) else [result]
+
+
+def run_checks(probe: bool = True) -> list[Check]:
+    """Run every check; ``probe`` allows the CUDA-aware MPI transfer test when under mpiexec with GPUs."""
+    checks = _guard("python", _python) + _guard("torch", _torch)
+    if checks[-1].status == FAIL:
+        return checks
+    checks += _guard("launcher", _launcher)
+    for name, fn in (("gpus", _gpus), ("nccl", _nccl), ("mpi", lambda: _mpi(probe)), ("backends", _backends),
+                     ("libfabric", _libfabric), ("site profile", _site), ("runtime vars", _runtime_vars)):
+        checks += _guard(name, fn)
+    return checks
+
+
+def format_report(checks: Sequence[Check]) -> str:
+    """The human-readable screen."""
+    lines = ["torchhpc doctor"]
+    for c in checks:
+        lines.append(f"[{c.status:^4}] {c.name:<15} {c.value}")
+        if c.hint:
+            lines.append(f"{'':7}{'':15} -> {c.hint}")
+    counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL)}
+    lines.append(f"{counts[OK]} OK, {counts[WARN]} WARN, {counts[FAIL]} FAIL")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point; returns the exit status scripts can test."""
+    parser = argparse.ArgumentParser(prog="torchhpc doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
+    parser.add_argument("--strict", action="store_true", help="exit 1 on WARN as well as on FAIL")
+    parser.add_argument("--no-probe", action="store_true", help="skip the CUDA-aware device-transfer probe")
+    args = parser.parse_args(argv)
+
+    checks = run_checks(probe=not args.no_probe)
+    rank = 0
+    if "mpi4py.MPI" in sys.modules:
+        rank = sys.modules["mpi4py.MPI"].COMM_WORLD.Get_rank()
+    if rank == 0:
+        print(json.dumps([asdict(c) for c in checks], indent=2) if args.json else format_report(checks))
+    bad = {FAIL, WARN} if args.strict else {FAIL}
+    return 1 if any(c.status in bad for c in checks) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

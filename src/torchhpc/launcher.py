@@ -1,0 +1,370 @@
+"""Who am I in this job: rank, local rank and sizes under every launcher HPC users meet.
+
+Launchers and the variables they set (the first that applies wins, in this order):
+
+=============  ====================================================================
+torchrun       ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` (+ ``TORCHELASTIC_RUN_ID``)
+Open MPI       ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``
+Cray PALS      ``PALS_RANKID``, ``PALS_LOCAL_RANKID``, ``PMI_SIZE``, ``PMI_LOCAL_SIZE``
+MPICH Hydra    ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``/``PMI_LOCAL_RANK``, ``MPI_LOCALNRANKS``
+MVAPICH2       ``MV2_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``
+Slurm (srun)   ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_STEP_TASKS_PER_NODE``, ``SLURM_NODEID``
+mpi4py         no variables, MPI already initialised: ``COMM_WORLD`` and a shared-memory split
+single         nothing: one process
+=============  ====================================================================
+
+Slurm variables are inherited by processes that ``mpiexec`` starts inside an allocation, so they are used only
+when no MPI launcher's variables are present.  Contradictions (two launchers naming different ranks, ``RANK >=
+WORLD_SIZE``, torchrun started under a multi-rank ``mpiexec``) raise :class:`LauncherError`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+__all__ = ["LauncherError", "WorldInfo", "world_info", "init_distributed", "agree_on_master"]
+
+
+class LauncherError(RuntimeError):
+    """The job's environment is missing, malformed or contradictory."""
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """This process's place in the job, and the launcher it was read from."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_size: int
+    launcher: str
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+# launcher name -> (rank, size, local rank candidates, local size candidates)
+_MPI_LAUNCHERS: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("pals", "PALS_RANKID", "PMI_SIZE", ("PALS_LOCAL_RANKID", "PMI_LOCAL_RANK"),
+     ("PALS_LOCAL_SIZE", "PMI_LOCAL_SIZE")),
+    ("mpich", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+     ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
+    ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
+     ("MV2_COMM_WORLD_LOCAL_RANK",), ("MV2_COMM_WORLD_LOCAL_SIZE",)),
+)
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise LauncherError(f"{name}={raw!r} is not an integer") from None
+    if value < 0:
+        raise LauncherError(f"{name}={value} is negative")
+    return value
+
+
+def _first(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
+    for name in names:
+        if name in env:
+            return _int(env, name)
+    return None
+
+
+def _validated(info: WorldInfo, source: str) -> WorldInfo:
+    if info.world_size < 1:
+        raise LauncherError(f"{source}: world size is {info.world_size}; it must be >= 1")
+    if info.rank >= info.world_size:
+        raise LauncherError(f"{source}: rank {info.rank} >= world size {info.world_size}")
+    if not 1 <= info.local_size <= info.world_size:
+        raise LauncherError(f"{source}: local size {info.local_size} is not in [1, world size {info.world_size}]")
+    if info.local_rank >= info.local_size:
+        raise LauncherError(f"{source}: local rank {info.local_rank} >= local size {info.local_size}")
+    if info.local_rank > info.rank:
+        raise LauncherError(f"{source}: local rank {info.local_rank} > rank {info.rank}")
+    return info
+
+
+def _from_torchrun(env: Mapping[str, str]) -> WorldInfo | None:
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    missing = [n for n in ("RANK", "WORLD_SIZE") if n not in env]
+    if missing:
+        raise LauncherError(f"torchrun-style variables incomplete: {', '.join(missing)} not set")
+    rank, size = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+    local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else None
+    local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else None
+    if local_rank is None:
+        local_rank, local_size = (rank, size) if size == 1 else (None, None)
+    info = WorldInfo(rank, -1 if local_rank is None else local_rank, size,
+                     -1 if local_size is None else local_size, "torchrun")
+    return info
+
+
+def _from_mpi_launchers(env: Mapping[str, str]) -> list[WorldInfo]:
+    found = []
+    for name, rank_var, size_var, lrank_vars, lsize_vars in _MPI_LAUNCHERS:
+        if rank_var not in env:
+            continue
+        if size_var not in env:
+            raise LauncherError(f"{name}: {rank_var} is set but {size_var} is not")
+        lrank, lsize = _first(env, lrank_vars), _first(env, lsize_vars)
+        found.append(WorldInfo(_int(env, rank_var), -1 if lrank is None else lrank, _int(env, size_var),
+                               -1 if lsize is None else lsize, name))
+    return found
+
+
+def _slurm_tasks_on_node(spec: str, node_id: int) -> int:
+    """Tasks on node ``node_id`` from Slurm's compressed ``2(x3),1`` tasks-per-node syntax."""
+    nodes: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            raise LauncherError(f"cannot parse Slurm tasks-per-node {spec!r}")
+        nodes += [int(match.group(1))] * int(match.group(2) or 1)
+    if node_id >= len(nodes):
+        raise LauncherError(f"SLURM_NODEID={node_id} but tasks-per-node {spec!r} lists {len(nodes)} nodes")
+    return nodes[node_id]
+
+
+def _from_slurm(env: Mapping[str, str]) -> WorldInfo | None:
+    # Only an srun step gives per-task variables; a batch script sees SLURM_PROCID=0 for the whole allocation.
+    if "SLURM_PROCID" not in env or not ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        return None
+    rank = _int(env, "SLURM_PROCID")
+    size = _int(env, "SLURM_NTASKS") if "SLURM_NTASKS" in env else _int(env, "SLURM_NPROCS")
+    local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else -1
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    node_id = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
+    local_size = _slurm_tasks_on_node(spec, node_id) if spec else -1
+    return WorldInfo(rank, local_rank, size, local_size, "slurm")
+
+
+def _mpi_initialized() -> bool:
+    mod = sys.modules.get("mpi4py.MPI")
+    return bool(mod is not None and mod.Is_initialized() and not mod.Is_finalized())
+
+
+def _from_mpi4py() -> WorldInfo:
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        return WorldInfo(world.Get_rank(), node.Get_rank(), world.Get_size(), node.Get_size(), "mpi4py")
+    finally:
+        node.Free()
+
+
+def world_info(env: Mapping[str, str] | None = None, *, use_mpi: bool | None = None) -> WorldInfo:
+    """Return rank, local rank, world size, local size and the launcher detected from ``env``.
+
+    ``use_mpi``: ask MPI (``COMM_WORLD`` and a shared-memory split) when the variables leave something out.
+    ``None`` (default) asks it only if mpi4py has already initialised MPI, so plain scripts stay MPI-free.
+    """
+    env = os.environ if env is None else env
+    if use_mpi is None:
+        use_mpi = env is os.environ and _mpi_initialized()
+
+    torchrun = _from_torchrun(env)
+    mpi = _from_mpi_launchers(env)
+    for other in mpi[1:]:
+        if (other.rank, other.world_size) != (mpi[0].rank, mpi[0].world_size):
+            raise LauncherError(
+                f"launchers disagree: {mpi[0].launcher} says rank {mpi[0].rank} of {mpi[0].world_size}, "
+                f"{other.launcher} says rank {other.rank} of {other.world_size}; "
+                "clear the stale variables or launch with one launcher"
+            )
+    if torchrun is not None and mpi:
+        m = mpi[0]
+        if "TORCHELASTIC_RUN_ID" in env and m.world_size > 1:
+            raise LauncherError(
+                f"torchrun is running under {m.launcher} mpiexec with {m.world_size} MPI ranks: every MPI rank "
+                "started its own torchrun, giving independent jobs that will deadlock or clobber each other. "
+                "Launch with `mpiexec -n N python train.py` or with `torchrun` alone, not both."
+            )
+        if "TORCHELASTIC_RUN_ID" in env:
+            mpi = []  # `mpiexec -n 1 torchrun ...`: torchrun's workers own the ranks
+        elif (torchrun.rank, torchrun.world_size) != (m.rank, m.world_size):
+            raise LauncherError(
+                f"RANK/WORLD_SIZE say rank {torchrun.rank} of {torchrun.world_size} but {m.launcher} says "
+                f"rank {m.rank} of {m.world_size}; unset RANK/WORLD_SIZE or fix the launch"
+            )
+
+    candidates = ([torchrun] if torchrun else []) + mpi
+    info = candidates[0] if candidates else _from_slurm(env)
+    if info is None:
+        if use_mpi:
+            return _validated(_from_mpi4py(), "mpi4py")
+        return WorldInfo(0, 0, 1, 1, "single")
+
+    # Fill a local rank/size the first launcher left out from another launcher, then from MPI.
+    for other in candidates[1:]:
+        if info.local_rank < 0 and other.local_rank >= 0:
+            info = replace(info, local_rank=other.local_rank)
+        if info.local_size < 0 and other.local_size >= 0:
+            info = replace(info, local_size=other.local_size)
+    if info.local_rank < 0 or info.local_size < 0:
+        if info.world_size == 1:
+            info = replace(info, local_rank=0, local_size=1)
+        elif use_mpi or (mpi and env is os.environ):
+            local = _from_mpi4py()
+            if (local.rank, local.world_size) != (info.rank, info.world_size):
+                raise LauncherError(
+                    f"{info.launcher} says rank {info.rank} of {info.world_size} but MPI_COMM_WORLD is rank "
+                    f"{local.rank} of {local.world_size}"
+                )
+            info = replace(info, local_rank=local.local_rank, local_size=local.local_size)
+        else:
+            raise LauncherError(
+                f"{info.launcher}: local rank/size not in the environment and MPI not available to find them; "
+                "set LOCAL_RANK and LOCAL_WORLD_SIZE"
+            )
+    return _validated(info, info.launcher)
+
+
+def _slurm_first_host(nodelist: str) -> str:
+    """First host name of a Slurm node list such as ``nid[001-004,010],login1``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise LauncherError(f"cannot parse SLURM_JOB_NODELIST {nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
+    """Rank 0's address and a free port, broadcast to every rank through MPI (``COMM_WORLD``).
+
+    A job on one node uses 127.0.0.1; otherwise rank 0's host name.  Fails with :class:`LauncherError`
+    if some rank does not join within ``timeout`` seconds, rather than waiting forever.
+    """
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() != info.world_size:
+        raise LauncherError(
+            f"MPI_COMM_WORLD has {world.Get_size()} ranks but the launcher says {info.world_size}"
+        )
+    buf = bytearray(512)
+    if world.Get_rank() == 0:
+        host = "127.0.0.1" if info.local_size == info.world_size else socket.gethostname()
+        text = f"{host} {_free_port()}".encode()
+        buf[: len(text)] = text
+    request = world.Ibcast([buf, MPI.BYTE], root=0)
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise LauncherError(
+                f"rank {world.Get_rank()}: no master address from rank 0 after {timeout:.0f}s; "
+                "did every rank call init_distributed()?"
+            )
+        time.sleep(0.001)
+    host, port = bytes(buf).rstrip(b"\0").decode().split()
+    return host, int(port)
+
+
+def _bind_gpu(info: WorldInfo) -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if info.local_size > count and count > 1:
+        raise LauncherError(
+            f"{info.local_size} ranks on this node but only {count} GPUs visible; "
+            "run one rank per GPU or restrict CUDA_VISIBLE_DEVICES per rank"
+        )
+    device = info.local_rank % count
+    torch.cuda.set_device(device)
+    return device
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout: datetime.timedelta | float = datetime.timedelta(minutes=10),
+    *,
+    env: Mapping[str, str] | None = None,
+) -> WorldInfo:
+    """Initialise ``torch.distributed`` from whatever launcher started this process.
+
+    ``backend`` defaults to ``nccl`` when GPUs exist, else ``gloo``; ``"accl"`` imports :mod:`torchhpc.accl`.
+    Missing ``MASTER_ADDR``/``MASTER_PORT`` are agreed on through MPI (or Slurm's node list), one GPU is bound
+    per local rank, and the result of :func:`world_info` is returned.  Calling it again is a no-op.
+    """
+    import torch
+    import torch.distributed as dist
+
+    environ = os.environ if env is None else env
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    info = world_info(environ)
+    if dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (info.rank, info.world_size):
+            raise LauncherError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the launcher says {info.rank} of {info.world_size}"
+            )
+        return info
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend.lower()
+    if backend == "accl":
+        import torchhpc.accl  # noqa: F401  (registers the backend)
+    elif backend == "mpi" and not dist.is_mpi_available():
+        raise LauncherError(
+            "backend 'mpi' needs a PyTorch built with MPI (pip wheels have none): use backend='accl' "
+            "(torchhpc's MPI backend for any PyTorch) or build PyTorch with `make build-pytorch-*`"
+        )
+    elif backend == "nccl" and not dist.is_nccl_available():
+        raise LauncherError("backend 'nccl' requested but this PyTorch has no NCCL (CPU build?)")
+
+    device = _bind_gpu(info)
+
+    if backend != "mpi" and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
+        host, port = _agree_on_master_address(info, environ, timeout.total_seconds())
+        os.environ.setdefault("MASTER_ADDR", host)
+        os.environ.setdefault("MASTER_PORT", str(port))
+    kwargs: dict = {"backend": backend, "timeout": timeout}
+    if backend != "mpi":
+        kwargs.update(rank=info.rank, world_size=info.world_size, init_method="env://")
+    if device is not None and backend == "nccl":
+        kwargs["device_id"] = torch.device("cuda", device)
+    dist.init_process_group(**kwargs)
+    return info
+
+
+def _agree_on_master_address(info: WorldInfo, env: Mapping[str, str], timeout: float) -> tuple[str, int]:
+    if info.world_size == 1:
+        return "127.0.0.1", _free_port()
+    if info.launcher in ("openmpi", "pals", "mpich", "mvapich", "mpi4py"):
+        try:
+            return agree_on_master(info, timeout)
+        except ImportError as exc:
+            raise LauncherError(f"MASTER_ADDR/MASTER_PORT are not set and mpi4py is unavailable ({exc})") from None
+    if info.launcher == "slurm" and "SLURM_JOB_NODELIST" in env:
+        port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        return _slurm_first_host(env["SLURM_JOB_NODELIST"]), port
+    raise LauncherError(
+        f"MASTER_ADDR/MASTER_PORT are not set and the {info.launcher} launcher gives no way to agree on them; "
+        "export MASTER_ADDR=<rank 0's host> MASTER_PORT=<free port>"
+    )

@@ -1,0 +1,110 @@
+"""Facts about the MPI library mpi4py is linked to: which one, thread level, CUDA-awareness.
+
+CUDA-awareness is asked of the library itself (``MPIX_Query_cuda_support`` in Open MPI and MPICH >= 4,
+``MPIX_GPU_query_support`` in MPICH >= 4), read from the runtime switch Cray-MPICH uses
+(``MPICH_GPU_SUPPORT_ENABLED``), and, because a query can lie (built with CUDA, transport without it),
+proved by :func:`cuda_aware_probe`: a real device-buffer send/recv between two ranks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+__all__ = ["CudaAwareness", "library_version", "library_path", "thread_level", "cuda_aware_query",
+           "cuda_aware_probe"]
+
+MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's type id for CUDA in MPIX_GPU_query_support
+
+
+@dataclass(frozen=True)
+class CudaAwareness:
+    """Whether the MPI takes CUDA device pointers (``None``: it cannot say) and how that was found out."""
+
+    supported: bool | None
+    source: str
+
+
+def library_version() -> str:
+    """First line of ``MPI_Get_library_version`` (e.g. ``Open MPI v5.0.11, ...``)."""
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().replace("\0", "").strip().splitlines()[0].strip()
+
+
+def thread_level() -> str:
+    """The thread support MPI granted: ``single``, ``funneled``, ``serialized`` or ``multiple``."""
+    from mpi4py import MPI
+
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    return names.get(MPI.Query_thread(), "unknown")
+
+
+def library_path() -> str | None:
+    """Path of the shared MPI library loaded into this process (after ``import mpi4py.MPI``)."""
+    from mpi4py import MPI  # noqa: F401  (loads the library)
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return None
+    for key in ("libmpi.so", "libmpi_", "libmpich", "libmpi"):
+        for path in sorted(paths):
+            if key in os.path.basename(path):
+                return path
+    return None
+
+
+def cuda_aware_query() -> CudaAwareness:
+    """Ask the MPI library (and Cray-MPICH's runtime switch) whether it is CUDA-aware."""
+    path = library_path()
+    lib = None
+    if path:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            lib = None
+    if lib is not None and hasattr(lib, "MPIX_GPU_query_support"):
+        flag = ctypes.c_int(0)
+        if lib.MPIX_GPU_query_support(ctypes.c_int(MPIX_GPU_SUPPORT_CUDA), ctypes.byref(flag)) == 0:
+            return CudaAwareness(bool(flag.value), "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)")
+    if lib is not None and hasattr(lib, "MPIX_Query_cuda_support"):
+        return CudaAwareness(bool(lib.MPIX_Query_cuda_support()), "MPIX_Query_cuda_support()")
+    if "CRAY MPICH" in library_version().upper():
+        enabled = os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1"
+        return CudaAwareness(enabled, f"MPICH_GPU_SUPPORT_ENABLED={os.environ.get('MPICH_GPU_SUPPORT_ENABLED', '')}")
+    return CudaAwareness(None, "this MPI offers no query")
+
+
+def cuda_aware_probe(comm=None, nbytes: int = 1 << 20) -> CudaAwareness:
+    """Send a CUDA buffer from rank 0 to rank 1 and check it arrived; collective over ``comm``.
+
+    Needs GPUs and at least two ranks (else ``supported=None``).  An MPI that is not CUDA-aware may crash
+    here rather than fail cleanly: that crash is the answer, and is why this probe is explicit, not implicit.
+    """
+    import torch
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm.Get_size() < 2:
+        return CudaAwareness(None, "probe needs >= 2 ranks")
+    have_gpu = torch.cuda.is_available()
+    if not all(comm.allgather(have_gpu)):
+        return CudaAwareness(None, "probe needs a GPU on every rank")
+    rank = comm.Get_rank()
+    n = nbytes // 4
+    ok = True
+    if rank in (0, 1):
+        buf = (torch.arange(n, dtype=torch.float32, device="cuda") if rank == 0
+               else torch.zeros(n, dtype=torch.float32, device="cuda"))
+        torch.cuda.synchronize()
+        if rank == 0:
+            comm.Send([buf, MPI.FLOAT], dest=1, tag=7301)
+        else:
+            comm.Recv([buf, MPI.FLOAT], source=0, tag=7301)
+            ok = bool(torch.equal(buf.cpu(), torch.arange(n, dtype=torch.float32)))
+    ok = comm.bcast(ok, root=1)
+    return CudaAwareness(ok, f"device-buffer Send/Recv of {nbytes} B between ranks 0 and 1")

@@ -1,0 +1,230 @@
+"""The cluster Makefile targets: `make -n` and DRY_RUN=1 output, PBS job scripts, and a real (local) run
+of the PyTorch build up to the patched source tree, with its stamps.
+
+PBS (qsub/qcmd), Lmod and the network are boundaries: their commands are checked as printed by DRY_RUN=1;
+the clone/patch/stamp steps run for real against a local git repository holding upstream's
+ProcessGroupMPI.cpp excerpt, tagged like PyTorch.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+UPSTREAM = ROOT / "tests" / "data" / "pytorch" / "ProcessGroupMPI.cpp.head"
+PG_MPI = "torch/csrc/distributed/c10d/ProcessGroupMPI.cpp"
+CLUSTER_TARGETS = ["cluster-versions", "build-pytorch-v%", "build-pytorch-v%-pbs", "nccl-ofi", "spack-env",
+                   "spack-install", "install-packages", "test-pbs", "clean-pytorch", "clean-pytorch-v%",
+                   "clean-nccl-ofi", "clean-cluster-envs", "clean-cluster"]
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+
+
+def make(tmp_path: Path, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess[str]:
+    """Run make in the repository root from a clean environment (no modules, no site, no conda)."""
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C",
+            "TORCHHPC_PREFIX": str(tmp_path / "build")}
+    proc = subprocess.run(["make", "--no-print-directory", *args], cwd=ROOT, env={**base, **env},
+                          capture_output=True, text=True, timeout=120)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"make {' '.join(args)}: rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_help_lists_every_cluster_target_once(tmp_path: Path) -> None:
+    out = make(tmp_path, "help").stdout
+    for target in CLUSTER_TARGETS:
+        lines = [line for line in out.splitlines() if line.split() and line.split()[0] == target]
+        assert len(lines) == 1, f"{target} missing from make help"
+        assert len(lines[0].split(None, 1)[1]) > 10, f"{target} has no help text"
+
+
+def test_versions_come_from_the_table(tmp_path: Path) -> None:
+    out = make(tmp_path, "cluster-versions").stdout.split("\n")
+    assert out[0].split()[:3] == ["torch", "torchvision", "cuda"]
+    assert any(line.split()[:2] == ["2.5.1", "0.20.1"] for line in out[1:] if line)
+
+
+def test_make_n_pbs_build_shows_submission(tmp_path: Path) -> None:
+    out = make(tmp_path, "-n", "build-pytorch-v2.5.1-pbs", "SITE=derecho").stdout
+    submit = 'PYTORCH_VERSION="2.5.1" bash utils/pbs_submit.sh --name "torchhpc-build-v2.5.1" --shape build'
+    assert submit in out
+    assert "-- make build-pytorch-v2.5.1 SITE=\"derecho\"" in out
+
+
+def test_make_n_local_build_builds_nccl_then_pytorch(tmp_path: Path) -> None:
+    lines = make(tmp_path, "-n", "build-pytorch-v2.4.1").stdout.splitlines()
+    scripts = [line.split()[-1] for line in lines]
+    assert scripts == ["utils/build_nccl-ofi-plugin.sh", "utils/build_pytorch.sh"]
+    assert all('PYTORCH_VERSION="2.4.1"' in line for line in lines)
+
+
+def job_and_submit(stdout: str) -> tuple[list[str], str]:
+    script, _, submit = stdout.partition("# submit command:\n")
+    return script.splitlines(), submit.strip()
+
+
+def test_derecho_pbs_build_dry_run_prints_job_script_and_qcmd(tmp_path: Path) -> None:
+    out = make(tmp_path, "build-pytorch-v2.5.1-pbs", "SITE=derecho", "DRY_RUN=1",
+               PBS_ACCOUNT="NTDD0001").stdout
+    script, submit = job_and_submit(out)
+    assert script[1] == "#!/bin/bash -l"
+    for directive in ("#PBS -N torchhpc-build-v2.5.1", "#PBS -A NTDD0001", "#PBS -q main",
+                      "#PBS -l select=1:ncpus=64:mpiprocs=1:ngpus=4", "#PBS -l walltime=04:00:00"):
+        assert directive in script
+    assert "set -euo pipefail" in script
+    assert f"export SITE=derecho PYTORCH_VERSION=2.5.1 TORCHHPC_PREFIX={tmp_path}/build" in script
+    assert script[-1] == f"make build-pytorch-v2.5.1 SITE=derecho TORCHHPC_PREFIX={tmp_path}/build"
+    job = f"{tmp_path}/build/jobs/torchhpc-build-v2.5.1.pbs"
+    assert submit == ("qcmd -N torchhpc-build-v2.5.1 -q main -l select=1:ncpus=64:mpiprocs=1:ngpus=4 "
+                      f"-l walltime=04:00:00 -A NTDD0001 -l job_priority=regular -- bash -l {job}")
+    assert not Path(job).exists(), "a dry run must not write the job script"
+
+
+def test_generic_pbs_dry_run_uses_blocking_qsub_and_overrides(tmp_path: Path) -> None:
+    out = make(tmp_path, "build-pytorch-v2.6.0-pbs", "SITE=generic", "DRY_RUN=1", PBS_QUEUE="gpu",
+               PBS_WALLTIME_BUILD="06:00:00", PBS_SELECT_BUILD="1:ncpus=96").stdout
+    script, submit = job_and_submit(out)
+    assert "#PBS -q gpu" in script and "#PBS -l walltime=06:00:00" in script
+    assert "#PBS -l select=1:ncpus=96" in script and not any(s.startswith("#PBS -A") for s in script)
+    assert submit == f"qsub -W block=true {tmp_path}/build/jobs/torchhpc-build-v2.6.0.pbs"
+
+
+def test_real_submission_without_account_or_qsub_fails_clearly(tmp_path: Path) -> None:
+    proc = make(tmp_path, "build-pytorch-v2.5.1-pbs", "SITE=derecho", check=False)
+    assert proc.returncode != 0 and "needs a project account" in proc.stderr
+    proc = make(tmp_path, "build-pytorch-v2.5.1-pbs", "SITE=generic", check=False)
+    assert proc.returncode != 0 and "'qsub' not found" in proc.stderr
+
+
+def test_bad_resources_are_rejected(tmp_path: Path) -> None:
+    proc = make(tmp_path, "test-pbs", "SITE=generic", "DRY_RUN=1", PBS_WALLTIME_TEST="20min", check=False)
+    assert proc.returncode != 0 and "is not HH:MM:SS" in proc.stderr
+
+
+def test_derecho_build_dry_run_shows_modules_variables_and_patch_order(tmp_path: Path) -> None:
+    cuda = tmp_path / "cuda"
+    cuda.mkdir()
+    proc = make(tmp_path, "build-pytorch-v2.5.1", "SITE=derecho", "DRY_RUN=1", NCAR_ROOT_CUDA=str(cuda))
+    out = proc.stdout
+    assert "TORCHHPC_SITE_MODULES=ncarenv/23.09 gcc/12.2.0 ncarcompilers cray-mpich/8.1.27 cuda/12.2.1" in out
+    for setting in ("USE_CUDA=1", "USE_MPI=1", "USE_DISTRIBUTED=1", "USE_SYSTEM_NCCL=1", "BLAS=MKL",
+                    "TORCH_CUDA_ARCH_LIST=8.0", "PYTORCH_BUILD_VERSION=2.5.1+torchhpc.derecho", "MAX_JOBS=64",
+                    f"NCCL_ROOT={tmp_path}/build/opt/nccl-2.21.5-ofi-derecho"):
+        assert f"\n{setting}\n" in out, setting
+    commands = [line[2:] for line in out.splitlines() if line.startswith("+ ")]
+    # NCCL + plugin first, pinned, for A100 and against Cray's libfabric.
+    nccl_clone = next(i for i, c in enumerate(commands) if "nccl.git" in c)
+    assert "--branch v2.21.5-1" in commands[nccl_clone]
+    assert any("NVCC_GENCODE=-gencode=arch=compute_80\\,code=sm_80" in c for c in commands)
+    configure = next(c for c in commands if "./configure" in c)
+    assert "--with-libfabric=/opt/cray/libfabric/1.15.2.0" in configure and f"--with-cuda={cuda}" in configure
+    assert "-Wl\\,-rpath\\,/opt/cray/libfabric/1.15.2.0/lib64" in configure
+    # Then PyTorch: clone at the tag, every patch in file-name order (checked, then applied), submodules.
+    patches = sorted((ROOT / "patches/pytorch/v2.5.1").glob("*.patch"))
+    torch_clone = next(i for i, c in enumerate(commands) if "pytorch.git" in c)
+    assert torch_clone > nccl_clone and "--branch v2.5.1" in commands[torch_clone]
+    applied = [c.split()[-1] for c in commands if "git apply" in c]
+    assert applied == [str(p) for p in patches for _ in (0, 1)]
+    first_submodule = next(i for i, c in enumerate(commands) if "git submodule update" in c)
+    last_apply = max(i for i, c in enumerate(commands) if "git apply" in c)
+    assert torch_clone < last_apply < first_submodule
+    assert any("requirements.txt mkl-static mkl-include" in c for c in commands)
+    wheel = f"setup.py bdist_wheel --dist-dir {tmp_path}/build/wheels/derecho"
+    assert any(c.endswith(wheel) for c in commands)
+    assert any(c.endswith("torch==2.5.1+torchhpc.derecho") for c in commands)
+    assert any("--branch v0.20.1" in c and "vision.git" in c for c in commands)
+    assert commands[-1].endswith("--torchvision-version 0.20.1+torchhpc.derecho --cuda 1")
+
+
+def test_unsupported_version_fails_with_the_supported_list(tmp_path: Path) -> None:
+    proc = make(tmp_path, "build-pytorch-v9.9.9", "DRY_RUN=1", check=False)
+    assert proc.returncode != 0 and "PyTorch 9.9.9 is not supported" in proc.stderr and "2.5.1" in proc.stderr
+
+
+def test_test_pbs_dry_run_two_gpu_nodes_three_backends(tmp_path: Path) -> None:
+    out = make(tmp_path, "test-pbs", "SITE=derecho", "DRY_RUN=1", PBS_ACCOUNT="NTDD0001").stdout
+    script, submit = job_and_submit(out)
+    assert "#PBS -l select=2:ncpus=64:mpiprocs=4:ngpus=4" in script and "#PBS -l walltime=00:20:00" in script
+    assert script[-1] == ("env ALL_REDUCE_TEST=tests/all_reduce_test.py BACKENDS=nccl\\,mpi\\,accl "
+                          "bash utils/run_all_reduce.sh")
+    assert submit.startswith("qcmd -N torchhpc-test-all-reduce -q main -l select=2:")
+    # What that job runs: one mpiexec per backend, 2 nodes x 4 GPUs.
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SITE": "derecho", "DRY_RUN": "1",
+           "TORCHHPC_NO_MODULES": "1"}
+    runner = subprocess.run(["bash", "utils/run_all_reduce.sh"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=60, env=env)
+    assert runner.returncode == 0, runner.stderr
+    lines = [line for line in runner.stdout.splitlines() if line.startswith("+ mpiexec")]
+    assert [line.split()[-1] for line in lines] == ["nccl", "mpi", "accl"]
+    assert all(" -n 8 -ppn 4 " in line for line in lines)
+
+
+def test_nccl_ofi_without_cuda_is_skipped_with_a_message(tmp_path: Path) -> None:
+    out = make(tmp_path, "nccl-ofi", "SITE=generic", "DRY_RUN=1", CUDA_HOME=str(tmp_path / "none")).stdout
+    assert "USE_CUDA=0" in out and "NCCL is not built" in out
+
+
+def test_install_packages_dry_run_builds_mpi4py_against_site_mpi(tmp_path: Path) -> None:
+    out = make(tmp_path, "install-packages", "SITE=generic", "DRY_RUN=1", MPICC="/opt/mpi/bin/mpicc").stdout
+    assert "+ env MPICC=/opt/mpi/bin/mpicc python -m pip install --no-binary mpi4py" in out
+    assert f"+ python -m pip install {ROOT}" in out
+
+
+def test_spack_targets(tmp_path: Path) -> None:
+    out = make(tmp_path, "spack-env", "SITE=derecho", "DRY_RUN=1").stdout
+    assert f"+ cp {ROOT}/utils/sites/derecho.spack.yaml {ROOT}/build/spack-site.yaml" in out
+    assert f"+ spack -e {ROOT} concretize --force --fresh" in out
+    out = make(tmp_path, "spack-install", "SITE=generic", "DRY_RUN=1").stdout
+    assert f"+ cp {ROOT}/utils/sites/generic.spack.yaml {ROOT}/build/spack-site.yaml" in out
+    concretize = out.index(f"+ spack -e {ROOT} concretize")
+    assert out.index(f"+ spack -e {ROOT} install --fail-fast") > concretize
+    if shutil.which("spack") is None:
+        proc = make(tmp_path, "spack-env", "SITE=derecho", check=False)
+        assert proc.returncode != 0 and "no 'spack' command" in proc.stderr
+
+
+def test_clean_targets_only_touch_the_build_prefix(tmp_path: Path) -> None:
+    for target in ("clean-pytorch", "clean-pytorch-v2.5.1", "clean-nccl-ofi", "clean-cluster-envs",
+                   "clean-cluster"):
+        for line in make(tmp_path, "-n", target).stdout.splitlines():
+            paths = re.findall(r'"([^"]+)"', line)
+            assert paths and all(p.startswith(f"{tmp_path}/build") for p in paths), line
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_local_build_clones_patches_and_skips_finished_steps(tmp_path: Path) -> None:
+    """A real run up to the patched tree: clone from a local 'upstream' tag, git apply, stamps, re-run."""
+    upstream = tmp_path / "upstream"
+    (upstream / PG_MPI).parent.mkdir(parents=True)
+    shutil.copy(UPSTREAM, upstream / PG_MPI)
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "init.defaultBranch=main"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "upstream"], ["tag", "v2.5.1"]):
+        subprocess.run([*git, *cmd], cwd=upstream, check=True, capture_output=True, timeout=30)
+    env = {"PYTORCH_GIT": f"file://{upstream}", "CUDA_HOME": str(tmp_path / "nocuda"), "ENV_KIND": "venv",
+           "TORCHHPC_VENV_ARGS": "--without-pip", "STOP_AFTER": "patches"}
+    first = make(tmp_path, "build-pytorch-v2.5.1", "SITE=generic", **env)
+    src = tmp_path / "build/src/pytorch-v2.5.1"
+    patched = (src / PG_MPI).read_text()
+    assert "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA" in patched
+    assert "STOP_AFTER=patches: stopping here" in first.stdout
+    stamps = tmp_path / "build/stamps"
+    assert (stamps / "pytorch-v2.5.1.clone").read_text().strip() == "v2.5.1"
+    assert (tmp_path / "build/envs/torch-2.5.1-generic/etc/torchhpc/activate.sh").is_file()
+
+    second = make(tmp_path, "build-pytorch-v2.5.1", "SITE=generic", **env)
+    assert "already cloned" in second.stdout and "already applied" in second.stdout
+    assert (src / PG_MPI).read_text() == patched
+
+    (stamps / "pytorch-v2.5.1.patches").write_text("an older patch set\n")
+    third = make(tmp_path, "build-pytorch-v2.5.1", "SITE=generic", check=False, **env)
+    assert third.returncode != 0 and "make clean-pytorch-v2.5.1" in third.stderr
+
+    make(tmp_path, "clean-pytorch-v2.5.1")
+    assert not src.exists() and not list(stamps.glob("pytorch-v2.5.1.*"))

@@ -1,0 +1,241 @@
+"""spack.yaml, the per-site Spack files, repo.yaml and the recipes in packages/.
+
+With a `spack` command on PATH, Spack itself validates the environment and the recipes. Without one (CI,
+this machine) the YAML is read with a small parser for the block-style subset these files use, and the
+recipes are imported against a minimal stand-in for `spack.package` that only records directive calls:
+enough to see what each recipe declares, nothing more (Spack is the boundary we cannot run here).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+SITES = sorted(p.stem for p in (ROOT / "utils" / "sites").glob("*.sh"))
+
+
+def parse_block_yaml(text: str) -> Any:
+    """Parse block-style YAML (mappings, `- ` sequences, plain scalars, comments); no flow style."""
+    lines = []
+    for raw in text.splitlines():
+        stripped = raw.split(" #")[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        if stripped.strip():
+            assert "\t" not in raw[: len(raw) - len(raw.lstrip())], "tabs in indentation"
+            lines.append((len(stripped) - len(stripped.lstrip()), stripped.strip()))
+
+    def block(i: int, indent: int) -> tuple[Any, int]:
+        if lines[i][1].startswith("- "):
+            seq = []
+            while i < len(lines) and lines[i][0] == indent and lines[i][1].startswith("- "):
+                item = lines[i][1][2:]
+                if ":" in item and not item.endswith(":") and ": " in item:
+                    # "- key: value" opens a mapping whose other keys sit at indent + 2
+                    lines[i] = (indent + 2, item)
+                    value, i = block(i, indent + 2)
+                    seq.append(value)
+                else:
+                    seq.append(item)
+                    i += 1
+            return seq, i
+        mapping: dict[str, Any] = {}
+        while i < len(lines) and lines[i][0] == indent:
+            key, sep, rest = lines[i][1].partition(":")
+            assert sep, f"not a mapping line: {lines[i][1]!r}"
+            assert key not in mapping, f"duplicate key {key}"
+            if rest.strip():
+                mapping[key] = rest.strip()
+                i += 1
+            elif i + 1 < len(lines) and lines[i + 1][0] >= indent:
+                nxt = lines[i + 1][0]
+                if nxt == indent and lines[i + 1][1].startswith("- "):
+                    mapping[key], i = block(i + 1, indent)
+                else:
+                    assert nxt > indent, f"empty value for {key}"
+                    mapping[key], i = block(i + 1, nxt)
+            else:
+                mapping[key] = None
+                i += 1
+        return mapping, i
+
+    value, end = block(0, lines[0][0])
+    assert end == len(lines), f"could not parse line {lines[end][1]!r}"
+    return value
+
+
+def read_yaml(path: Path) -> Any:
+    return parse_block_yaml(path.read_text())
+
+
+def test_block_yaml_parser_on_a_known_document() -> None:
+    doc = "a:\n  b: 1\n  c:\n  - x\n  - k: v\n    m: n\n# note\nd: e  # trailing\n"
+    assert parse_block_yaml(doc) == {"a": {"b": "1", "c": ["x", {"k": "v", "m": "n"}]}, "d": "e"}
+
+
+def test_spack_yaml_describes_the_whole_stack() -> None:
+    env = read_yaml(ROOT / "spack.yaml")["spack"]
+    assert env["include"] == ["build/spack-site.yaml"]
+    assert env["repos"] == ["."]
+    names = {spec.split("@")[0].split()[0]: spec for spec in env["specs"]}
+    for needed in ("python", "py-torch", "nccl", "aws-ofi-nccl", "libfabric", "mochi-thallium", "mochi-margo",
+                   "mercury", "argobots", "xbraid", "py-mpi4py", "py-pybind11", "py-torchhpc"):
+        assert needed in names, f"{needed} missing from spack.yaml specs"
+    torch = names["py-torch"].split()
+    assert {"+cuda", "+mpi", "+nccl", "+distributed"} <= set(torch)
+    version = torch[0].split("@")[1]
+    table = (ROOT / "utils/pytorch_versions.tsv").read_text()
+    assert f"\n{version}\t" in table, "spack.yaml's py-torch must be a supported version"
+    assert env["develop"]["py-torchhpc"]["path"] == "."
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert env["develop"]["py-torchhpc"]["spec"] == f"py-torchhpc@={pyproject['project']['version']}"
+    assert env["packages"]["mercury"]["require"] == ["+ofi"]
+    assert env["view"]["default"]["root"] == "build/spack-view"
+
+
+@pytest.mark.parametrize("site", SITES)
+def test_every_site_has_a_spack_file(site: str) -> None:
+    packages = read_yaml(ROOT / f"utils/sites/{site}.spack.yaml")["packages"]
+    assert any(v.startswith("cuda_arch=") for v in packages["all"]["variants"])
+    assert "require" in packages["mpi"]
+
+
+def test_derecho_spack_file_uses_the_cray_stack_as_externals() -> None:
+    packages = read_yaml(ROOT / "utils/sites/derecho.spack.yaml")["packages"]
+    assert packages["mpi"]["require"] == ["cray-mpich"] and packages["mpi"]["buildable"] == "false"
+    for name in ("cray-mpich", "libfabric", "cuda", "openpbs"):
+        assert packages[name]["buildable"] == "false"
+        ext = packages[name]["externals"][0]
+        assert ext["spec"].startswith(f"{name}@") and ext["prefix"].startswith("/")
+    assert "fabrics=cxi" in packages["libfabric"]["externals"][0]["spec"]
+    # Same GPU architecture as the Makefile route (TORCH_CUDA_ARCH_LIST in utils/sites/derecho.sh).
+    profile = (ROOT / "utils/sites/derecho.sh").read_text()
+    arch = profile.split('SITE_TORCH_CUDA_ARCH_LIST="')[1].split('"')[0]
+    assert packages["all"]["variants"] == [f"cuda_arch={arch.replace('.', '')}"]
+    assert "cray-mpich/8.1.27" in profile
+    assert packages["cray-mpich"]["externals"][0]["spec"] == "cray-mpich@8.1.27"
+
+
+def test_repo_yaml_makes_the_root_a_spack_repo() -> None:
+    assert read_yaml(ROOT / "repo.yaml") == {"repo": {"namespace": "torchhpc"}}
+    recipes = sorted(p.parent.name for p in (ROOT / "packages").glob("*/package.py"))
+    assert recipes == ["py-torch", "py-torchhpc"]
+
+
+# --- recipes against a stand-in spack.package ----------------------------------------------------------
+
+DIRECTIVES = ("version", "variant", "depends_on", "patch", "conflicts", "license", "maintainers", "requires",
+              "extends", "provides", "resource")
+
+
+def _directive(name: str):
+    def record(*args: Any, **kwargs: Any) -> None:
+        sys._getframe(1).f_locals.setdefault("_directives", []).append((name, args, kwargs))
+
+    return record
+
+
+@pytest.fixture()
+def spack_standin(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """`spack.package` with recording directives and empty build-system bases; a builtin py-torch."""
+    spack = types.ModuleType("spack")
+    package = types.ModuleType("spack.package")
+
+    class PackageBase:
+        pass
+
+    class PythonPackage(PackageBase):
+        pass
+
+    class CudaPackage(PackageBase):
+        pass
+
+    package.PythonPackage, package.CudaPackage = PythonPackage, CudaPackage
+    for name in DIRECTIVES:
+        setattr(package, name, _directive(name))
+    package.__all__ = ["PythonPackage", "CudaPackage", *DIRECTIVES]
+    builtin_torch = types.ModuleType("spack.pkg.builtin.py_torch")
+
+    class PyTorch(PythonPackage, CudaPackage):
+        """Stand-in for Spack's builtin recipe."""
+
+    builtin_torch.PyTorch = PyTorch
+    for name, module in (("spack", spack), ("spack.package", package), ("spack.pkg", types.ModuleType("x")),
+                         ("spack.pkg.builtin", types.ModuleType("y")),
+                         ("spack.pkg.builtin.py_torch", builtin_torch)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return builtin_torch
+
+
+def load_recipe(name: str) -> types.ModuleType:
+    path = ROOT / "packages" / name / "package.py"
+    spec = importlib.util.spec_from_file_location(f"torchhpc_recipe_{name.replace('-', '_')}", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def directives(cls: type, kind: str) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    return [(a, k) for n, a, k in cls.__dict__.get("_directives", []) if n == kind]
+
+
+def test_py_torch_recipe_extends_builtin_and_patches_every_supported_version(
+    spack_standin: types.ModuleType,
+) -> None:
+    recipe = load_recipe("py-torch").PyTorch
+    assert issubclass(recipe, spack_standin.PyTorch) and recipe is not spack_standin.PyTorch
+    declared = [(k["when"], (ROOT / "packages/py-torch" / a[0]).resolve())
+                for a, k in directives(recipe, "patch")]
+    expected = []
+    for line in (ROOT / "utils/pytorch_versions.tsv").read_text().splitlines():
+        cols = line.split("\t")
+        if line.startswith("#") or cols[0] == "torch" or not line.strip():
+            continue
+        for patch in sorted((ROOT / "patches/pytorch" / cols[6]).glob("*.patch")):
+            expected.append((f"@{cols[0]}", patch.resolve()))
+    assert declared == expected and expected
+    assert all(path.is_file() for _, path in declared)
+    conflicts = [a[0] for a, _ in directives(recipe, "conflicts")]
+    assert "~distributed" in conflicts and "~mpi" in conflicts
+    assert not hasattr(recipe, "_version") and not hasattr(recipe, "_patch")
+
+
+def test_py_torchhpc_recipe_declares_what_pyproject_needs(spack_standin: types.ModuleType) -> None:
+    recipe = load_recipe("py-torchhpc").PyTorchhpc
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert [a[0] for a, _ in directives(recipe, "version")] == [pyproject["version"]]
+    assert [a[0] for a, _ in directives(recipe, "variant")] == ["cuda"]
+    deps = {a[0].split("@")[0].split("+")[0].split("~")[0]: (a[0], k)
+            for a, k in directives(recipe, "depends_on")}
+    for requirement in pyproject["dependencies"]:
+        name = "py-" + requirement.split(">")[0].split("=")[0].split("<")[0].strip().lower()
+        low = requirement.split(">=")[1] if ">=" in requirement else None
+        assert name in deps, f"{name} (from pyproject) missing from the recipe"
+        assert "run" in deps[name][1]["type"]
+        if low:
+            assert deps[name][0] == f"{name}@{low}:"
+    python_low = pyproject["requires-python"].removeprefix(">=")
+    assert deps["python"][0] == f"python@{python_low}:"
+    torch_specs = [a[0] for a, _ in directives(recipe, "depends_on") if a[0].startswith("py-torch")]
+    assert "py-torch+distributed+mpi" in torch_specs and "py-torch+cuda+nccl" in torch_specs
+    assert recipe.import_modules == ["torchhpc"]
+
+
+@pytest.mark.skipif(shutil.which("spack") is None,
+                    reason="no `spack` command on PATH: Spack validation skipped")
+def test_spack_validates_environment_and_recipes(tmp_path: Path) -> None:
+    (ROOT / "build").mkdir(exist_ok=True)
+    shutil.copy(ROOT / "utils/sites/generic.spack.yaml", ROOT / "build/spack-site.yaml")
+    for cmd in (["spack", "-e", str(ROOT), "config", "get", "packages"],
+                ["spack", "-e", str(ROOT), "info", "py-torchhpc"],
+                ["spack", "-e", str(ROOT), "info", "py-torch"]):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,0 +1,87 @@
+"""torchhpc doctor: the report, its JSON form, exit statuses, and the checks that read the environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchhpc import doctor
+
+
+def run_doctor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "PALS_"))}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "torchhpc", "doctor", *args], capture_output=True, text=True,
+                          env=full_env, timeout=120, check=False)
+
+
+def test_report_lines_and_exit_status() -> None:
+    res = run_doctor()
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "torchhpc doctor"
+    for name in ("python", "torch", "launcher", "gpus", "mpi", "mpi threads", "cuda-aware mpi", "backends",
+                 "libfabric", "site profile", "runtime vars"):
+        assert any(line[7:].startswith(name + " ") for line in lines if line.startswith("[")), name
+    for line in lines[1:-1]:
+        assert line.startswith(("[ OK ]", "[WARN]", "[FAIL]", " ")), line
+    assert lines[-1].endswith("FAIL")
+
+
+def test_json_matches_and_strict_fails_on_warnings() -> None:
+    res = run_doctor("--json")
+    checks = json.loads(res.stdout)
+    assert {c["status"] for c in checks} <= {"OK", "WARN", "FAIL"}
+    assert all(c["hint"] for c in checks if c["status"] != "OK"), "every WARN/FAIL says what to do"
+    by_name = {c["name"]: c for c in checks}
+    assert by_name["mpi"]["status"] == "OK" and "MPI" in by_name["mpi"]["value"]
+    strict = run_doctor("--strict")
+    has_warn = any(c["status"] == "WARN" for c in checks)
+    assert strict.returncode == (1 if has_warn else 0)
+
+
+def test_contradictory_launch_is_a_failure() -> None:
+    res = run_doctor("--json", env={"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    assert res.returncode == 1
+    launcher = next(c for c in json.loads(res.stdout) if c["name"] == "launcher")
+    assert launcher["status"] == "FAIL" and "rank 3 >= world size 2" in launcher["value"]
+
+
+def test_site_profile_and_runtime_variables_are_reported() -> None:
+    res = run_doctor("--json", env={"TORCHHPC_SITE": "derecho", "TORCHHPC_SITE_PROFILE": "/x/derecho.sh",
+                                    "NCCL_SOCKET_IFNAME": "hsn", "FI_CXI_DISABLE_HOST_REGISTER": "1"})
+    checks = {c["name"]: c for c in json.loads(res.stdout)}
+    assert checks["site profile"]["value"] == "derecho (/x/derecho.sh)"
+    assert "NCCL_SOCKET_IFNAME=hsn" in checks["runtime vars"]["value"]
+    assert "FI_CXI_DISABLE_HOST_REGISTER=1" in checks["runtime vars"]["value"]
+
+
+def test_plugin_search_follows_ld_library_path(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "libnccl-net.so").write_bytes(b"")
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"/nonexistent:{tmp_path}")
+    assert doctor._find_libs(doctor.AWS_OFI_LIBS) == [str(tmp_path / "libnccl-net.so")]
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/nonexistent")
+    assert not any(str(tmp_path) in p for p in doctor._find_libs(doctor.AWS_OFI_LIBS))
+
+
+def test_fi_info_providers_are_parsed(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in fi_info printing the real `fi_info -l` layout (no libfabric on this machine).
+    fake = tmp_path / "fi_info"
+    listing = "cxi:\\n    version: 0.1\\ntcp:\\n    version: 0.1\\nshm:\\n    version: 1\\n"
+    fake.write_text(f"#!/bin/sh\nprintf '{listing}'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    check = doctor._libfabric()
+    assert check.status == "OK" and check.value == "providers: cxi, shm, tcp"
+
+
+def test_a_crashing_check_is_reported_not_raised() -> None:
+    def boom() -> doctor.Check:
+        raise RuntimeError("kaput")
+
+    [check] = doctor._guard("thing", boom)
+    assert check.status == "FAIL" and "kaput" in check.value

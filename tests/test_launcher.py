@@ -1,0 +1,126 @@
+"""torchhpc.launcher: every launcher's variables, malformed and contradictory environments."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchhpc.launcher import LauncherError, WorldInfo, _slurm_first_host, _slurm_tasks_on_node, world_info
+
+
+def info(env: dict[str, str]) -> WorldInfo:
+    return world_info(env, use_mpi=False)
+
+
+def test_no_launcher_is_a_single_process() -> None:
+    assert info({}) == WorldInfo(0, 0, 1, 1, "single")
+
+
+def test_torchrun() -> None:
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "x"}
+    assert info(env) == WorldInfo(5, 1, 8, 4, "torchrun")
+
+
+def test_torchrun_single_process_without_local_variables() -> None:
+    assert info({"RANK": "0", "WORLD_SIZE": "1"}) == WorldInfo(0, 0, 1, 1, "torchrun")
+
+
+def test_open_mpi() -> None:
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert info(env) == WorldInfo(3, 1, 4, 2, "openmpi")
+
+
+def test_mpich_hydra() -> None:
+    env = {"PMI_RANK": "6", "PMI_SIZE": "8", "MPI_LOCALRANKID": "2", "MPI_LOCALNRANKS": "4"}
+    assert info(env) == WorldInfo(6, 2, 8, 4, "mpich")
+
+
+def test_cray_pals_also_sets_pmi() -> None:
+    env = {"PALS_RANKID": "7", "PALS_LOCAL_RANKID": "3", "PALS_NODEID": "1", "PMI_RANK": "7", "PMI_SIZE": "8",
+           "PMI_LOCAL_RANK": "3", "PMI_LOCAL_SIZE": "4"}
+    assert info(env) == WorldInfo(7, 3, 8, 4, "pals")
+
+
+def test_mvapich() -> None:
+    env = {"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2",
+           "MV2_COMM_WORLD_LOCAL_RANK": "1", "MV2_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert info(env) == WorldInfo(1, 1, 2, 2, "mvapich")
+
+
+def test_slurm_srun_step() -> None:
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+           "SLURM_STEP_ID": "0", "SLURM_STEP_TASKS_PER_NODE": "2(x2),3"}
+    assert info(env) == WorldInfo(5, 1, 7, 3, "slurm")
+
+
+def test_slurm_batch_script_is_not_a_launch() -> None:
+    # sbatch's batch step: SLURM_PROCID=0 and SLURM_NTASKS=N, but only one process runs the script.
+    assert info({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"}).launcher == "single"
+
+
+def test_mpi_launcher_wins_over_inherited_slurm_variables() -> None:
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "1", "SLURM_LOCALID": "0",
+           "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert info(env) == WorldInfo(3, 1, 4, 2, "openmpi")
+
+
+def test_torchrun_variables_consistent_with_mpi_are_accepted() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert info(env) == WorldInfo(1, 1, 2, 2, "torchrun")
+
+
+def test_local_rank_filled_from_a_second_launcher() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+    assert info(env) == WorldInfo(1, 0, 2, 1, "torchrun")
+
+
+def test_torchrun_under_mpiexec_is_refused() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "j",
+           "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}
+    with pytest.raises(LauncherError, match="torchrun is running under openmpi mpiexec with 4 MPI ranks"):
+        info(env)
+
+
+def test_torchrun_single_mpi_rank_is_allowed() -> None:
+    # `mpiexec -n 1 torchrun ...` on one node is legitimate: torchrun owns the ranks.
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "j",
+           "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1"}
+    assert info(env).launcher == "torchrun"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, "rank 4 >= world size 4"),
+        ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}, "world size is 0"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK=-1 is negative"),
+        ({"RANK": "0"}, "WORLD_SIZE not set"),
+        ({"WORLD_SIZE": "2"}, "RANK not set"),
+        ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"}, "local rank 2 >= local size 2"),
+        ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}, "local size 8 is not in"),
+        ({"RANK": "1", "WORLD_SIZE": "4"}, "local rank/size not in the environment"),
+        ({"OMPI_COMM_WORLD_RANK": "0"}, "OMPI_COMM_WORLD_SIZE is not"),
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PMI_RANK": "1", "PMI_SIZE": "2"}, "launchers disagree"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"},
+         "RANK/WORLD_SIZE say rank 0 of 2 but openmpi says rank 1 of 2"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "0",
+          "SLURM_STEP_TASKS_PER_NODE": "two"}, "cannot parse Slurm tasks-per-node"),
+    ],
+)
+def test_bad_and_contradictory_environments(env: dict[str, str], message: str) -> None:
+    with pytest.raises(LauncherError, match=message):
+        info(env)
+
+
+def test_slurm_helpers() -> None:
+    assert _slurm_tasks_on_node("4(x2),1", 1) == 4
+    assert _slurm_tasks_on_node("4(x2),1", 2) == 1
+    with pytest.raises(LauncherError, match="lists 3 nodes"):
+        _slurm_tasks_on_node("4(x2),1", 3)
+    assert _slurm_first_host("nid[001-004,010],login1") == "nid001"
+    assert _slurm_first_host("node7") == "node7"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Install torchhpc into the site's build environment (config_env.sh creates and activates it), with
+# mpi4py compiled against the site's MPI (never a PyPI MPI wheel, which would not use the interconnect).
+# Called by `make install-packages`; torch itself comes from `make build-pytorch-vX.Y.Z` and is never
+# replaced here (torchhpc does not depend on torch in its metadata).
+#
+#   [SITE=...] [PYTORCH_VERSION=X.Y.Z] [DRY_RUN=1] utils/install_packages.sh
+set -euo pipefail
+# shellcheck source=utils/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+load_config
+
+step "mpi4py against ${MPICC:-<no mpicc>} into $TORCHHPC_ENV_PREFIX"
+[[ -n "${MPICC:-}" || "$DRY_RUN" == 1 ]] || die "no MPI compiler wrapper (mpicc) in site '$TORCHHPC_SITE'"
+run env MPICC="${MPICC:-mpicc}" python -m pip install --no-binary mpi4py --no-cache-dir "mpi4py>=3.1"
+
+step "torchhpc from $TORCHHPC_ROOT"
+run python -m pip install "$TORCHHPC_ROOT"
+run python -c "import mpi4py, torchhpc; print('torchhpc', torchhpc.__file__); print(mpi4py.get_config())"

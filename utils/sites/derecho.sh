@@ -1,0 +1,83 @@
+# shellcheck shell=bash disable=SC2034  # SITE_* are read by config_env.sh, which sources this file
+# Site profile "derecho": NCAR Derecho (HPE Cray EX, Slingshot 11, 4x A100-40GB per GPU node, PBS Pro).
+# The names this file must define are listed in utils/sites/generic.sh.
+
+site_matches() {
+  [[ "${NCAR_HOST:-}" == derecho ]] && return 0
+  case "$(hostname 2>/dev/null)" in derecho* | dec[0-9]* | deg[0-9]*) return 0 ;; esac
+  return 1
+}
+
+SITE_DESCRIPTION="NCAR Derecho: gcc 12 + cray-mpich 8 + CUDA 12.2, A100 (sm_80), Slingshot/CXI libfabric, PBS Pro (qcmd)"
+# Cray PE modules; ncarcompilers lets plain gcc/mpicc find the module headers and libraries.
+SITE_MODULES=(ncarenv/23.09 gcc/12.2.0 ncarcompilers cray-mpich/8.1.27 cuda/12.2.1 cudnn/9.2.0.82-12
+              mkl/2024.0.0 conda/latest)
+SITE_MODULE_PURGE=1
+SITE_ENV_KIND="conda"
+SITE_SUBMIT="qcmd"
+# No default account: every Derecho job must name its project code (PBS_ACCOUNT=XXXX0000).
+SITE_PBS_ACCOUNT=""
+SITE_PBS_ACCOUNT_REQUIRED=1
+SITE_PBS_QUEUE=main
+# Builds run on one GPU node (64 cores, 4 A100s) so the CUDA kernels compile on the target hardware.
+SITE_PBS_SELECT_BUILD="1:ncpus=64:mpiprocs=1:ngpus=4"
+SITE_PBS_WALLTIME_BUILD="04:00:00"
+SITE_PBS_SELECT_TEST="2:ncpus=64:mpiprocs=4:ngpus=4"
+SITE_PBS_WALLTIME_TEST="00:20:00"
+SITE_PBS_EXTRA="-l job_priority=regular"
+SITE_GPUS_PER_NODE=4
+
+site_configure() {
+  SITE_CC=$(command -v gcc || true)
+  SITE_CXX=$(command -v g++ || true)
+  SITE_MPICC=${MPICC:-$(command -v mpicc || true)}
+  SITE_MPICXX=${MPICXX:-$(command -v mpicxx || true)}
+  # NCAR modules export NCAR_ROOT_<PACKAGE>; fall back to CUDA_HOME when run outside the module system.
+  SITE_CUDA_HOME=${NCAR_ROOT_CUDA:-${CUDA_HOME:-}}
+  SITE_CUDNN_ROOT=${NCAR_ROOT_CUDNN:-${CUDNN_ROOT:-}}
+  SITE_TORCH_CUDA_ARCH_LIST="8.0"
+  SITE_LIBFABRIC_ROOT=/opt/cray/libfabric/1.15.2.0
+  SITE_GDRCOPY_ROOT=/usr
+  SITE_BLAS=MKL
+  SITE_MAX_JOBS=64
+  # With MPICH_GPU_SUPPORT_ENABLED=1 Cray MPICH aborts in MPI_Init unless the GPU transport layer (GTL) is
+  # linked into the program; python is not, so link it into libtorch (and mpi4py) here, kept with
+  # --no-as-needed because nothing references its symbols directly.
+  local gtl="${CRAY_MPICH_ROOTDIR:-/opt/cray/pe/mpich/8.1.27}/gtl/lib"
+  if [[ -e "$gtl/libmpi_gtl_cuda.so" ]]; then
+    TORCHHPC_GTL_LDFLAGS="-L$gtl -Wl,-rpath,$gtl -Wl,--no-as-needed -lmpi_gtl_cuda -Wl,--as-needed"
+    case " ${LDFLAGS:-} " in *" -lmpi_gtl_cuda "*) ;; *) export LDFLAGS="${LDFLAGS:+$LDFLAGS }$TORCHHPC_GTL_LDFLAGS" ;; esac
+  fi
+  # gcc 12 warns (as errors in some third_party targets) on code PyTorch does not own.
+  local quiet="-Wno-maybe-uninitialized -Wno-uninitialized -Wno-nonnull"
+  case " ${CFLAGS:-} " in *" $quiet "*) ;; *) export CFLAGS="${CFLAGS:+$CFLAGS }$quiet" ;; esac
+  case " ${CXXFLAGS:-} " in *" $quiet "*) ;; *) export CXXFLAGS="${CXXFLAGS:+$CXXFLAGS }$quiet" ;; esac
+}
+
+site_runtime_env() {
+  cat <<HOOK
+# Cray MPICH: accept CUDA device buffers (GPU-aware MPI). The patched ProcessGroupMPI asks MPICH for this.
+export MPICH_GPU_SUPPORT_ENABLED=1
+# Cray MPICH: each rank uses the Slingshot NIC nearest to its GPU.
+export MPICH_OFI_NIC_POLICY=GPU
+# libfabric: memory-registration cache monitor; NCCL can deadlock with the default (memhooks) per HPE.
+export FI_MR_CACHE_MONITOR=userfaultfd
+# libfabric CXI: stop the provider registering host memory through CUDA calls (another NCCL deadlock).
+export FI_CXI_DISABLE_HOST_REGISTER=1
+# libfabric CXI: completion queue sized for large jobs (provider default 1024; HPE recommends 131072).
+export FI_CXI_DEFAULT_CQ_SIZE=131072
+# NCCL: use the AWS OFI plugin over libfabric and fail loudly if it cannot load, instead of silently
+# falling back to TCP sockets (which is how NCCL performance collapses on Slingshot).
+export NCCL_NET="AWS Libfabric"
+# NCCL: bootstrap and socket traffic on the Slingshot interfaces hsn0..hsn3, never the management network.
+export NCCL_SOCKET_IFNAME=hsn
+# NCCL: allow a ring to leave a node on a different NIC than it entered (better on 4-NIC nodes).
+export NCCL_CROSS_NIC=1
+# NCCL: GPUDirect RDMA whenever GPU and NIC share a PCIe host bridge.
+export NCCL_NET_GDR_LEVEL=PHB
+# NCCL: warnings and errors only (INFO shows the chosen transport, e.g. "NET/AWS Libfabric").
+export NCCL_DEBUG=WARN
+# Our NCCL and its plugin (libnccl-net.so) first, before the copies other modules put on the path.
+export LD_LIBRARY_PATH="${NCCL_OFI_PREFIX}/lib:${NCCL_OFI_PREFIX}/plugin/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+HOOK
+}
