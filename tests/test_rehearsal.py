@@ -363,3 +363,14 @@ def test_output_memory_is_recycled_only_when_released() -> None:
             ptrs.add(out.samples.data_ptr())
             del out
         assert len(ptrs) == 1  # released batches are reused instead of reallocated
+
+
+def test_launcher_world_must_match_mpi_world(monkeypatch) -> None:
+    """torchrun-style variables for 2 processes while MPI sees one: global sampling would be a lie."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="says rank 0 of 2 but MPI.COMM_WORLD is rank 0 of 1"):
+        RehearsalBuffer(2, 2, 1, 1, (1,))
+    local_buffer().close()  # local sampling does not care

@@ -87,6 +87,23 @@ def _as_shapes(sample_shapes: Any) -> list[tuple[int, ...]]:
     return shapes
 
 
+def _check_launcher(rank: int, size: int) -> None:
+    """Refuse a job whose launcher started more processes than MPI connects (e.g. torchrun, no mpiexec).
+
+    Each process would then be an MPI world of its own and "global" sampling would silently
+    stay local.
+    """
+    from torchhpc.launcher import world_info
+
+    info = world_info()
+    if (info.world_size, info.rank) != (size, rank):
+        raise RuntimeError(
+            f"the launcher ({info.launcher}) says rank {info.rank} of {info.world_size} but MPI.COMM_WORLD "
+            f"is rank {rank} of {size}: global sampling needs the ranks connected by MPI (start the job "
+            "with mpiexec/srun), or pass global_sampling=False or an explicit comm"
+        )
+
+
 class RehearsalBuffer:
     """A rehearsal buffer distributed over the ranks of ``comm``, maintained in the background.
 
@@ -186,6 +203,8 @@ class RehearsalBuffer:
 
         world = MPI.COMM_WORLD if comm is None else comm
         self.rank, self.world_size = world.Get_rank(), world.Get_size()
+        if comm is None and self.global_sampling:
+            _check_launcher(self.rank, self.world_size)
         self._comm: MPI.Comm | None = None
         if self.global_sampling:
             if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
