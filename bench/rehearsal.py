@@ -91,33 +91,33 @@ def worker(args: argparse.Namespace) -> None:
         reh_t.append(rehearsal(args.iters))
     loop_stats = buf.stats()
 
-    # ---- remote fetch throughput: one-sample batches back to back on all ranks at once, so the
-    # worker mostly fetches; its remote_fetch stage is timed apart from sampling, copy and update.
+    # ---- remote fetch throughput, interleaved with the raw baseline so both see the same machine load.
+    # One-sample batches back to back on all ranks at once: the worker mostly fetches, and its
+    # remote_fetch stage (Gets, Flush_all, Unlock_all) is timed apart from sampling, copy and update.
+    # Each raw epoch then Gets the same bytes as contiguous sample-sized pieces from random peers.
     one_x, one_y = new_batches[0][0][:1], new_batches[0][1][:1]
-    buf.reset_timings()
-    comm.Barrier()
-    for _ in range(args.fetch_iters):
-        buf.accumulate(one_x, one_y)
-        buf.wait()
-    fst = buf.stats()
-    ours_bytes, ours_s = fst["remote_bytes"], fst["timing_totals_s"]["remote_fetch"]
-    per_iter = ours_bytes / args.fetch_iters
-
     record = buf.layout.record_bytes
     sample_bytes = buf.layout.samples[0].nbytes
-    nrec = max(1, round(per_iter / (sample_bytes + 8)))
-    raw_bytes = 0
-    raw_s = 0.0
-    if size > 1:
-        win = MPI.Win.Allocate(record * k * n, disp_unit=1, comm=comm)
+    ours_bytes = ours_s = raw_bytes = raw_s = 0.0
+    win = MPI.Win.Allocate(record * k * n, disp_unit=1, comm=comm) if size > 1 else None
+    if win is not None:
         np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 1  # touched, like the filled buffer
-        dst = np.ones(nrec * sample_bytes, dtype=np.uint8)
-        rng = np.random.default_rng(rank)
-        peers = [p for p in range(size) if p != rank]
-        comm.Barrier()
-        for it in range(args.fetch_iters + 2):  # 2 warm-up epochs, then timed ones
+    dst = np.ones((r + 1) * sample_bytes, dtype=np.uint8)
+    rng = np.random.default_rng(rank)
+    peers = [p for p in range(size) if p != rank]
+    comm.Barrier()
+    for it in range(args.fetch_iters + 2):  # 2 warm-up rounds, then timed ones
+        before = buf.stats()
+        buf.accumulate(one_x, one_y)
+        buf.wait()
+        after = buf.stats()
+        got = after["remote_bytes"] - before["remote_bytes"]
+        took = after["timing_totals_s"]["remote_fetch"] - before["timing_totals_s"]["remote_fetch"]
+        nrec = round(got / (sample_bytes + 8))
+        t_raw = 0.0
+        if win is not None and nrec:
             win.Lock_all()
-            t0 = time.perf_counter()  # like the remote_fetch stage: Gets, Flush_all, Unlock_all
+            t0 = time.perf_counter()
             for j in range(nrec):
                 peer = int(rng.choice(peers))
                 disp = int(rng.integers(0, k * n)) * record
@@ -125,10 +125,13 @@ def worker(args: argparse.Namespace) -> None:
                 win.Get(chunk, peer, target=(disp, sample_bytes, MPI.BYTE))
             win.Flush_all()
             win.Unlock_all()
-            if it >= 2:
-                raw_s += time.perf_counter() - t0
-                raw_bytes += nrec * sample_bytes
-        comm.Barrier()
+            t_raw = time.perf_counter() - t0
+        if it >= 2:
+            ours_bytes, ours_s = ours_bytes + got, ours_s + took
+            raw_bytes, raw_s = raw_bytes + nrec * sample_bytes, raw_s + t_raw
+    per_iter = ours_bytes / args.fetch_iters
+    comm.Barrier()
+    if win is not None:
         win.Free()
     buf.close()
 

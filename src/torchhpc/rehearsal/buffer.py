@@ -659,10 +659,7 @@ class RehearsalBuffer:
         c = min(self.C, b)
         rows = np.sort(self.rng.choice(b, size=c, replace=False))
         writes = self.reservoir.offer(labels[rows], self.rng)
-        src_rows = torch.from_numpy(rows[writes.rows])
-        flat = torch.from_numpy(writes.labels * self.N + writes.slots)
-        samples = [s.index_select(0, src_rows.to(s.device)).cpu() for s in req.samples]
-        acts = None
-        if req.activations is not None:
-            acts = req.activations.index_select(0, src_rows.to(req.activations.device)).cpu()
-        self.storage.write(flat, torch.from_numpy(writes.labels), samples, acts, self.reservoir.fill)
+        flat = writes.labels * self.N + writes.slots
+        self.storage.write(
+            flat, writes.labels, rows[writes.rows], req.samples, req.activations, self.reservoir.fill
+        )

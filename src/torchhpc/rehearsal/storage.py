@@ -70,22 +70,31 @@ class SlotStorage:
     # ---------------------------------------------------------------- updates (owner only)
     def write(
         self,
-        flat_slots: torch.Tensor,
-        labels: torch.Tensor,
+        flat_slots: np.ndarray,
+        labels: np.ndarray,
+        rows: np.ndarray,
         samples: list[torch.Tensor],
         activations: torch.Tensor | None,
         fills: np.ndarray,
     ) -> None:
-        """Write records ``flat_slots`` and publish the new per-class ``fills``, as one exclusive epoch."""
+        """Store row ``rows[i]`` of the batch in record ``flat_slots[i]``; publish ``fills``; one exclusive epoch.
+
+        CPU rows are copied straight into their records (one copy); GPU rows are gathered on
+        the device and brought over in one transfer per tensor first.
+        """
+        sources = list(samples) + ([activations] if activations is not None else [])
+        targets = list(self.samples) + ([self.activations] if activations is not None else [])
+        index = torch.from_numpy(rows)
+        host = [s.index_select(0, index.to(s.device)).cpu() if s.device.type != "cpu" else s for s in sources]
+        host_rows = [np.arange(len(rows)) if s.device.type != "cpu" else rows for s in sources]
         if self.win is not None:
             self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
         try:
-            if flat_slots.numel():
-                self.labels.index_copy_(0, flat_slots, labels)
-                for dst, src in zip(self.samples, samples, strict=True):
-                    dst.index_copy_(0, flat_slots, src)
-                if self.activations is not None and activations is not None:
-                    self.activations.index_copy_(0, flat_slots, activations)
+            if len(flat_slots):
+                self.labels.index_copy_(0, torch.from_numpy(flat_slots), torch.from_numpy(labels))
+                for dst, src, src_rows in zip(targets, host, host_rows, strict=True):
+                    for slot, row in zip(flat_slots.tolist(), src_rows.tolist(), strict=True):
+                        dst[slot].copy_(src[row])
             self.fills.copy_(torch.from_numpy(fills))
         finally:
             if self.win is not None:
