@@ -286,7 +286,7 @@ def test_state_round_trip_continues_exactly(tmp_path) -> None:
     stats_a = a.stats()
     a.close()
     b = local_buffer(seed=99)  # a different seed: the saved random state must win
-    b.load_state_dict(torch.load(path, weights_only=False))
+    b.load_state_dict(torch.load(path))  # weights_only=True, the default
     got = run_steps(b, 12, 8)
     assert all(torch.equal(x, y) for x, y in zip(expected, got, strict=True))
     assert b.stats()["fill"] == stats_a["fill"] and b.stats()["samples_seen"] == stats_a["samples_seen"]

@@ -328,8 +328,9 @@ class RehearsalBuffer:
             "rank": self.rank,
             "world_size": self.world_size,
             "records": [records[k * self.N : k * self.N + int(fill[k])].clone() for k in range(self.K)],
-            "reservoir": self.reservoir.state_dict(),
-            "stream_seen": self.stream_seen.copy(),
+            # tensors and plain Python values only, so torch.load(weights_only=True) accepts it
+            "reservoir": {k: torch.from_numpy(v) for k, v in self.reservoir.state_dict().items()},
+            "stream_seen": torch.from_numpy(self.stream_seen.copy()),
             "rng": self.rng.bit_generator.state,
             "iterations": self._iterations,
         }
@@ -353,7 +354,7 @@ class RehearsalBuffer:
             )
         lay = self.layout
         probe = ClassReservoir(self.K, self.N)
-        probe.load_state_dict(state["reservoir"])  # validates before anything changes
+        probe.load_state_dict({k: np.asarray(v) for k, v in state["reservoir"].items()})  # validates first
         raw = torch.zeros(lay.total_bytes, dtype=torch.uint8)
         lay.fills(raw).copy_(torch.from_numpy(probe.fill))
         records = raw[lay.header_bytes :].view(lay.num_slots, lay.record_bytes)
@@ -523,6 +524,8 @@ class RehearsalBuffer:
         maps and zeroes new pages, and unmaps them when freed), so finished batches are
         reused, but only when no tensor anywhere still refers to their memory.
         """
+        if self.device.type == "cuda":  # the caching allocator already recycles device memory
+            return self._alloc_rows(max(rows, capacity), self.device)
         for block, counts in self._pool:
             if block["label"].shape[0] >= rows and all(
                 _storage_refs(t) == c for t, c in zip(block.values(), counts, strict=True)
@@ -593,6 +596,9 @@ class RehearsalBuffer:
                 torch.from_numpy(flat_slots[lo:hi]), {k: v[lo:hi] for k, v in rep_rows.items()}
             )
         if self._staging is not None:
+            # Order after work already queued on the default stream (e.g. kernels still reading
+            # memory the caching allocator just handed to this batch).
+            self._cuda_stream.wait_stream(torch.cuda.default_stream(self.device))
             with torch.cuda.stream(self._cuda_stream):
                 for k, v in rep_rows.items():
                     dest[k][first : first + m].copy_(v, non_blocking=True)
