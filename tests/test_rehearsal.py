@@ -374,3 +374,26 @@ def test_launcher_world_must_match_mpi_world(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="says rank 0 of 2 but MPI.COMM_WORLD is rank 0 of 1"):
         RehearsalBuffer(2, 2, 1, 1, (1,))
     local_buffer().close()  # local sampling does not care
+
+
+def test_spare_rows_collate_avoids_copying_new_samples() -> None:
+    from torch.utils.data import DataLoader
+
+    from torchhpc.rehearsal import spare_rows_collate
+
+    ids = torch.arange(24)
+    labels = ids % 4
+    dataset = list(zip(encoded_batch(labels, ids), labels.tolist(), strict=True))
+    with local_buffer(num_representatives=3) as buf:
+        loader = DataLoader(dataset, batch_size=4, collate_fn=spare_rows_collate(buf))
+        x, y, out = next(iter(loader))
+        assert x.shape == (4, 2, 3) and out.samples.shape == (7, 2, 3) and x.data_ptr() == out.samples.data_ptr()
+        for i, batch in enumerate(RehearsalLoader(loader, buf)):
+            got = check_encoded(batch.samples, batch.targets, 4)
+            assert torch.equal(got[:4], ids[4 * i : 4 * i + 4])
+            assert batch.weights.shape[0] == batch.samples.shape[0]
+            if i > 0:
+                assert buf.last_num_representatives == 3 and batch.samples.shape[0] == 7
+        with pytest.raises(ValueError, match="cannot hold 7 rows"):
+            small = AugmentedBatch(torch.zeros(5, 2, 3), torch.zeros(5, dtype=torch.int64), torch.zeros(5), None)
+            buf.accumulate(torch.zeros(4, 2, 3), torch.zeros(4, dtype=torch.int64), out=small)

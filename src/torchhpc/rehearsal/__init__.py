@@ -6,7 +6,9 @@ minibatch, in a background thread; :class:`RehearsalLoader` wraps a DataLoader w
 """
 
 from .buffer import STAGES, TASKS, AugmentedBatch, RehearsalBuffer
-from .loader import RehearsalLoader
+from .loader import RehearsalLoader, spare_rows_collate
 from .reservoir import ClassReservoir
 
-__all__ = ["AugmentedBatch", "ClassReservoir", "RehearsalBuffer", "RehearsalLoader", "STAGES", "TASKS"]
+__all__ = [
+    "AugmentedBatch", "ClassReservoir", "RehearsalBuffer", "RehearsalLoader", "STAGES", "TASKS", "spare_rows_collate",
+]

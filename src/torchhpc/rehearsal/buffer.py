@@ -41,6 +41,17 @@ def _storage_refs(t: torch.Tensor) -> int:
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
+def _is_prefix(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether ``src`` is exactly the first rows of ``dst`` (same memory, same layout)."""
+    return (
+        src.device == dst.device
+        and src.data_ptr() == dst.data_ptr()
+        and src.dtype == dst.dtype
+        and src.is_contiguous()
+        and dst.is_contiguous()
+    )
+
+
 def _no_refs(t: torch.Tensor) -> int:
     return -1
 
@@ -267,8 +278,12 @@ class RehearsalBuffer:
         """Hand a new minibatch to the worker and return at once; :meth:`wait` gives the result.
 
         The tensors must not be modified until the matching :meth:`wait` returns.  Inputs are
-        checked here, so a bad batch raises before anything reaches the buffer.  In flyweight
-        mode ``out`` holds caller-provided tensors with at least ``R`` rows.
+        checked here, so a bad batch raises before anything reaches the buffer.
+
+        ``out`` are caller-provided tensors for the result: in flyweight mode (required) with at
+        least ``R`` rows for the representatives; in standard mode (optional) with at least
+        ``b + R`` rows for the whole augmented batch.  A sample tensor that already is the first
+        ``b`` rows of its ``out`` tensor (see :func:`spare_rows_collate`) is not copied at all.
         """
         t0 = time.perf_counter()
         self._check_usable()
@@ -278,10 +293,8 @@ class RehearsalBuffer:
         b = tensors[0].shape[0]
         labels = self._check_targets(targets, b)
         acts = self._check_activations(activations, b)
-        if self.mode == "flyweight":
-            self._check_out(out)
-        elif out is not None:
-            raise ValueError("out= is only used in flyweight mode")
+        if self.mode == "flyweight" or out is not None:
+            self._check_out(out, self.R if self.mode == "flyweight" else b + self.R)
         self._pending += 1
         self._requests.put(_Request(tensors, labels, acts, out))
         self._add_time("accumulate", time.perf_counter() - t0)
@@ -469,9 +482,11 @@ class RehearsalBuffer:
             raise TypeError(f"activations have dtype {activations.dtype}, expected {self.activation_dtype}")
         return activations.detach()
 
-    def _check_out(self, out: AugmentedBatch | None) -> None:
+    def _check_out(self, out: AugmentedBatch | None, rows: int) -> None:
         if out is None:
             raise ValueError("flyweight mode: pass out=AugmentedBatch(...) tensors with >= R rows")
+        if not isinstance(out, AugmentedBatch):
+            raise TypeError(f"out must be an AugmentedBatch, got {type(out).__name__}")
         samples = [out.samples] if isinstance(out.samples, torch.Tensor) else list(out.samples)
         checks = list(zip(samples, self.sample_shapes, self.sample_dtypes, strict=False))
         if len(samples) != len(self.sample_shapes):
@@ -482,9 +497,9 @@ class RehearsalBuffer:
                 raise ValueError("out.activations is required for this task")
             checks.append((out.activations, self.activation_shape, self.activation_dtype))
         for t, shape, dtype in checks:
-            if tuple(t.shape[1:]) != tuple(shape) or t.dtype != dtype or t.shape[0] < self.R:
+            if tuple(t.shape[1:]) != tuple(shape) or t.dtype != dtype or t.shape[0] < rows:
                 raise ValueError(
-                    f"out tensor of shape {tuple(t.shape)} / {t.dtype} cannot hold {self.R} rows of "
+                    f"out tensor of shape {tuple(t.shape)} / {t.dtype} cannot hold {rows} rows of "
                     f"{tuple(shape)} / {dtype}"
                 )
             if t.device != self.device or not t.is_contiguous():
@@ -554,19 +569,18 @@ class RehearsalBuffer:
         t1 = time.perf_counter()
         self._add_time("sampling", t1 - t0)
 
-        # Destination rows: the whole augmented batch (standard) or the caller's tensors (flyweight).
-        if self.mode == "standard":
+        # Destination rows: the caller's tensors, or recycled/new ones; representatives go after
+        # the new samples (standard) or from row 0 (flyweight).
+        first = b if self.mode == "standard" else 0
+        if req.out is None:
             dest = self._output_block(b + m, b + self.R)
-            first = b
         else:
             out = req.out
-            assert out is not None
             dest = {"label": out.targets}
             samples = [out.samples] if isinstance(out.samples, torch.Tensor) else list(out.samples)
             dest.update({f"sample{i}": s for i, s in enumerate(samples)})
             if self.stores_activations:
                 dest["activation"] = out.activations
-            first = 0
         # Representatives land in host rows first when the output lives on a GPU.
         host = self._staging if self._staging is not None else {k: v[first:] for k, v in dest.items()}
         rep_rows = {k: v[:m] for k, v in host.items()}
@@ -603,17 +617,18 @@ class RehearsalBuffer:
                 for k, v in rep_rows.items():
                     dest[k][first : first + m].copy_(v, non_blocking=True)
         if self.mode == "standard":
-            dest["label"][:b].copy_(req.targets)
-            for i, s in enumerate(req.samples):
-                dest[f"sample{i}"][:b].copy_(s)
+            news = [("label", req.targets)] + [(f"sample{i}", s) for i, s in enumerate(req.samples)]
             if self.stores_activations:
-                dest["activation"][:b].copy_(req.activations)
+                news.append(("activation", req.activations))
+            for key, src in news:
+                if not _is_prefix(src, dest[key]):  # already in place: nothing to copy
+                    dest[key][:b].copy_(src)
         weights = torch.empty(first + m, dtype=torch.float32)
         weights[:first] = 1.0
         weights[first:] = 0.0 if self.task == "kd" else self.rehearsal_weight
-        if self.mode == "flyweight":
-            req.out.weights[:m].copy_(weights)  # type: ignore[union-attr]
-            weights = req.out.weights[:m]  # type: ignore[union-attr]
+        if req.out is not None:
+            req.out.weights[: first + m].copy_(weights)
+            weights = req.out.weights[: first + m]
         else:
             weights = weights.to(self.device)
         if self._staging is not None:
