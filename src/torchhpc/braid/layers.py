@@ -1,0 +1,93 @@
+"""Building blocks of layer-parallel networks: ODE steps, seeded layer construction, side-effect rules."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["ODEBlock", "LayerSpec", "takes_dt", "check_layer_modes", "call_layer", "bn_training", "ode_step"]
+
+LayerSpec = Callable[[], nn.Module] | nn.Module
+
+
+def takes_dt(layer: nn.Module) -> bool:
+    """Whether ``layer.forward`` accepts the step size itself (then it is called as ``layer(x, dt=dt)``)."""
+    try:
+        return "dt" in inspect.signature(layer.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def build_layer(spec: LayerSpec, seed: int) -> nn.Module:
+    """A fresh layer from a constructor (or a copy of a module), with RNG seeded by ``seed``.
+
+    Seeding per layer makes every rank build the same weights for layer k, whatever the rank count.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if isinstance(spec, nn.Module):
+            return copy.deepcopy(spec)
+        layer = spec()
+    if not isinstance(layer, nn.Module):
+        raise TypeError(f"layer constructor returned {type(layer).__name__}, not an nn.Module")
+    return layer
+
+
+def _bn_training(layer: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+               for m in layer.modules())
+
+
+def check_layer_modes(layer: nn.Module, index: int) -> None:
+    """Reject dropout in training mode: a random step function has no fixed point for MGRIT to converge to."""
+    for m in layer.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd | nn.Dropout) and m.training and m.p > 0:
+            raise ValueError(
+                f"layer {index} contains {type(m).__name__}(p={m.p}) in training mode; MGRIT evaluates each "
+                "layer many times per forward pass and every evaluation would draw a new mask, so the "
+                "iteration has no fixed point. Put dropout outside LayerParallel or call .eval() on it.")
+
+
+def call_layer(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict,
+               pure: bool = True) -> torch.Tensor:
+    """Evaluate ``layer`` without side effects on BatchNorm running statistics.
+
+    MGRIT evaluates a layer many times per pass; in training mode BatchNorm uses the batch
+    statistics of each evaluation (so the step is still a function of its input) but updates
+    clones of its running buffers.  The real buffers are updated once, from the converged input,
+    by one call with ``pure=False`` (see :func:`bn_training`).
+    """
+    if not pure or not _bn_training(layer):
+        return layer(x, *args, **kwargs)
+    buffers = {name: b.clone() for name, b in layer.named_buffers()}
+    return torch.func.functional_call(layer, buffers, (x, *args), kwargs, strict=False)
+
+
+def bn_training(layer: nn.Module) -> bool:
+    """Whether evaluating ``layer`` would update BatchNorm running statistics."""
+    return _bn_training(layer)
+
+
+class ODEBlock(nn.Module):
+    """One forward-Euler step ``x + dt * layer(x)`` (or ``layer(x, dt=dt)`` when the layer takes dt)."""
+
+    def __init__(self, layer: nn.Module, dt: float) -> None:
+        super().__init__()
+        self.layer = layer
+        self.dt = dt
+        self._takes_dt = takes_dt(layer)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return ode_step(self.layer, x, self.dt, args, kwargs, self._takes_dt, pure=False)
+
+
+def ode_step(layer: nn.Module, x: torch.Tensor, dt: float, args: tuple, kwargs: dict,
+             with_dt: bool, pure: bool = True) -> torch.Tensor:
+    """The ODE-block update of ``x`` over a step ``dt``."""
+    if with_dt:
+        return call_layer(layer, x, args, {**kwargs, "dt": dt}, pure)
+    return x + dt * call_layer(layer, x, args, kwargs, pure)
