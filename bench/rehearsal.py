@@ -40,6 +40,8 @@ def worker(args: argparse.Namespace) -> None:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)  # how long a thread may keep the GIL from another
     shape = tuple(args.shape)
     b, r, k = args.batch, args.representatives, args.classes
     n = max(1, args.slots_per_rank // k)
@@ -118,20 +120,21 @@ def worker(args: argparse.Namespace) -> None:
     comm.Barrier()
     for it in range(args.fetch_iters + 2):  # 2 warm-up rounds, then timed ones
         before = buf.stats()
+        comm.Barrier()  # all ranks fetch together, then all run the raw Gets together
         buf.accumulate(one_x, one_y)
         buf.wait()
         after = buf.stats()
+        comm.Barrier()
         got = after["remote_bytes"] - before["remote_bytes"]
         took = after["timing_totals_s"]["remote_fetch"] - before["timing_totals_s"]["remote_fetch"]
         nrec = round(got / (sample_bytes + 8))
         t_raw = 0.0
         if win is not None and nrec:
+            picks = [(int(rng.choice(peers)), int(rng.integers(0, k * n)) * record,
+                      dst[j * sample_bytes : (j + 1) * sample_bytes]) for j in range(nrec)]
             win.Lock_all()
             t0 = time.perf_counter()
-            for j in range(nrec):
-                peer = int(rng.choice(peers))
-                disp = int(rng.integers(0, k * n)) * record
-                chunk = dst[j * sample_bytes : (j + 1) * sample_bytes]
+            for peer, disp, chunk in picks:
                 win.Get(chunk, peer, target=(disp, sample_bytes, MPI.BYTE))
             win.Flush_all()
             win.Unlock_all()
@@ -187,7 +190,8 @@ def launch(args: argparse.Namespace) -> None:
     print(f"b={args.batch} new + r={args.representatives} representatives of {shape} float32, "
           f"C={args.candidates}, "
           f"{args.slots_per_rank} slots/rank, step {args.step_ms} ms (sleep) + Allreduce, "
-          f"{args.iters} iters x {args.repeats} repeats (median)")
+          f"{args.iters} iters x {args.repeats} repeats (median)"
+          + (f", GIL switch interval {args.switch_interval * 1e3:g} ms" if args.switch_interval else ""))
     print()
     print("| ranks | baseline ms/iter | rehearsal ms/iter | overhead | with spare rows ms/iter | overhead "
           "| remote fetch GB/s | raw Get GB/s | ratio |")
@@ -212,7 +216,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
             "--candidates", str(args.candidates), "--classes", str(args.classes),
             "--slots-per-rank", str(args.slots_per_rank), "--shape", *map(str, args.shape),
             "--step-ms", str(args.step_ms), "--iters", str(args.iters), "--repeats", str(args.repeats),
-            "--fetch-iters", str(args.fetch_iters), "--pool", str(args.pool)]
+            "--fetch-iters", str(args.fetch_iters), "--pool", str(args.pool),
+            "--switch-interval", str(args.switch_interval)]
 
 
 def main() -> None:
@@ -230,6 +235,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fetch-iters", type=int, default=60)
     p.add_argument("--pool", type=int, default=2, help="distinct synthetic batches cycled through")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="sys.setswitchinterval for every rank (0: Python's default, 5 ms)")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -589,11 +589,15 @@ class RehearsalBuffer:
         try:
             remote_any = windowed and bool((~is_local).any())
             if remote_any:
-                for r in np.unique(ranks[~is_local]).tolist():
-                    rows = np.nonzero(ranks == r)[0]
-                    lo, hi = int(rows[0]), int(rows[-1]) + 1  # rows of a rank are contiguous (sorted)
+                # uint8 (rows, bytes) views of the destination rows, made once: numpy slices are cheap
+                rows_bytes = {k: v.reshape(m, -1).view(torch.uint8).numpy() for k, v in rep_rows.items()}
+                peers, starts, counts = np.unique(ranks, return_index=True, return_counts=True)
+                for r, lo, cnt in zip(peers.tolist(), starts.tolist(), counts.tolist(), strict=True):
+                    if r == self.rank:
+                        continue
+                    hi = lo + cnt  # rows of a rank are contiguous (sorted by rank)
                     self._remote_bytes += self.storage.remote_read(
-                        r, flat_slots[lo:hi], {k: v[lo:hi] for k, v in rep_rows.items()}
+                        r, flat_slots[lo:hi], {k: v[lo:hi] for k, v in rows_bytes.items()}
                     )
                 if remote_any:
                     self.storage.flush()

@@ -23,13 +23,6 @@ from .layout import RecordLayout
 __all__ = ["SlotStorage"]
 
 
-def _host_bytes(t: torch.Tensor) -> np.ndarray:
-    """A writable numpy uint8 view of a contiguous CPU tensor (any dtype), for MPI buffers."""
-    if not t.is_contiguous() or t.device.type != "cpu":
-        raise ValueError("MPI transfers need a contiguous CPU tensor")
-    return t.view(-1).view(torch.uint8).numpy()
-
-
 class SlotStorage:
     """Preallocated storage of one rank plus the one-sided reads of the other ranks' storage."""
 
@@ -138,25 +131,28 @@ class SlotStorage:
         self.win.Flush_all()
         return out
 
-    def remote_read(self, rank: int, flat_slots: np.ndarray, out: dict[str, torch.Tensor]) -> int:
-        """Fetch records ``flat_slots`` of ``rank`` straight into the contiguous rows ``out`` (no staging).
+    def remote_read(self, rank: int, flat_slots: np.ndarray, out: dict[str, np.ndarray]) -> int:
+        """Fetch records ``flat_slots`` of ``rank`` straight into the rows of ``out`` (no staging).
 
-        One ``MPI_Get`` per field, whose target datatype picks that field out of every wanted
-        record.  Completion is left to the caller's ``Flush_all``.  Returns the bytes requested.
+        ``out`` maps field names to C-contiguous ``(rows, field bytes)`` uint8 arrays (views of
+        the output tensors).  One ``MPI_Get`` per field, whose target datatype picks that field
+        out of every wanted record.  Completion is left to the caller's ``Flush_all``.
+        Returns the bytes requested.
         """
         assert self.win is not None
         lay = self.layout
         base = lay.header_bytes + flat_slots.astype(np.int64) * lay.record_bytes
         total = 0
         for field in lay.fields:
-            if field.name not in out:
+            dst = out.get(field.name)
+            if dst is None:
                 continue
             ttype = MPI.BYTE.Create_hindexed_block(field.nbytes, (base + field.offset).tolist()).Commit()
             try:
-                self.win.Get(_host_bytes(out[field.name]), rank, target=(0, 1, ttype))
+                self.win.Get(dst, rank, target=(0, 1, ttype))
             finally:
                 ttype.Free()
-            total += field.nbytes * len(flat_slots)
+            total += dst.nbytes
         return total
 
     def flush(self) -> None:
