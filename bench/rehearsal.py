@@ -1,0 +1,255 @@
+"""Benchmark torchhpc.rehearsal: training-loop overhead and remote fetch throughput, each against a baseline.
+
+1. Overhead: time per iteration of a data-parallel loop with a fixed-cost synthetic step,
+   fed through ``RehearsalLoader`` (b new + up to r representatives drawn from all ranks),
+   against the same loop fed ready-made batches of b+r samples without rehearsal.
+2. Remote fetch: bytes of representatives read from other ranks per second of the worker's
+   ``remote_fetch`` stage, against a raw mpi4py one-sided ``Get`` of the same number of
+   bytes (record-sized contiguous Gets from random peers in one ``Lock_all`` epoch).
+
+The synthetic step sleeps: it costs wall time but no core, like a GPU step that leaves the
+host CPU to the data pipeline.  A compute-bound step on this 2-core machine shared by 4
+ranks would measure CPU contention between ranks rather than the cost of rehearsal.
+
+    python bench/rehearsal.py --ranks 2 4          # launches mpiexec itself
+    python bench/rehearsal.py --quick              # seconds: small samples, few iterations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Runs on every rank under mpiexec; rank 0 prints one JSON line of results."""
+    sys.path.insert(0, str(ROOT / "src"))
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from torchhpc.rehearsal import AugmentedBatch, RehearsalBuffer, RehearsalLoader
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)  # how long a thread may keep the GIL from another
+    shape = tuple(args.shape)
+    b, r, k = args.batch, args.representatives, args.classes
+    n = max(1, args.slots_per_rank // k)
+    gen = torch.Generator().manual_seed(rank)
+
+    def pool(rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(torch.rand((rows, *shape), generator=gen), torch.randint(0, k, (rows,), generator=gen))
+                for _ in range(args.pool)]
+
+    new_batches, full_batches = pool(b), pool(b + r)
+    # The same new samples laid out by spare_rows_collate: b rows in tensors of b + r rows.
+    spare_batches = []
+    for x, y in new_batches:
+        xs, ys = torch.empty((b + r, *shape)), torch.zeros(b + r, dtype=torch.int64)
+        xs[:b], ys[:b] = x, y
+        spare_batches.append((xs[:b], ys[:b], AugmentedBatch(xs, ys, torch.empty(b + r), None)))
+    sync = np.zeros(256, dtype=np.float32)
+
+    def step() -> None:
+        time.sleep(args.step_ms / 1e3)  # the fixed-cost "training step"
+        comm.Allreduce(MPI.IN_PLACE, sync, op=MPI.SUM)  # gradient sync keeps ranks in lock-step
+
+    def baseline(iters: int) -> float:
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            x, y = full_batches[i % args.pool]
+            assert x.shape[0] == b + r
+            step()
+        return (time.perf_counter() - t0) / iters
+
+    buf = RehearsalBuffer(k, n, args.candidates, r, shape, seed=1, comm=comm)
+    # Fill every rank's buffer (outside the timings) so that every draw finds r representatives.
+    for i in range(4 * k * n // args.candidates + 8):
+        x, y = new_batches[i % args.pool]
+        buf.accumulate(x, y)
+        buf.wait()
+        if int(buf.reservoir.fill.sum()) == k * n:
+            break
+    comm.Barrier()
+
+    def rehearsal(iters: int, batches: list) -> float:
+        stream = (batches[i % args.pool] for i in range(iters))
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for batch in RehearsalLoader(stream, buf):
+            assert batch.samples.shape[0] == b + r
+            step()
+        return (time.perf_counter() - t0) / iters
+
+    base_t, reh_t, spare_t = [], [], []
+    spare_stats = None
+    for _ in range(args.repeats):  # alternate to spread the machine's noise over all three
+        base_t.append(baseline(args.iters))
+        buf.reset_timings()
+        reh_t.append(rehearsal(args.iters, new_batches))
+        loop_stats = buf.stats()
+        buf.reset_timings()
+        spare_t.append(rehearsal(args.iters, spare_batches))
+        spare_stats = buf.stats()
+
+    # ---- remote fetch throughput, interleaved with the raw baseline so both see the same machine load.
+    # One-sample batches back to back on all ranks at once: the worker mostly fetches, and its
+    # remote_fetch stage (Gets, Flush_all, Unlock_all) is timed apart from sampling, copy and update.
+    # Each raw epoch then Gets the same bytes as contiguous sample-sized pieces from random peers.
+    one_x, one_y = new_batches[0][0][:1], new_batches[0][1][:1]
+    record = buf.layout.record_bytes
+    sample_bytes = buf.layout.samples[0].nbytes
+    ours_bytes = ours_s = raw_bytes = raw_s = 0.0
+    win = MPI.Win.Allocate(record * k * n, disp_unit=1, comm=comm) if size > 1 else None
+    if win is not None:
+        np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 1  # touched, like the filled buffer
+    dst = np.ones((r + 1) * sample_bytes, dtype=np.uint8)
+    rng = np.random.default_rng(rank)
+    peers = [p for p in range(size) if p != rank]
+    comm.Barrier()
+    for it in range(args.fetch_iters + 2):  # 2 warm-up rounds, then timed ones
+        before = buf.stats()
+        comm.Barrier()  # all ranks fetch together, then all run the raw Gets together
+        buf.accumulate(one_x, one_y)
+        buf.wait()
+        after = buf.stats()
+        comm.Barrier()
+        got = after["remote_bytes"] - before["remote_bytes"]
+        took = after["timing_totals_s"]["remote_fetch"] - before["timing_totals_s"]["remote_fetch"]
+        nrec = round(got / (sample_bytes + 8))
+        t_raw = 0.0
+        if win is not None and nrec:
+            picks = [(int(rng.choice(peers)), int(rng.integers(0, k * n)) * record,
+                      dst[j * sample_bytes : (j + 1) * sample_bytes]) for j in range(nrec)]
+            win.Lock_all()
+            t0 = time.perf_counter()
+            for peer, disp, chunk in picks:
+                win.Get(chunk, peer, target=(disp, sample_bytes, MPI.BYTE))
+            win.Flush_all()
+            win.Unlock_all()
+            t_raw = time.perf_counter() - t0
+        if it >= 2:
+            ours_bytes, ours_s = ours_bytes + got, ours_s + took
+            raw_bytes, raw_s = raw_bytes + nrec * sample_bytes, raw_s + t_raw
+    per_iter = ours_bytes / args.fetch_iters
+    comm.Barrier()
+    if win is not None:
+        win.Free()
+    buf.close()
+
+    res = {
+        "ranks": size,
+        "baseline_ms": 1e3 * statistics.median(base_t),
+        "rehearsal_ms": 1e3 * statistics.median(reh_t),
+        "spare_ms": 1e3 * statistics.median(spare_t),
+        "spare_stages_ms": spare_stats["timings_ms"],
+        "stages_ms": loop_stats["timings_ms"],
+        "fetch_gbs": ours_bytes / ours_s / 1e9 if ours_s else 0.0,
+        "raw_gbs": raw_bytes / raw_s / 1e9 if raw_s else 0.0,
+        "fetch_bytes_per_iter": per_iter,
+    }
+    allres = comm.gather(res, root=0)
+    if rank == 0:
+        agg = dict(res)
+        for key in ("baseline_ms", "rehearsal_ms", "spare_ms", "fetch_gbs", "raw_gbs"):
+            agg[key] = statistics.mean(x[key] for x in allres)
+        print("RESULT " + json.dumps(agg), flush=True)
+
+
+def launch(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT / "src"))
+    from torchhpc.mpirun import local_job_env, mpiexec_argv
+
+    env = local_job_env()
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    env.setdefault("OMPI_MCA_osc", "^ucx")  # no UCX network here; silences its failed probe
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    rows = []
+    for nranks in args.ranks:
+        cmd = mpiexec_argv(nranks, [sys.executable, str(Path(__file__).resolve()), "--worker",
+                                    *worker_args(args)])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            sys.exit(f"benchmark at {nranks} ranks failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
+                     f"\n{proc.stderr[-3000:]}")
+        rows.append(json.loads(line[len("RESULT "):]))
+    shape = "x".join(map(str, args.shape))
+    print(f"b={args.batch} new + r={args.representatives} representatives of {shape} float32, "
+          f"C={args.candidates}, "
+          f"{args.slots_per_rank} slots/rank, step {args.step_ms} ms (sleep) + Allreduce, "
+          f"{args.iters} iters x {args.repeats} repeats (median)"
+          + (f", GIL switch interval {args.switch_interval * 1e3:g} ms" if args.switch_interval else ""))
+    print()
+    print("| ranks | baseline ms/iter | rehearsal ms/iter | overhead | with spare rows ms/iter | overhead "
+          "| remote fetch GB/s | raw Get GB/s | ratio |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for row in rows:
+        over = row["rehearsal_ms"] / row["baseline_ms"] - 1
+        spare = row["spare_ms"] / row["baseline_ms"] - 1
+        ratio = row["fetch_gbs"] / row["raw_gbs"] if row["raw_gbs"] else float("nan")
+        raw = f"{row['raw_gbs']:.2f}" if row["raw_gbs"] else "n/a (1 rank)"
+        print(f"| {row['ranks']} | {row['baseline_ms']:.1f} | {row['rehearsal_ms']:.1f} | {100 * over:+.1f}% | "
+              f"{row['spare_ms']:.1f} | {100 * spare:+.1f}% | {row['fetch_gbs']:.2f} | {raw} | {ratio:.2f} |")
+    print()
+    print("worker stages (rank 0, mean ms per iteration): ")
+    for row in rows:
+        for name, key in (("copied", "stages_ms"), ("spare rows", "spare_stages_ms")):
+            stages = ", ".join(f"{k} {v:.2f}" for k, v in row[key].items())
+            print(f"  {row['ranks']} ranks, {name}: {stages}")
+
+
+def worker_args(args: argparse.Namespace) -> list[str]:
+    return ["--batch", str(args.batch), "--representatives", str(args.representatives),
+            "--candidates", str(args.candidates), "--classes", str(args.classes),
+            "--slots-per-rank", str(args.slots_per_rank), "--shape", *map(str, args.shape),
+            "--step-ms", str(args.step_ms), "--iters", str(args.iters), "--repeats", str(args.repeats),
+            "--fetch-iters", str(args.fetch_iters), "--pool", str(args.pool),
+            "--switch-interval", str(args.switch_interval)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--quick", action="store_true", help="small samples and few iterations (seconds)")
+    p.add_argument("--batch", type=int, default=56)
+    p.add_argument("--representatives", type=int, default=7)
+    p.add_argument("--candidates", type=int, default=14)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--slots-per-rank", type=int, default=1000)
+    p.add_argument("--shape", type=int, nargs="+", default=[3, 224, 224])
+    p.add_argument("--step-ms", type=float, default=50.0)
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fetch-iters", type=int, default=60)
+    p.add_argument("--pool", type=int, default=2, help="distinct synthetic batches cycled through")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="sys.setswitchinterval for every rank (0: Python's default, 5 ms)")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.shape, args.slots_per_rank, args.iters, args.repeats = [3, 32, 32], 200, 10, 1
+        args.fetch_iters, args.step_ms = 20, 20.0
+        if "--ranks" not in sys.argv:
+            args.ranks = [2]
+    if args.worker:
+        worker(args)
+    else:
+        launch(args)
+
+
+if __name__ == "__main__":
+    main()

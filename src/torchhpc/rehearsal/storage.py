@@ -1,0 +1,172 @@
+"""One rank's slot storage, optionally exposed to every other rank through an MPI RMA window.
+
+The storage is one contiguous byte block (header + K*N records, see :mod:`.layout`),
+allocated once.  With a window it is allocated by MPI (``MPI_Win_allocate``), which lets
+the MPI library place it where peers read it without the owner's help (shared memory on a
+node, registered memory for RDMA across nodes).
+
+Consistency: the owner rewrites records and the fill counts only inside an exclusive
+passive-target lock on its own window; readers fetch inside a shared lock.  MPI makes
+exclusive-lock epochs mutually exclusive with every other lock epoch on that target, so a
+reader sees a record either wholly before or wholly after an update: a sample can never
+come back paired with another sample's label or activation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .layout import RecordLayout
+
+__all__ = ["SlotStorage"]
+
+
+class SlotStorage:
+    """Preallocated storage of one rank plus the one-sided reads of the other ranks' storage."""
+
+    def __init__(
+        self, layout: RecordLayout, comm: MPI.Comm | None, pin: bool
+    ) -> None:
+        self.layout = layout
+        self.comm = comm
+        self.win: MPI.Win | None = None
+        self._registered_ptr: int | None = None
+        if comm is not None:
+            self.win = MPI.Win.Allocate(layout.total_bytes, disp_unit=1, comm=comm)
+            mem = self.win.tomemory()
+            self.bytes = torch.frombuffer(mem, dtype=torch.uint8, count=layout.total_bytes)
+            if pin:
+                self._pin(self.bytes)
+            self.rank = comm.Get_rank()
+            self.size = comm.Get_size()
+        else:
+            self.bytes = torch.empty(layout.total_bytes, dtype=torch.uint8, pin_memory=pin)
+            self.rank, self.size = 0, 1
+        self.bytes.zero_()
+        self.fills = layout.fills(self.bytes)
+        self.labels = layout.view(self.bytes, layout.label)
+        self.samples = [layout.view(self.bytes, f) for f in layout.samples]
+        self.activations = layout.view(self.bytes, layout.activation) if layout.activation else None
+        if self.win is not None:
+            self.comm.Barrier()  # every window zeroed before anyone may read it
+
+    def _pin(self, t: torch.Tensor) -> None:
+        """Page-lock MPI-allocated memory so host-to-GPU copies from it are asynchronous DMA."""
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the rehearsal storage failed (error {int(err)})")
+        self._registered_ptr = t.data_ptr()
+
+    # ---------------------------------------------------------------- updates (owner only)
+    def write(
+        self,
+        flat_slots: np.ndarray,
+        labels: np.ndarray,
+        rows: np.ndarray,
+        samples: list[torch.Tensor],
+        activations: torch.Tensor | None,
+        fills: np.ndarray,
+    ) -> None:
+        """Store row ``rows[i]`` of the batch in record ``flat_slots[i]``; publish ``fills``; one exclusive epoch.
+
+        CPU rows are copied straight into their records (one copy); GPU rows are gathered on
+        the device and brought over in one transfer per tensor first.
+        """
+        sources = list(samples) + ([activations] if activations is not None else [])
+        targets = list(self.samples) + ([self.activations] if activations is not None else [])
+        index = torch.from_numpy(rows)
+        host = [s.index_select(0, index.to(s.device)).cpu() if s.device.type != "cpu" else s for s in sources]
+        host_rows = [np.arange(len(rows)) if s.device.type != "cpu" else rows for s in sources]
+        if self.win is not None:
+            self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        try:
+            if len(flat_slots):
+                self.labels.index_copy_(0, torch.from_numpy(flat_slots), torch.from_numpy(labels))
+                for dst, src, src_rows in zip(targets, host, host_rows, strict=True):
+                    for slot, row in zip(flat_slots.tolist(), src_rows.tolist(), strict=True):
+                        dst[slot].copy_(src[row])
+            self.fills.copy_(torch.from_numpy(fills))
+        finally:
+            if self.win is not None:
+                self.win.Unlock(self.rank)
+
+    def load(self, raw: torch.Tensor) -> None:
+        """Replace the whole storage (a restored checkpoint) in one exclusive epoch."""
+        if self.win is not None:
+            self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        try:
+            self.bytes.copy_(raw)
+        finally:
+            if self.win is not None:
+                self.win.Unlock(self.rank)
+
+    # ---------------------------------------------------------------- reads
+    def read_local(self, flat_slots: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        """Copy local records into the rows of ``out`` (keys: label, sample<i>, activation)."""
+        torch.index_select(self.labels, 0, flat_slots, out=out["label"])
+        for i, src in enumerate(self.samples):
+            torch.index_select(src, 0, flat_slots, out=out[f"sample{i}"])
+        if self.activations is not None:
+            torch.index_select(self.activations, 0, flat_slots, out=out["activation"])
+
+    def begin_remote(self) -> None:
+        """Open a shared access epoch on every rank (blocks owners' updates only while it lasts)."""
+        assert self.win is not None
+        self.win.Lock_all()
+
+    def end_remote(self) -> None:
+        assert self.win is not None
+        self.win.Unlock_all()
+
+    def remote_fills(self, ranks: list[int]) -> np.ndarray:
+        """Fill counts of ``ranks`` (inside :meth:`begin_remote`); shape ``(len(ranks), K)``."""
+        assert self.win is not None
+        k = self.layout.num_classes
+        out = np.empty((len(ranks), k), dtype=np.int64)
+        for i, r in enumerate(ranks):
+            self.win.Get(out[i], r, target=(0, 8 * k, MPI.BYTE))
+        self.win.Flush_all()
+        return out
+
+    def remote_read(self, rank: int, flat_slots: np.ndarray, out: dict[str, np.ndarray]) -> int:
+        """Fetch records ``flat_slots`` of ``rank`` straight into the rows of ``out`` (no staging).
+
+        ``out`` maps field names to C-contiguous ``(rows, field bytes)`` uint8 arrays (views of
+        the output tensors).  One ``MPI_Get`` per field, whose target datatype picks that field
+        out of every wanted record.  Completion is left to the caller's ``Flush_all``.
+        Returns the bytes requested.
+        """
+        assert self.win is not None
+        lay = self.layout
+        base = lay.header_bytes + flat_slots.astype(np.int64) * lay.record_bytes
+        total = 0
+        for field in lay.fields:
+            dst = out.get(field.name)
+            if dst is None:
+                continue
+            ttype = MPI.BYTE.Create_hindexed_block(field.nbytes, (base + field.offset).tolist()).Commit()
+            try:
+                self.win.Get(dst, rank, target=(0, 1, ttype))
+            finally:
+                ttype.Free()
+            total += dst.nbytes
+        return total
+
+    def flush(self) -> None:
+        assert self.win is not None
+        self.win.Flush_all()
+
+    def free(self) -> None:
+        """Release the window (collective when windowed) and any page-locking."""
+        if self._registered_ptr is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered_ptr)
+            self._registered_ptr = None
+        self.fills = self.labels = self.activations = None  # type: ignore[assignment]
+        self.samples = []
+        self.bytes = None  # type: ignore[assignment]
+        if self.win is not None:
+            self.win.Free()
+            self.win = None
