@@ -75,6 +75,9 @@ def local_job_env(base: dict[str, str] | None = None, *, oversubscribed: bool = 
     env = dict(os.environ if base is None else base)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # The PyPI Open MPI's UCX one-sided component prints a harmless error on every window creation
+    # ("OSC UCX component priority set inside component query failed"); local jobs use osc/sm instead.
+    env.setdefault("OMPI_MCA_osc", "^ucx")
     if oversubscribed:
         # Busy-polling ranks sharing a core starve each other; let them yield.
         env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
