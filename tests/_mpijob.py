@@ -18,6 +18,9 @@ def run_mpi(nprocs: int, argv: list[str], timeout: float) -> subprocess.Complete
     # Open MPI refuses to start as root unless told; CI containers run as root.
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
+    # Each job agrees on its own rendezvous; never reuse an address inherited from the test process.
+    for var in ("MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
     cmd = mpiexec_argv(nprocs, argv)

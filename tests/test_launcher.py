@@ -124,3 +124,23 @@ def test_slurm_helpers() -> None:
         _slurm_tasks_on_node("4(x2),1", 3)
     assert _slurm_first_host("nid[001-004,010],login1") == "nid001"
     assert _slurm_first_host("node7") == "node7"
+
+
+def test_init_distributed_single_process_leaves_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from torchhpc.launcher import _free_port, init_distributed
+
+    for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "PALS_", "MASTER_"))]:
+        monkeypatch.delenv(key)
+    port = _free_port()
+    info = init_distributed("gloo", timeout=30, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    try:
+        assert info == WorldInfo(0, 0, 1, 1, "single") and dist.get_world_size() == 1
+        assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            init_distributed("gloo", timeout=0)
+    finally:
+        dist.destroy_process_group()

@@ -340,13 +340,15 @@ def init_distributed(
 
     device = _bind_gpu(info)
 
-    if backend != "mpi" and ("MASTER_ADDR" not in environ or "MASTER_PORT" not in environ):
-        host, port = _agree_on_master_address(info, environ, timeout.total_seconds())
-        os.environ.setdefault("MASTER_ADDR", host)
-        os.environ.setdefault("MASTER_PORT", str(port))
     kwargs: dict = {"backend": backend, "timeout": timeout}
     if backend != "mpi":
-        kwargs.update(rank=info.rank, world_size=info.world_size, init_method="env://")
+        # An explicit tcp:// address rather than env://, so nothing is written into os.environ (children of
+        # this process, e.g. a nested mpiexec, must not inherit a port this job owns).
+        if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
+            host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
+        else:
+            host, port = _agree_on_master_address(info, environ, timeout.total_seconds())
+        kwargs.update(rank=info.rank, world_size=info.world_size, init_method=f"tcp://{host}:{port}")
     if device is not None and backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", device)
     dist.init_process_group(**kwargs)
