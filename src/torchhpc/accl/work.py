@@ -1,0 +1,134 @@
+"""Operations in flight and the ``Work`` objects torch sees.
+
+An :class:`Op` is one torch-level call (one ``all_reduce``, one ``send``...).  Collective ops run
+one after another in issue order: an op first (optionally) exchanges a consistency header, then
+starts all its segments at once on the engine, then runs its ``finish`` step (copy-back,
+division for AVG...).  Point-to-point ops start when issued.  Whoever polls (a thread in
+``Work.wait()``, or the group's progress thread for ``async_op=True`` work nobody waits on)
+advances them; see :class:`~.process_group.ProcessGroupACCL`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from .engine import Request
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroupACCL
+
+__all__ = ["Op", "AcclWork", "AcclTimeoutError"]
+
+
+class AcclTimeoutError(dist.DistBackendError):
+    """An operation did not complete within the group's timeout (a peer died, hung or skipped it)."""
+
+
+class Op:
+    """State of one operation; only the owning group touches it, under the group's lock."""
+
+    __slots__ = (
+        "name", "seq", "outputs", "check", "stages", "finish", "reqs", "stage", "done", "error",
+        "deadline", "started", "future", "work", "p2p", "source_rank", "timeout_s", "describe",
+    )
+
+    def __init__(self, name: str, outputs: list[torch.Tensor], timeout_s: float, p2p: bool = False):
+        self.name = name
+        self.seq = -1
+        self.outputs = outputs
+        # check: () -> Request | None, verified by finish-of-check callback (set by the group)
+        self.check: tuple[Callable[[], Request], Callable[[], None]] | None = None
+        # stages: list of lists of request starters; stage k starts when stage k-1 completed
+        self.stages: list[Callable[[], list[Request]]] = []
+        self.finish: Callable[[], None] | None = None
+        self.reqs: list[Request] = []
+        self.stage = -2  # -2 not started, -1 checking, k running stage k
+        self.done = False
+        self.error: BaseException | None = None
+        self.deadline = float("inf")
+        self.started = False
+        self.future: Future = Future()
+        self.work: AcclWork | None = None
+        self.p2p = p2p
+        self.source_rank = -1
+        self.timeout_s = timeout_s
+        self.describe = name
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.error = error
+            self.done = True
+            self.reqs = []
+
+
+def _seconds(timeout: object) -> float | None:
+    """A wait timeout from torch (timedelta, milliseconds or None); None/zero/negative means unset."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        secs = timeout.total_seconds()
+    else:
+        secs = float(timeout) / 1000.0
+    return secs if secs > 0 else None
+
+
+class AcclWork(dist._Work):
+    """Handle of one operation, as returned to torch (``dist.all_reduce(..., async_op=True)``)."""
+
+    def __init__(self, pg: ProcessGroupACCL, op: Op):
+        super().__init__()
+        self._pg = pg
+        self._op = op
+        op.work = self
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until this operation (and every collective issued before it) completed; raise its error."""
+        self._pg._wait(self._op, _seconds(timeout))
+        return True
+
+    def is_completed(self) -> bool:
+        """Non-blocking: True once finished (successfully or not); also advances pending operations."""
+        if not self._op.done:
+            self._pg._poll()
+        return self._op.done
+
+    def is_success(self) -> bool:
+        if not self._op.done:
+            self._pg._poll()
+        return self._op.done and self._op.error is None
+
+    def exception(self):
+        return self._op.error
+
+    def source_rank(self) -> int:
+        if self._op.source_rank < 0:
+            raise ValueError("accl: source_rank() is only defined for a completed recv from any source")
+        return self._op.source_rank
+
+    _source_rank = source_rank  # what dist.recv(src=None) calls
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return self._op.outputs
+
+    def synchronize(self) -> None:
+        """CPU work has nothing to synchronize with a stream; waiting is done by ``wait()``."""
+
+    def get_future(self) -> Future:
+        """A future completed (by whoever polls, or the progress thread) with the output tensors."""
+        return self._op.future
+
+    def __repr__(self) -> str:
+        state = "done" if self._op.done else "pending"
+        return f"AcclWork({self._op.describe}, {state})"
+
+
+def now() -> float:
+    return time.monotonic()
