@@ -143,6 +143,18 @@ class ProcessGroupACCL(dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "accl"
 
+    def setGroupName(self, name: str) -> None:  # noqa: N802 (torch's name; a Python PG keeps its own)
+        self._name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return getattr(self, "_desc", "undefined")
+
     def __repr__(self) -> str:
         return f"ProcessGroupACCL(rank={self._rank}, size={self._size}, engine={self._engine.name})"
 
@@ -994,6 +1006,9 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 break
             time.sleep(0)
         if missing:
+            for r in missing:  # withdraw the receives so that no later message matches them
+                reqs[r].Cancel()
+                reqs[r].Wait()
             raise AcclTimeoutError(f"accl: monitored_barrier: ranks {sorted(missing)} did not reach the "
                                    f"barrier within {secs:g} s")
         for r in bufs:
