@@ -415,7 +415,9 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
     def __del__(self) -> None:
         self._closed = True
-        self._wake.set()
+        wake = getattr(self, "_wake", None)  # absent when __init__ failed
+        if wake is not None:
+            wake.set()
 
     # ================================================================= collectives
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
@@ -1083,14 +1085,19 @@ class ProcessGroupACCL(dist.ProcessGroup):
             if sbytes <= _SMALL_BYTES:
                 state["small"] = sbytes
                 return []
-            # receive the sender's segments (into a scratch buffer on mismatch, so nothing is corrupted)
-            dst = torch.empty(sbytes, dtype=torch.uint8) if mismatch else self._stage_in(t, eng, copy=False)
+            # receive the sender's segments, in the sender's dtype, on the engine the sender used
+            # (into a scratch buffer on mismatch, so that nothing of the bad message is lost or leaks)
+            sdtype = _DTYPES[dcode - 1] if 0 < dcode <= len(_DTYPES) else torch.uint8
+            if mismatch:
+                dst = torch.empty(sbytes // sdtype.itemsize if sdtype.itemsize else sbytes, dtype=sdtype)
+                peng = self._engine_for("send", sdtype)
+            else:
+                dst = self._stage_in(t, eng, copy=False)
+                peng = eng
             state["dst"] = dst
-            sesz = esz if not mismatch else _DTYPES[dcode - 1].itemsize if 0 < dcode <= len(_DTYPES) else 1
-            raw = _as_bytes(dst)
-            per = self._per(sesz) * sesz
-            return [self._call(eng, "recv", b - a, raw[a:b], peer, tag, 1) for a, b in _ranges(sbytes, per)
-                    if b > a]
+            per = self._per(dst.element_size())
+            return [self._call(peng, "recv", (b - a) * dst.element_size(), dst[a:b], peer, tag, 1)
+                    for a, b in _ranges(dst.numel(), per) if b > a]
 
         def finish() -> None:
             if state["mismatch"]:
