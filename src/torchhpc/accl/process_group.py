@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -56,6 +57,12 @@ _OPS = (_R.SUM, _R.AVG, _R.PRODUCT, _R.MIN, _R.MAX, _R.BAND, _R.BOR, _R.BXOR)
 _OP_CODE = {o: i + 1 for i, o in enumerate(_OPS)}
 # header fields: 0 magic, 1 kind, 2 seq, 3 dtype, 4 op, 5 root, 6 bytes per rank, 7 numel, 8 extra
 _F_KIND, _F_SEQ, _F_DTYPE, _F_OP, _F_ROOT, _F_BYTES, _F_NUMEL = 1, 2, 3, 4, 5, 6, 7
+_NUMPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+                torch.uint8: np.uint8}
+_NP_REDUCE = {_R.SUM: np.add.reduce, _R.AVG: np.add.reduce, _R.PRODUCT: np.multiply.reduce,
+              _R.MIN: np.minimum.reduce, _R.MAX: np.maximum.reduce, _R.BAND: np.bitwise_and.reduce,
+              _R.BOR: np.bitwise_or.reduce, _R.BXOR: np.bitwise_xor.reduce}
 
 
 class AcclMismatchError(ValueError):
@@ -138,6 +145,18 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._closed = False
         self._seg = self.options.max_segment_bytes
         self.stats = {"engine_calls": 0, "sidestep_calls": 0, "max_call_bytes": 0}
+        # one header exchange runs at a time (collectives run in order), so two buffers serve all
+        self._hdr_mine = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
+        self._hdr_all = torch.zeros((size, _SLOT_WORDS), dtype=torch.int64)
+        self._hdr_np = self._hdr_mine.numpy()
+        self._hdr_bytes = self._hdr_mine[_HDR_WORDS:].view(torch.uint8)
+        self._hdr_all_bytes = self._hdr_all[:, _HDR_WORDS:].view(torch.uint8)
+        self._hdr_all_np = self._hdr_all.numpy()
+        self._hdr_u8 = self._hdr_np[_HDR_WORDS:].view(np.uint8)
+        self._hdr_all_u8 = self._hdr_all_np[:, _HDR_WORDS:].view(np.uint8)
+        n = _SLOT_WORDS * 8
+        self._hdr_req_args = ([MPI.buffer.fromaddress(self._hdr_mine.data_ptr(), n), n, MPI.BYTE],
+                              [MPI.buffer.fromaddress(self._hdr_all.data_ptr(), n * size), n, MPI.BYTE])
 
     # ----------------------------------------------------------------- identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -339,6 +358,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
     @staticmethod
     def _complete(ops: list[Op]) -> None:
         for op in ops:
+            op.release()
             fut = op.future
             if fut.done():
                 continue
@@ -444,7 +464,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         numel = sum(t.numel() for t in ts)
         esz = ts[0].element_size()
         nbytes = numel * esz
-        op.describe = f"{kind}({dtype}, {numel} elements, {op_name(op_t)}) #{self._seq}"
+        op.describe = lambda: f"{kind}({dtype}, {numel} elements, {op_name(op_t)}) #{op.seq}"
         p = self._size
         state: dict[str, torch.Tensor] = {}
 
@@ -464,24 +484,32 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 off += t.numel()
 
         if self.options.check and nbytes <= _SMALL_BYTES:
-            # the payload rides in the header exchange; every rank reduces the p slots in rank order
-            def on_verified(allh: torch.Tensor) -> None:
-                raw = allh[:, _HDR_WORDS:].contiguous().view(torch.uint8)[:, :nbytes]
-                vals = raw.contiguous().view(dtype).view(p, numel)
-                flat = state["flat"]
-                flat.copy_(_local_reduce(vals, op_t, p))
-                scatter_back(flat)
+            # the payload rides in the header exchange; every rank reduces the p slots itself
+            single = len(ts) == 1 and ts[0].is_contiguous() and ts[0].device.type == "cpu"
+            npdt = _NUMPY_DTYPE.get(dtype) if single and op_t in _NP_REDUCE else None
 
             def start_check() -> Request:
-                flat = gather_flat()
+                flat = ts[0].view(-1) if single else gather_flat()
                 state["flat"] = flat
                 header = self._header(kind, dtype, numel, nbytes, op_t)
-                header[2] = op.seq
+                header[_F_SEQ] = op.seq
+                if npdt is not None:  # numpy: a few times cheaper than torch for tiny buffers
+                    return self._fused_start_np(header, flat.numpy().view(np.uint8))
                 return self._fused_start(header, flat, allh_holder=state)
 
             def verify() -> None:
-                self._verify_rows(state["allh"], fused=True)
-                on_verified(state["allh"])
+                self._verify_rows(self._hdr_all)
+                if npdt is not None:
+                    vals = self._hdr_all_u8[:, :nbytes].view(npdt)
+                    _NP_REDUCE[op_t](vals, axis=0, out=state["flat"].numpy())
+                    if op_t == _R.AVG:
+                        state["flat"].div_(p)
+                    return
+                vals = self._hdr_all_bytes[:, :nbytes].view(dtype) if nbytes else self._hdr_all_bytes[:, :0]
+                flat = state["flat"]
+                flat.copy_(_local_reduce(vals, op_t, p).view(-1))
+                if not single:
+                    scatter_back(flat)
 
             op.check = (start_check, verify)
             return self._submit(op, async_op)
@@ -506,24 +534,32 @@ class ProcessGroupACCL(dist.ProcessGroup):
         op.finish = finish
         return self._submit(op, async_op)
 
+    def _fused_start_np(self, header: list[int], payload: np.ndarray) -> Request:
+        mine = self._hdr_np
+        mine[:] = 0
+        mine[: len(header)] = header
+        if payload.size:
+            self._hdr_u8[: payload.size] = payload
+        sb, rb = self._hdr_req_args
+        return MpiRequest([self._ctl.Iallgather(sb, rb)])
+
     def _fused_start(self, header: list[int], flat: torch.Tensor, allh_holder: dict) -> Request:
-        p = self._size
-        mine = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
-        mine[: len(header)] = torch.tensor(header, dtype=torch.int64)
-        if flat.numel():
-            mine[_HDR_WORDS:].view(torch.uint8)[: flat.numel() * flat.element_size()] = _as_bytes(flat.cpu())
-        allh = torch.empty((p, _SLOT_WORDS), dtype=torch.int64)
-        allh_holder["allh"] = allh
-        return self._mpi_ctl_allgather(mine, allh)
+        mine = self._hdr_np
+        mine[:] = 0
+        mine[: len(header)] = header
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes:
+            self._hdr_bytes[:nbytes] = _as_bytes(flat if flat.device.type == "cpu" else flat.cpu())
+        allh_holder["allh"] = self._hdr_all
+        sb, rb = self._hdr_req_args
+        return MpiRequest([self._ctl.Iallgather(sb, rb)])
 
     def _verify_rows(self, allh: torch.Tensor, fused: bool = False, vary_bytes: bool = False) -> None:
-        h = allh[:, :_HDR_WORDS].tolist()
-        fields = (0, _F_KIND, _F_SEQ) if vary_bytes else (
-            0, _F_KIND, _F_SEQ, _F_DTYPE, _F_OP, _F_ROOT, _F_BYTES, _F_NUMEL)
-        ref = h[0]
-        if any(row[f] != ref[f] for row in h for f in fields):
+        h = (self._hdr_all_np if allh is self._hdr_all else allh.numpy())[:, :_HDR_WORDS]
+        sub = h[:, :3] if vary_bytes else h[:, :8]  # magic, kind, seq (+ dtype, op, root, bytes, numel)
+        if not (sub == sub[0]).all():
             groups: dict[str, list[int]] = {}
-            for r, row in enumerate(h):
+            for r, row in enumerate(h.tolist()):
                 groups.setdefault(_describe(row), []).append(r)
             detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}"
                                for d, rs in groups.items())
@@ -557,7 +593,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         eng = self._engine_for("broadcast", t.dtype)
         op = self._new_op("broadcast", [t])
         esz, numel = t.element_size(), t.numel()
-        op.describe = f"broadcast({t.dtype}, {numel} elements, root {root}) #{self._seq}"
+        op.describe = lambda: f"broadcast({t.dtype}, {numel} elements, root {root}) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "broadcast", t.dtype, numel, numel * esz, None, root)
         state: dict[str, torch.Tensor] = {}
@@ -585,7 +621,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         eng = self._engine_for("reduce", t.dtype, op_t)
         op = self._new_op("reduce", [t])
         esz, numel = t.element_size(), t.numel()
-        op.describe = f"reduce({t.dtype}, {numel} elements, {op_name(op_t)}, root {root}) #{self._seq}"
+        op.describe = lambda: f"reduce({t.dtype}, {numel} elements, {op_name(op_t)}, root {root}) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "reduce", t.dtype, numel, numel * esz, op_t, root)
         state: dict[str, torch.Tensor] = {}
@@ -618,7 +654,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         eng = self._engine_for(coll, inp.dtype)
         op = self._new_op(kind, outputs)
         esz, numel, p = inp.element_size(), inp.numel(), self._size
-        op.describe = f"{kind}({inp.dtype}, {numel} elements per rank) #{self._seq}"
+        op.describe = lambda: f"{kind}({inp.dtype}, {numel} elements per rank) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, kind, inp.dtype, numel, numel * esz, None, root)
         state: dict = {}
@@ -751,7 +787,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
             ins = []
         eng = self._engine_for("scatter", out.dtype)
         op = self._new_op("scatter", [out])
-        op.describe = f"scatter({out.dtype}, {numel} elements per rank, root {root}) #{self._seq}"
+        op.describe = lambda: f"scatter({out.dtype}, {numel} elements per rank, root {root}) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "scatter", out.dtype, numel, numel * esz, None, root)
         state: dict = {}
@@ -778,7 +814,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         eng = self._engine_for("reduce_scatter", out.dtype, op_t)
         op = self._new_op("reduce_scatter", outputs)
         p, numel, esz = self._size, out.numel(), out.element_size()
-        op.describe = f"reduce_scatter({out.dtype}, {numel} elements per rank, {op_name(op_t)}) #{self._seq}"
+        op.describe = lambda: f"reduce_scatter({out.dtype}, {numel} elements per rank, {op_name(op_t)}) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "reduce_scatter", out.dtype, numel, numel * esz, op_t)
         state: dict = {}
@@ -907,7 +943,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         p = self._size
         eng = self._engine_for("alltoallv", inp.dtype)
         op = self._new_op(kind, outputs)
-        op.describe = f"{kind}({inp.dtype}, send bytes {sb}, recv bytes {rb}) #{self._seq}"
+        op.describe = lambda: f"{kind}({inp.dtype}, send bytes {sb}, recv bytes {rb}) #{op.seq}"
         state: dict = {}
         seg = self._seg
 
@@ -971,7 +1007,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
     def barrier(self, opts=None) -> AcclWork:
         eng = self._engine_for("barrier")
         op = self._new_op("barrier", [])
-        op.describe = f"barrier #{self._seq}"
+        op.describe = lambda: f"barrier #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "barrier", None, 0, 0)
             # the header exchange is itself a full synchronisation
@@ -1025,7 +1061,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         op = self._new_op("send", [t], p2p=True)
         esz, numel = t.element_size(), t.numel()
         nbytes = numel * esz
-        op.describe = f"send({t.dtype}, {numel} elements, to {dst}, tag {tag})"
+        op.describe = lambda: f"send({t.dtype}, {numel} elements, to {dst}, tag {tag})"
         hdr = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
         hdr[:6] = torch.tensor([_MAGIC, 1, _DTYPE_CODE.get(t.dtype, 99), nbytes, numel, 0])
 
@@ -1062,7 +1098,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         esz, numel = t.element_size(), t.numel()
         nbytes = numel * esz
         frm = "any source" if src < 0 else f"from {src}"
-        op.describe = f"recv({t.dtype}, {numel} elements, {frm}, tag {tag})"
+        op.describe = lambda: f"recv({t.dtype}, {numel} elements, {frm}, tag {tag})"
         hdr = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
         state: dict = {}
 
@@ -1149,33 +1185,28 @@ def _mpi_op(op_t: RedOp) -> RedOp:
 
 
 def _local_reduce(vals: torch.Tensor, op_t: RedOp, p: int) -> torch.Tensor:
-    """Reduce a [p, n] block in rank order (every rank computes the same bits)."""
-    acc = vals[0].clone()
-    if acc.dtype == torch.bool:
-        kernel = {_R.SUM: torch.logical_or, _R.MAX: torch.logical_or, _R.BOR: torch.logical_or,
-                  _R.PRODUCT: torch.logical_and, _R.MIN: torch.logical_and, _R.BAND: torch.logical_and,
-                  _R.BXOR: torch.logical_xor}[op_t]
-        for r in range(1, p):
-            acc = kernel(acc, vals[r])
-        return acc
-    for r in range(1, p):
-        x = vals[r]
-        if op_t in (_R.SUM, _R.AVG):
-            acc.add_(x)
-        elif op_t == _R.PRODUCT:
-            acc.mul_(x)
-        elif op_t == _R.MIN:
-            acc = torch.minimum(acc, x)
-        elif op_t == _R.MAX:
-            acc = torch.maximum(acc, x)
-        elif op_t == _R.BAND:
-            acc.bitwise_and_(x)
-        elif op_t == _R.BOR:
-            acc.bitwise_or_(x)
-        else:
-            acc.bitwise_xor_(x)
+    """Reduce a [p, n] block over ranks; every rank runs the same kernel on the same data, so all
+    ranks get the same bits."""
+    if vals.dtype == torch.bool:
+        if op_t in (_R.SUM, _R.MAX, _R.BOR):
+            return vals.any(0)
+        if op_t in (_R.PRODUCT, _R.MIN, _R.BAND):
+            return vals.all(0)
+        return vals.sum(0, dtype=torch.int64).remainder_(2).bool()
+    if op_t == _R.SUM:
+        return vals.sum(0, dtype=vals.dtype)
     if op_t == _R.AVG:
-        acc.div_(p)
+        return vals.sum(0, dtype=vals.dtype).div_(p)
+    if op_t == _R.PRODUCT:
+        return vals.prod(0, dtype=vals.dtype)
+    if op_t == _R.MIN:
+        return vals.amin(0)
+    if op_t == _R.MAX:
+        return vals.amax(0)
+    fn = {_R.BAND: torch.bitwise_and, _R.BOR: torch.bitwise_or}.get(op_t, torch.bitwise_xor)
+    acc = vals[0]
+    for r in range(1, p):
+        acc = fn(acc, vals[r])
     return acc
 
 

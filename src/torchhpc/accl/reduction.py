@@ -61,8 +61,18 @@ def red_op_of(op: object) -> RedOp:
     raise TypeError(f"accl: unrecognised reduce op {op!r}")
 
 
+_VALID: set[tuple[torch.dtype, RedOp]] = set()
+
+
 def check_reduction(dtype: torch.dtype, op: RedOp, what: str) -> None:
     """Raise a clear error when ``op`` is not defined for ``dtype`` (same rules as gloo)."""
+    if (dtype, op) in _VALID:
+        return
+    _check_reduction(dtype, op, what)
+    _VALID.add((dtype, op))
+
+
+def _check_reduction(dtype: torch.dtype, op: RedOp, what: str) -> None:
     if op not in _SUPPORTED_OPS:
         raise ValueError(f"accl: {what} does not support ReduceOp.{op_name(op)} "
                          f"(supported: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR)")

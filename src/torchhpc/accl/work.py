@@ -36,7 +36,7 @@ class Op:
 
     __slots__ = (
         "name", "seq", "outputs", "check", "stages", "finish", "reqs", "stage", "done", "error",
-        "deadline", "started", "future", "work", "p2p", "source_rank", "timeout_s", "describe",
+        "deadline", "started", "future", "p2p", "source_rank", "timeout_s", "_desc",
     )
 
     def __init__(self, name: str, outputs: list[torch.Tensor], timeout_s: float, p2p: bool = False):
@@ -55,11 +55,28 @@ class Op:
         self.deadline = float("inf")
         self.started = False
         self.future: Future = Future()
-        self.work: AcclWork | None = None
         self.p2p = p2p
         self.source_rank = -1
         self.timeout_s = timeout_s
-        self.describe = name
+        self._desc: str | Callable[[], str] = name
+
+    @property
+    def describe(self) -> str:
+        """Human description for errors (built lazily: formatting costs more than a small collective)."""
+        return self._desc() if callable(self._desc) else self._desc
+
+    @describe.setter
+    def describe(self, value: str | Callable[[], str]) -> None:
+        self._desc = value
+
+    def release(self) -> None:
+        """Drop the closures (they refer back to this op): the op is then freed by reference counting
+        instead of piling up as cyclic garbage for the (slow, with torch loaded) cycle collector."""
+        self.check = None
+        self.stages = []
+        self.finish = None
+        self._desc = self.name
+        self.reqs = []
 
     def fail(self, error: BaseException) -> None:
         if not self.done:
@@ -86,7 +103,6 @@ class AcclWork(dist._Work):
         super().__init__()
         self._pg = pg
         self._op = op
-        op.work = self
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until this operation (and every collective issued before it) completed; raise its error."""
