@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import torchhpc.accl as accl
 from torchhpc.accl import bench, rendezvous
-from torchhpc.accl.process_group import _local_reduce
+from torchhpc.accl.common import _local_reduce
 from torchhpc.accl.reduction import check_reduction, mpi_reduction, red_op_of
 
 R = dist.ReduceOp
@@ -192,7 +192,8 @@ def test_bench_cli_quick_run_writes_table_and_plot(tmp_path) -> None:
     assert "# allreduce, float32, 2 ranks" in res.stdout
     lines = [ln for ln in res.stdout.splitlines() if ln.strip().startswith(("8 B", "4 KiB"))]
     assert len(lines) == 2 and all(ln.count("|") == 5 for ln in lines)
-    assert png.stat().st_size > 1000 and np.frombuffer(png.read_bytes()[:4], np.uint8).tolist() == [137, 80, 78, 71]
+    assert png.stat().st_size > 1000
+    assert np.frombuffer(png.read_bytes()[:4], np.uint8).tolist() == [137, 80, 78, 71]  # PNG magic
 
 
 def test_bench_rejects_bad_np() -> None:

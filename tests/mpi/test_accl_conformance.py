@@ -57,7 +57,8 @@ def reference(vals: list[torch.Tensor], op) -> torch.Tensor:
     else:
         out = v[0].clone()
         for x in v[1:]:
-            out = {R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}[op](out, x)
+            fn = {R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or, R.BXOR: torch.bitwise_xor}[op]
+            out = fn(out, x)
     return out.to(dtype)
 
 
@@ -75,7 +76,8 @@ def groups():
     world = dist.group.WORLD
     gloo = dist.new_group(backend="gloo")
     tiny = dist.new_group(backend="accl", pg_options=accl.AcclOptions(max_segment_bytes=64))
-    unchecked = dist.new_group(backend="accl", pg_options=accl.AcclOptions(check=False, max_segment_bytes=256))
+    unchecked = dist.new_group(backend="accl",
+                               pg_options=accl.AcclOptions(check=False, max_segment_bytes=256))
     yield {"world": world, "gloo": gloo, "tiny": tiny, "unchecked": unchecked}
     dist.destroy_process_group()
 
@@ -131,7 +133,7 @@ def test_all_reduce_non_contiguous_and_large(groups) -> None:
     assert not t.is_contiguous()
     dist.all_reduce(t, group=groups["tiny"])
     assert torch.equal(base, torch.arange(1200, dtype=torch.float32).view(40, 30) * (p * (p + 1) // 2))
-    big = torch.ones(300_000, dtype=torch.float64) * (rank + 1)  # several default segments? no: one; tiny: many
+    big = torch.ones(30_000, dtype=torch.float64) * (rank + 1)  # 3750 segments of 64 B on "tiny"
     dist.all_reduce(big, op=R.MAX, group=groups["tiny"])
     assert torch.all(big == p)
 
@@ -140,8 +142,8 @@ def test_all_reduce_non_contiguous_and_large(groups) -> None:
 def test_reduce_every_root(groups, group_name: str) -> None:
     g = groups[group_name]
     rank, p = dist.get_rank(), dist.get_world_size()
-    for root, dtype, op in itertools.product(range(p), [torch.float32, torch.bfloat16, torch.int64, torch.bool],
-                                             [R.SUM, R.MAX, R.PRODUCT, R.AVG]):
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.bool]
+    for root, dtype, op in itertools.product(range(p), dtypes, [R.SUM, R.MAX, R.PRODUCT, R.AVG]):
         if not valid(dtype, op):
             continue
         seed = root * 100 + DTYPES.index(dtype) * 10 + OPS.index(op)
@@ -191,7 +193,8 @@ def test_all_gather_list_and_into_tensor(groups, group_name: str) -> None:
 def test_gather_and_scatter(groups, group_name: str) -> None:
     g = groups[group_name]
     rank, p = dist.get_rank(), dist.get_world_size()
-    for root, dtype in itertools.product(range(p), [torch.float16, torch.int32, torch.bool, torch.float64]):
+    dtypes = [torch.float16, torch.int32, torch.bool, torch.float64]
+    for root, dtype in itertools.product(range(p), dtypes):
         mine = rank_data(rank, 40, dtype, root)
         lst = [torch.empty_like(mine) for _ in range(p)] if rank == root else None
         dist.gather(mine, lst, dst=root, group=g)
@@ -244,8 +247,8 @@ def test_all_to_all_single_even_and_uneven(groups, group_name: str) -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool):
         send = torch.cat([block(rank, j, dtype) for j in range(p)])
         recv = torch.empty(sum(rows(i, rank) for i in range(p)), 3, dtype=dtype)
-        dist.all_to_all_single(recv, send, [rows(i, rank) for i in range(p)], [rows(rank, j) for j in range(p)],
-                               group=g)
+        dist.all_to_all_single(recv, send, [rows(i, rank) for i in range(p)],
+                               [rows(rank, j) for j in range(p)], group=g)
         assert torch.equal(recv, torch.cat([block(i, rank, dtype) for i in range(p)]))
 
 

@@ -13,10 +13,11 @@ See :class:`AcclOptions` for the engine (``mpi``/``accl``), segmentation and che
 from __future__ import annotations
 
 from .backend import create_process_group, register
+from .common import AcclMismatchError
 from .engine import CollectiveEngine, EngineUnavailableError, Request
 from .mpi_engine import MpiEngine, mpi_cuda_aware
 from .options import AcclOptions
-from .process_group import AcclMismatchError, ProcessGroupACCL
+from .process_group import ProcessGroupACCL
 from .work import AcclTimeoutError, AcclWork
 
 __all__ = [

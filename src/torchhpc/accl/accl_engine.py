@@ -129,7 +129,8 @@ class AcclEngine(CollectiveEngine):
 
                 overlay = pynq.Overlay(options.accl_xclbin)
                 return mod.accl(ranks, rank, protocol=options.accl_protocol, bufsize=options.accl_bufsize,
-                                overlay=overlay, cclo_ip=overlay.ccl_offload_0, hostctrl_ip=overlay.hostctrl_0)
+                                overlay=overlay, cclo_ip=overlay.ccl_offload_0,
+                                hostctrl_ip=overlay.hostctrl_0)
         except EngineUnavailableError:
             raise
         except Exception as exc:

@@ -42,7 +42,8 @@ def _global_comm(group_rank: int, group_size: int, is_default: bool) -> MPI.Comm
 def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
     """``Backend.register_backend`` creator (extended API): builds the group's MPI communicator."""
     if pg_options is not None and not isinstance(pg_options, AcclOptions):
-        raise TypeError(f"accl: pg_options must be torchhpc.accl.AcclOptions, got {type(pg_options).__name__}")
+        raise TypeError(f"accl: pg_options must be torchhpc.accl.AcclOptions, "
+                        f"got {type(pg_options).__name__}")
     ranks = list(dist_opts.global_ranks_in_group)
     rank, size = dist_opts.group_rank, dist_opts.group_size
     with _lock:
@@ -59,5 +60,6 @@ def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
 def register() -> None:
     """Make ``init_process_group("accl")`` work (idempotent)."""
     if "ACCL" not in dist.Backend._plugins:
-        dist.Backend.register_backend("accl", create_process_group, extended_api=True, devices=["cpu", "cuda"])
+        dist.Backend.register_backend("accl", create_process_group, extended_api=True,
+                                      devices=["cpu", "cuda"])
     install_env_rendezvous()

@@ -203,7 +203,8 @@ def _print_table(coll: str, rows: list, impls: list[str], n: int) -> None:
         if "accl" in impls and "gloo" in impls:
             line += f" | {times['gloo'] / times['accl']:6.2f}x"
         if "accl" in impls and "mpi4py" in impls:
-            line += f" | {times['mpi4py'] / times['accl']:8.2f}x {(times['accl'] - times['mpi4py']) * 1e6:7.1f}"
+            extra_us = (times["accl"] - times["mpi4py"]) * 1e6
+            line += f" | {times['mpi4py'] / times['accl']:8.2f}x {extra_us:7.1f}"
         print(line, flush=True)
 
 

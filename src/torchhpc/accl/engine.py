@@ -104,5 +104,5 @@ class CollectiveEngine(ABC):
     @abstractmethod
     def barrier(self) -> Request: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release the engine's resources (communicators, device handles)."""

@@ -9,6 +9,7 @@ them through pinned host memory before they get here.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -210,7 +211,5 @@ class MpiEngine(CollectiveEngine):
     def close(self) -> None:
         for comm in (self.coll, *self.p2p):
             if comm != MPI.COMM_NULL:
-                try:
+                with contextlib.suppress(MPI.Exception):  # pending operations after an abort
                     comm.Free()
-                except MPI.Exception:  # pending operations after an abort: leave it to MPI_Finalize
-                    pass

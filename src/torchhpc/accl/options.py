@@ -89,11 +89,13 @@ class AcclOptions:
         if self.engine not in ("mpi", "accl"):
             raise ValueError(f"AcclOptions.engine must be 'mpi' or 'accl', got {self.engine!r}")
         if not isinstance(self.max_segment_bytes, int) or self.max_segment_bytes < 8:
-            raise ValueError(f"AcclOptions.max_segment_bytes must be an int >= 8, got {self.max_segment_bytes!r}")
+            raise ValueError(f"AcclOptions.max_segment_bytes must be an int >= 8, "
+                             f"got {self.max_segment_bytes!r}")
         self.sidestep = frozenset(self.sidestep)
         unknown = self.sidestep - set(ALL_COLLECTIVES)
         if unknown:
             raise ValueError(f"AcclOptions.sidestep names unknown collectives {sorted(unknown)}; "
                              f"known: {', '.join(ALL_COLLECTIVES)}")
         if self.progress_interval_us < 1:
-            raise ValueError(f"AcclOptions.progress_interval_us must be >= 1, got {self.progress_interval_us}")
+            raise ValueError(f"AcclOptions.progress_interval_us must be >= 1, "
+                             f"got {self.progress_interval_us}")
