@@ -172,6 +172,13 @@ def test_cuda_tensors_are_staged_or_passed(solo) -> None:  # pragma: no cover - 
     assert t.device.type == "cuda" and torch.all(t == 1)
 
 
+def test_environment_report_for_doctor() -> None:
+    items = dict(accl.environment_report())
+    assert "Open MPI" in items["accl MPI library"] or "MPICH" in items["accl MPI library"]
+    assert ("staged" in items["accl CUDA path"]) != accl.mpi_cuda_aware()
+    assert "pyaccl" in items["accl ACCL engine"]
+
+
 def test_bus_factors() -> None:
     assert bench.bus_factor("allreduce", 2) == 1.0
     assert bench.bus_factor("allreduce", 4) == 1.5

@@ -219,12 +219,12 @@ def test_supported_collectives_run_on_the_accl_driver(accl_group) -> None:
 
     # point to point: header on MPI, payload segments on the driver
     nxt, prv = (rank + 1) % p, (rank - 1) % p
-    big = torch.arange(200, dtype=torch.float32) + rank
-    got = torch.empty(200)
+    big = torch.arange(600, dtype=torch.float32) + rank  # larger than a header slot: payload on the driver
+    got = torch.empty(600)
     for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, big, nxt, group=g),
                                      dist.P2POp(dist.irecv, got, prv, group=g)]):
         w.wait()
-    assert torch.equal(got, torch.arange(200, dtype=torch.float32) + prv)
+    assert torch.equal(got, torch.arange(600, dtype=torch.float32) + prv)
     assert sorted(set(_calls())) == ["recv", "send"]
 
 

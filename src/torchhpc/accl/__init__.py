@@ -15,6 +15,7 @@ from __future__ import annotations
 from .backend import create_process_group, register
 from .common import AcclMismatchError
 from .engine import CollectiveEngine, EngineUnavailableError, Request
+from .info import environment_report
 from .mpi_engine import MpiEngine, mpi_cuda_aware
 from .options import AcclOptions
 from .process_group import ProcessGroupACCL
@@ -23,7 +24,7 @@ from .work import AcclTimeoutError, AcclWork
 __all__ = [
     "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",
     "CollectiveEngine", "Request", "MpiEngine", "EngineUnavailableError", "mpi_cuda_aware",
-    "create_process_group", "register",
+    "create_process_group", "register", "environment_report",
 ]
 
 register()

@@ -10,15 +10,18 @@ from datetime import timedelta
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
 
 from .common import (
+    _DTYPE_CODE,
     _F_SEQ,
     _HDR_WORDS,
     _KIND,
     _MAGIC,
     _NP_REDUCE,
     _NUMPY_DTYPE,
+    _OP_CODE,
     _R,
     _SMALL_BYTES,
     AcclMismatchError,
@@ -59,6 +62,10 @@ class CollectivesMixin:
             if t.device != ts[0].device:
                 raise ValueError(f"accl: {kind} needs tensors on one device")
         check_reduction(dtype, op_t, kind)
+        if (not async_op and len(ts) == 1 and self.options.check and not self._queue
+                and ts[0].numel() * ts[0].element_size() <= _SMALL_BYTES and ts[0].is_contiguous()
+                and ts[0].device.type == "cpu" and dtype in _NUMPY_DTYPE):
+            return self._small_allreduce_now(ts[0], op_t)
         eng = self._engine_for("allreduce", dtype, op_t)
         op = self._new_op(kind, ts)
         numel = sum(t.numel() for t in ts)
@@ -133,6 +140,58 @@ class CollectivesMixin:
         op.stages = [stage0]
         op.finish = finish
         return self._submit(op, async_op)
+
+    def _small_allreduce_now(self, t: torch.Tensor, op_t: RedOp) -> AcclWork:
+        """Blocking small all_reduce on an idle group, in the caller's thread with no queueing: one
+        header+payload all-gather, checked and reduced locally (the latency-critical case)."""
+        op = self._new_op("all_reduce", [t])
+        numel = t.numel()
+        nbytes = numel * t.element_size()
+        arr = t.numpy()
+        finished: list[Op] = []
+        with self._lock:
+            if self._aborted is not None:
+                raise dist.DistBackendError(f"accl: process group is aborted ({self._aborted})")
+            op.seq = seq = self._seq
+            self._seq += 1
+            mine = self._hdr_np
+            mine[:] = 0
+            mine[:9] = (_MAGIC, _KIND["all_reduce"], seq, _DTYPE_CODE[t.dtype], _OP_CODE[op_t], 0, nbytes,
+                        numel, 0)
+            if nbytes:
+                self._hdr_u8[:nbytes] = arr.view(np.uint8)
+            req = self._ctl.Iallgather(*self._hdr_req_args)
+            spins = 0
+            deadline = 0.0
+            while not req.Test():
+                spins += 1
+                if spins < 64:
+                    continue
+                if self._p2p:  # receives in flight may need their payload posted to let peers reach us
+                    finished += self._progress_locked()
+                t_now = now()
+                if not deadline:
+                    deadline = t_now + self._timeout_s
+                elif t_now > deadline:
+                    op.describe = f"all_reduce({t.dtype}, {numel} elements) #{seq}"
+                    self._abort_locked(op)
+                    finished += self._drain_locked()
+                    break
+                time.sleep(0)
+            if not op.done:
+                try:
+                    self._verify_rows(self._hdr_all)
+                    vals = self._hdr_all_u8[:, :nbytes].view(_NUMPY_DTYPE[t.dtype])
+                    _NP_REDUCE[op_t](vals, axis=0, out=arr)
+                    if op_t == _R.AVG:
+                        t.div_(self._size)
+                    op.done = True
+                except BaseException as exc:  # noqa: BLE001 - reported through the Work
+                    op.fail(exc)
+        if finished:
+            self._complete(finished)
+        op.release()
+        return AcclWork(self, op)
 
     def _fused_start_np(self, header: list[int], payload: np.ndarray) -> Request:
         mine = self._hdr_np

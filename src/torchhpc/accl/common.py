@@ -17,7 +17,7 @@ from .work import AcclTimeoutError, Op, now
 _R = RedOp
 _MAGIC = 0x4ACC1
 _HDR_WORDS = 16
-_SMALL_BYTES = 256  # all-reduces up to this size ride inside the checking header exchange
+_SMALL_BYTES = 1024  # all-reduces up to this size ride inside the checking header exchange
 _SLOT_WORDS = _HDR_WORDS + _SMALL_BYTES // 8
 
 _KINDS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",

@@ -300,13 +300,7 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
     def _complete(ops: list[Op]) -> None:
         for op in ops:
             op.release()
-            fut = op.future
-            if fut.done():
-                continue
-            if op.error is not None:
-                fut.set_exception(op.error)
-            else:
-                fut.set_result(op.outputs)
+            op.settle()
 
     def _poll(self) -> None:
         """One non-blocking round of progress (from ``is_completed`` or the progress thread)."""

@@ -10,6 +10,7 @@ advances them; see :class:`~.process_group.ProcessGroupACCL`.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -36,7 +37,7 @@ class Op:
 
     __slots__ = (
         "name", "seq", "outputs", "check", "stages", "finish", "reqs", "stage", "done", "error",
-        "deadline", "started", "future", "p2p", "source_rank", "timeout_s", "_desc",
+        "deadline", "started", "_future", "p2p", "source_rank", "timeout_s", "_desc",
     )
 
     def __init__(self, name: str, outputs: list[torch.Tensor], timeout_s: float, p2p: bool = False):
@@ -54,7 +55,7 @@ class Op:
         self.error: BaseException | None = None
         self.deadline = float("inf")
         self.started = False
-        self.future: Future = Future()
+        self._future: Future | None = None  # made on demand: most callers only wait()
         self.p2p = p2p
         self.source_rank = -1
         self.timeout_s = timeout_s
@@ -68,6 +69,25 @@ class Op:
     @describe.setter
     def describe(self, value: str | Callable[[], str]) -> None:
         self._desc = value
+
+    @property
+    def future(self) -> Future:
+        """The torch future of this op, completed now if the op already finished."""
+        with _future_lock:
+            if self._future is None:
+                self._future = Future()
+            fut = self._future
+            if self.done and not fut.done():
+                _settle(fut, self)
+        return fut
+
+    def settle(self) -> None:
+        """Complete the future, if anyone asked for it (called once the op is done)."""
+        if self._future is None:
+            return
+        with _future_lock:
+            if not self._future.done():
+                _settle(self._future, self)
 
     def release(self) -> None:
         """Drop the closures (they refer back to this op): the op is then freed by reference counting
@@ -83,6 +103,16 @@ class Op:
             self.error = error
             self.done = True
             self.reqs = []
+
+
+_future_lock = threading.Lock()
+
+
+def _settle(fut: Future, op: Op) -> None:
+    if op.error is not None:
+        fut.set_exception(op.error)
+    else:
+        fut.set_result(op.outputs)
 
 
 def _seconds(timeout: object) -> float | None:
