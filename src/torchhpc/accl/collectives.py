@@ -62,11 +62,14 @@ class CollectivesMixin:
             if t.device != ts[0].device:
                 raise ValueError(f"accl: {kind} needs tensors on one device")
         check_reduction(dtype, op_t, kind)
-        if (not async_op and len(ts) == 1 and self.options.check and not self._queue
+        eng = self._engine_for("allreduce", dtype, op_t)
+        # payloads up to a header slot ride in the MPI header exchange (MPI engine only: with ACCL
+        # the data always goes to the device, or is sidestepped by the rules of AcclOptions.sidestep)
+        fuse = eng is self._mpi and self.options.check
+        if (fuse and not async_op and len(ts) == 1 and not self._queue
                 and ts[0].numel() * ts[0].element_size() <= _SMALL_BYTES and ts[0].is_contiguous()
                 and ts[0].device.type == "cpu" and dtype in _NUMPY_DTYPE):
             return self._small_allreduce_now(ts[0], op_t)
-        eng = self._engine_for("allreduce", dtype, op_t)
         op = self._new_op(kind, ts)
         numel = sum(t.numel() for t in ts)
         esz = ts[0].element_size()
@@ -90,7 +93,7 @@ class CollectivesMixin:
                 t.copy_(flat[off: off + t.numel()].view(t.shape))
                 off += t.numel()
 
-        if self.options.check and nbytes <= _SMALL_BYTES:
+        if fuse and nbytes <= _SMALL_BYTES:
             # the payload rides in the header exchange; every rank reduces the p slots itself
             single = len(ts) == 1 and ts[0].is_contiguous() and ts[0].device.type == "cpu"
             npdt = _NUMPY_DTYPE.get(dtype) if single and op_t in _NP_REDUCE else None
