@@ -33,6 +33,7 @@ from .common import (
     _poll_until,
     _ranges,
     _Tensorish,
+    backoff,
 )
 from .engine import Request
 from .mpi_engine import MpiRequest
@@ -74,6 +75,7 @@ class CollectivesMixin:
         numel = sum(t.numel() for t in ts)
         esz = ts[0].element_size()
         nbytes = numel * esz
+        op.big = nbytes >= self._big
         op.describe = lambda: f"{kind}({dtype}, {numel} elements, {op_name(op_t)}) #{op.seq}"
         p = self._size
         state: dict[str, torch.Tensor] = {}
@@ -111,7 +113,8 @@ class CollectivesMixin:
                 self._verify_rows(self._hdr_all)
                 if npdt is not None:
                     vals = self._hdr_all_u8[:, :nbytes].view(npdt)
-                    _NP_REDUCE[op_t](vals, axis=0, out=state["flat"].numpy())
+                    with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
+                        _NP_REDUCE[op_t](vals, axis=0, out=state["flat"].numpy())
                     if op_t == _R.AVG:
                         state["flat"].div_(p)
                     return
@@ -175,17 +178,19 @@ class CollectivesMixin:
                 t_now = now()
                 if not deadline:
                     deadline = t_now + self._timeout_s
+                    t_spin = t_now
                 elif t_now > deadline:
                     op.describe = f"all_reduce({t.dtype}, {numel} elements) #{seq}"
                     self._abort_locked(op)
                     finished += self._drain_locked()
                     break
-                time.sleep(0)
+                backoff(t_spin, t_now)
             if not op.done:
                 try:
                     self._verify_rows(self._hdr_all)
                     vals = self._hdr_all_u8[:, :nbytes].view(_NUMPY_DTYPE[t.dtype])
-                    _NP_REDUCE[op_t](vals, axis=0, out=arr)
+                    with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
+                        _NP_REDUCE[op_t](vals, axis=0, out=arr)
                     if op_t == _R.AVG:
                         t.div_(self._size)
                     op.done = True
@@ -256,6 +261,7 @@ class CollectivesMixin:
         eng = self._engine_for("broadcast", t.dtype)
         op = self._new_op("broadcast", [t])
         esz, numel = t.element_size(), t.numel()
+        op.big = numel * esz >= self._big
         op.describe = lambda: f"broadcast({t.dtype}, {numel} elements, root {root}) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "broadcast", t.dtype, numel, numel * esz, None, root)
@@ -284,6 +290,7 @@ class CollectivesMixin:
         eng = self._engine_for("reduce", t.dtype, op_t)
         op = self._new_op("reduce", [t])
         esz, numel = t.element_size(), t.numel()
+        op.big = numel * esz >= self._big
         op.describe = lambda: f"reduce({t.dtype}, {numel} elements, {op_name(op_t)}, root {root}) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "reduce", t.dtype, numel, numel * esz, op_t, root)
@@ -317,6 +324,7 @@ class CollectivesMixin:
         eng = self._engine_for(coll, inp.dtype)
         op = self._new_op(kind, outputs)
         esz, numel, p = inp.element_size(), inp.numel(), self._size
+        op.big = numel * esz * p >= self._big
         op.describe = lambda: f"{kind}({inp.dtype}, {numel} elements per rank) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, kind, inp.dtype, numel, numel * esz, None, root)
@@ -450,6 +458,7 @@ class CollectivesMixin:
             ins = []
         eng = self._engine_for("scatter", out.dtype)
         op = self._new_op("scatter", [out])
+        op.big = numel * esz * p >= self._big
         op.describe = lambda: f"scatter({out.dtype}, {numel} elements per rank, root {root}) #{op.seq}"
         if self.options.check:
             self._add_check_lazy(op, "scatter", out.dtype, numel, numel * esz, None, root)
@@ -477,6 +486,7 @@ class CollectivesMixin:
         eng = self._engine_for("reduce_scatter", out.dtype, op_t)
         op = self._new_op("reduce_scatter", outputs)
         p, numel, esz = self._size, out.numel(), out.element_size()
+        op.big = numel * esz * p >= self._big
         op.describe = lambda: (f"reduce_scatter({out.dtype}, {numel} elements per rank, {op_name(op_t)}) "
                                f"#{op.seq}")
         if self.options.check:
@@ -608,6 +618,7 @@ class CollectivesMixin:
         p = self._size
         eng = self._engine_for("alltoallv", inp.dtype)
         op = self._new_op(kind, outputs)
+        op.big = max(sum(sb), sum(rb)) >= self._big
         op.describe = lambda: f"{kind}({inp.dtype}, send bytes {sb}, recv bytes {rb}) #{op.seq}"
         state: dict = {}
         seg = self._seg

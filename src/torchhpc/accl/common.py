@@ -3,6 +3,7 @@ process-group modules (``process_group``, ``collectives``, ``p2p``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 
@@ -132,6 +133,16 @@ def _wrap(exc: BaseException, op: Op) -> BaseException:
     if isinstance(exc, MPI.Exception):
         return dist.DistBackendError(f"accl: MPI error during {op.describe}: {exc.Get_error_string()}")
     return exc
+
+
+def backoff(spin_started: float, t_now: float) -> None:
+    """Pause between polls of a waiting rank: yield the core for the first 20 ms (a peer may need it:
+    ranks are often oversubscribed), then sleep 50 us per poll so long waits do not burn a core.
+    ``time.sleep(0)`` is avoided on the hot path: with timer slack it can cost ~50 us."""
+    if t_now - spin_started < 0.02:
+        os.sched_yield()
+    else:
+        time.sleep(50e-6)
 
 
 def _poll_until(req: MPI.Request, secs: float, message: str) -> None:

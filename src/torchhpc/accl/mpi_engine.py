@@ -9,6 +9,7 @@ them through pinned host memory before they get here.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import ctypes
 import functools
@@ -125,6 +126,53 @@ class MpiRequest:
         return self._status.Get_count(MPI.BYTE) if self._status is not None else -1
 
 
+class ThreadRequest:
+    """A blocking MPI call running on the engine's worker thread."""
+
+    __slots__ = ("_fut", "_keep")
+
+    def __init__(self, fut: cf.Future, keep: object = None):
+        self._fut = fut
+        self._keep = keep
+
+    def test(self) -> bool:
+        if not self._fut.done():
+            return False
+        exc = self._fut.exception()
+        if exc is not None:
+            raise exc
+        self._keep = None
+        return True
+
+    def block(self, timeout: float) -> None:
+        """Sleep (GIL released) until done or ``timeout`` seconds passed."""
+        cf.wait([self._fut], timeout=timeout)
+
+    def source(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        return -1
+
+
+class _Done:
+    """An operation that already completed (blocking call made inline)."""
+
+    __slots__ = ()
+
+    def test(self) -> bool:
+        return True
+
+    def source(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        return -1
+
+
+_DONE = _Done()
+
+
 class MpiEngine(CollectiveEngine):
     """Collective engine over an MPI communicator (duplicated: its traffic never meets the user's)."""
 
@@ -136,6 +184,23 @@ class MpiEngine(CollectiveEngine):
         self.rank = self.coll.Get_rank()
         self.size = self.coll.Get_size()
         self.cuda_aware = mpi_cuda_aware()
+        # Large collectives run as MPI's blocking (tuned) algorithms on a worker thread: on Open MPI
+        # the nonblocking ones (libnbc) reach a fraction of the bandwidth.  The group sets this per op.
+        self.threaded: bool | str = False  # False: nonblocking; "worker"; "inline" (caller blocks)
+        self._can_thread = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self._pool: cf.ThreadPoolExecutor | None = None
+
+    def _run(self, name: str, *args, keep: object = None):
+        """Start collective ``name`` (an ``I*`` mpi4py method): nonblocking, or blocking on the worker."""
+        if self.threaded == "inline" or (self.threaded and not self._can_thread):
+            getattr(self.coll, name[1].upper() + name[2:])(*args)
+            return _DONE
+        if self.threaded:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="accl-mpi")
+            blocking = getattr(self.coll, name[1].upper() + name[2:])
+            return ThreadRequest(self._pool.submit(blocking, *args), keep)
+        return MpiRequest([getattr(self.coll, name)(*args)], keep=keep)
 
     def supports(self, collective: str, dtype: torch.dtype | None = None, op: RedOp | None = None) -> bool:
         return True
@@ -145,58 +210,58 @@ class MpiEngine(CollectiveEngine):
 
     def allreduce(self, buf: torch.Tensor, op: RedOp) -> MpiRequest:
         dt, mop = mpi_reduction(buf.dtype, op)
-        return MpiRequest([self.coll.Iallreduce(MPI.IN_PLACE, _typed(buf, dt), mop)])
+        return self._run("Iallreduce", MPI.IN_PLACE, _typed(buf, dt), mop)
 
     def broadcast(self, buf: torch.Tensor, root: int) -> MpiRequest:
-        return MpiRequest([self.coll.Ibcast(_bytes(buf), root)])
+        return self._run("Ibcast", _bytes(buf), root)
 
     def reduce(self, buf: torch.Tensor, op: RedOp, root: int) -> MpiRequest:
         dt, mop = mpi_reduction(buf.dtype, op)
         if self.rank == root:
-            return MpiRequest([self.coll.Ireduce(MPI.IN_PLACE, _typed(buf, dt), mop, root)])
-        return MpiRequest([self.coll.Ireduce(_typed(buf, dt), None, mop, root)])
+            return self._run("Ireduce", MPI.IN_PLACE, _typed(buf, dt), mop, root)
+        return self._run("Ireduce", _typed(buf, dt), None, mop, root)
 
     def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> MpiRequest:
         if _rows_contiguous(recv):
-            return MpiRequest([self.coll.Iallgather(_bytes(send), _blocks(recv, self.size))])
+            return self._run("Iallgather", _bytes(send), _blocks(recv, self.size))
         base, counts, displs = _rows(recv)
-        return MpiRequest([self.coll.Iallgatherv(_bytes(send), [base, counts, displs, MPI.BYTE])])
+        return self._run("Iallgatherv", _bytes(send), [base, counts, displs, MPI.BYTE])
 
     def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int) -> MpiRequest:
         if self.rank != root:
-            return MpiRequest([self.coll.Igatherv(_bytes(send), None, root)])
+            return self._run("Igatherv", _bytes(send), None, root)
         if _rows_contiguous(recv):
-            return MpiRequest([self.coll.Igather(_bytes(send), _blocks(recv, self.size), root)])
+            return self._run("Igather", _bytes(send), _blocks(recv, self.size), root)
         base, counts, displs = _rows(recv)
-        return MpiRequest([self.coll.Igatherv(_bytes(send), [base, counts, displs, MPI.BYTE], root)])
+        return self._run("Igatherv", _bytes(send), [base, counts, displs, MPI.BYTE], root)
 
     def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int) -> MpiRequest:
         if self.rank != root:
-            return MpiRequest([self.coll.Iscatterv(None, _bytes(recv), root)])
+            return self._run("Iscatterv", None, _bytes(recv), root)
         if _rows_contiguous(send):
-            return MpiRequest([self.coll.Iscatter(_blocks(send, self.size), _bytes(recv), root)])
+            return self._run("Iscatter", _blocks(send, self.size), _bytes(recv), root)
         base, counts, displs = _rows(send)
-        return MpiRequest([self.coll.Iscatterv([base, counts, displs, MPI.BYTE], _bytes(recv), root)])
+        return self._run("Iscatterv", [base, counts, displs, MPI.BYTE], _bytes(recv), root)
 
     def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp) -> MpiRequest:
         dt, mop = mpi_reduction(recv.dtype, op)
         sbuf = [MPI.buffer.fromaddress(send.data_ptr(), send.numel() * send.element_size()), recv.numel(), dt]
-        return MpiRequest([self.coll.Ireduce_scatter_block(sbuf, _typed(recv, dt), mop)], keep=send)
+        return self._run("Ireduce_scatter_block", sbuf, _typed(recv, dt), mop, keep=send)
 
     def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> MpiRequest:
         if _rows_contiguous(send) and _rows_contiguous(recv):
-            return MpiRequest([self.coll.Ialltoall(_blocks(send, self.size), _blocks(recv, self.size))])
+            return self._run("Ialltoall", _blocks(send, self.size), _blocks(recv, self.size))
         sbase, scounts, sdispls = _rows(send)
         rbase, rcounts, rdispls = _rows(recv)
-        return MpiRequest([self.coll.Ialltoallv([sbase, scounts, sdispls, MPI.BYTE],
-                                                [rbase, rcounts, rdispls, MPI.BYTE])])
+        return self._run("Ialltoallv", [sbase, scounts, sdispls, MPI.BYTE],
+                                                [rbase, rcounts, rdispls, MPI.BYTE])
 
     def alltoallv(self, send: torch.Tensor, scounts: list[int], sdispls: list[int],
                   recv: torch.Tensor, rcounts: list[int], rdispls: list[int]) -> MpiRequest:
         sbuf = MPI.buffer.fromaddress(send.data_ptr(), send.numel())
         rbuf = MPI.buffer.fromaddress(recv.data_ptr(), recv.numel())
-        return MpiRequest([self.coll.Ialltoallv([sbuf, scounts, sdispls, MPI.BYTE],
-                                                [rbuf, rcounts, rdispls, MPI.BYTE])])
+        return self._run("Ialltoallv", [sbuf, scounts, sdispls, MPI.BYTE],
+                                                [rbuf, rcounts, rdispls, MPI.BYTE])
 
     def send(self, buf: torch.Tensor, dst: int, tag: int, channel: int = 1) -> MpiRequest:
         return MpiRequest([self.p2p[channel].Isend(_bytes(buf), dst, tag)], keep=buf)
@@ -206,9 +271,11 @@ class MpiEngine(CollectiveEngine):
         return MpiRequest([self.p2p[channel].Irecv(_bytes(buf), source, tag)], keep=buf, status=MPI.Status())
 
     def barrier(self) -> MpiRequest:
-        return MpiRequest([self.coll.Ibarrier()])
+        return self._run("Ibarrier")
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
         for comm in (self.coll, *self.p2p):
             if comm != MPI.COMM_NULL:
                 with contextlib.suppress(MPI.Exception):  # pending operations after an abort

@@ -65,6 +65,8 @@ class AcclOptions:
     - ``check``: exchange a small header before each collective so that mismatched sizes,
       dtypes, ops, roots or call order across ranks raise a clear error instead of hanging
       or corrupting memory (costs one small message per collective).
+    - ``threaded_min_bytes``: collectives moving at least this many bytes run MPI's blocking (tuned)
+      algorithms on a worker thread instead of nonblocking ones (faster on Open MPI); still async.
     - ``progress_interval_us``: polling period of the background progress thread that drives
       ``async_op=True`` operations nobody is waiting on.
     - ``accl_sim_sock``/``accl_start_port``/``accl_xclbin``/``accl_bufsize``/``accl_protocol``:
@@ -77,6 +79,8 @@ class AcclOptions:
     )
     sidestep: frozenset[str] = field(default_factory=_env_sidestep)
     check: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_CHECK", True))
+    threaded_min_bytes: int = field(
+        default_factory=lambda: _env_int("TORCHHPC_ACCL_THREADED_MIN_BYTES", 64 << 10))
     progress_interval_us: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_PROGRESS_US", 100))
     accl_sim_sock: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_SIM_SOCK"))
     accl_start_port: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_START_PORT", 5500))

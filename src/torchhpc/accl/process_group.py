@@ -44,6 +44,7 @@ from .common import (
     _flat,
     _tag_ub,
     _wrap,
+    backoff,
 )
 from .engine import CollectiveEngine, Request
 from .mpi_engine import MpiEngine, MpiRequest
@@ -85,6 +86,7 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
         self._wake = threading.Event()
         self._closed = False
         self._seg = self.options.max_segment_bytes
+        self._big = self.options.threaded_min_bytes
         self.stats = {"engine_calls": 0, "sidestep_calls": 0, "max_call_bytes": 0}
         # one header exchange runs at a time (collectives run in order), so two buffers serve all
         self._hdr_mine = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
@@ -194,6 +196,8 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
                 self._p2p.append(op)
                 self._start(op)
             else:
+                if not async_op:
+                    op.inline_in = threading.get_ident()
                 op.seq = self._seq
                 self._seq += 1
                 self._queue.append(op)
@@ -222,7 +226,15 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
     def _next_stage(self, op: Op, k: int) -> None:
         while k < len(op.stages):
             op.stage = k
-            op.reqs = op.stages[k]()
+            # big data phases use MPI's blocking algorithms: run by the synchronous caller itself once the
+            # header exchange proved every rank is here, else by the engine's worker thread
+            if op.big:
+                inline = op.check is not None and op.inline_in == threading.get_ident()
+                self._mpi.threaded = "inline" if inline else "worker"
+            try:
+                op.reqs = op.stages[k]()
+            finally:
+                self._mpi.threaded = False
             if op.reqs:
                 return
             k += 1
@@ -326,15 +338,23 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
             if t > limit:
                 raise AcclTimeoutError(f"accl: Work.wait({timeout_s:g} s) expired before {op.describe} "
                                        f"completed in group '{self._name}'")
+            head = self._head()
+            blocker = next((r for r in head.reqs if hasattr(r, "block")), None) if head is not None else None
+            if blocker is not None:  # a blocking MPI call on the worker: sleep on it (GIL released)
+                blocker.block(min(0.005, max(0.0, limit - t)))
+                continue
             spins += 1
-            if spins > 64:
+            if spins > 64:  # spin hot first (MPI progresses inside our Test calls), then back off
                 if t_spin is None:
                     t_spin = t
-                # spin hot for a while (MPI progress happens in our Test calls), then back off
-                time.sleep(0 if t - t_spin < 0.005 else 50e-6)
+                backoff(t_spin, t)
         if op.error is not None:
             raise op.error
         # "complete in issue order": every earlier collective is done once this one is.
+
+    def _head(self) -> Op | None:
+        q = self._queue
+        return q[0] if q else None
 
     def _kick(self) -> None:
         """Make sure the progress thread runs while async work is pending."""

@@ -37,7 +37,7 @@ class Op:
 
     __slots__ = (
         "name", "seq", "outputs", "check", "stages", "finish", "reqs", "stage", "done", "error",
-        "deadline", "started", "_future", "p2p", "source_rank", "timeout_s", "_desc",
+        "deadline", "started", "_future", "p2p", "big", "inline_in", "source_rank", "timeout_s", "_desc",
     )
 
     def __init__(self, name: str, outputs: list[torch.Tensor], timeout_s: float, p2p: bool = False):
@@ -57,6 +57,8 @@ class Op:
         self.started = False
         self._future: Future | None = None  # made on demand: most callers only wait()
         self.p2p = p2p
+        self.big = False  # large enough for the blocking (tuned) MPI algorithms on the worker thread
+        self.inline_in = 0  # thread id that may run those blocking calls itself (synchronous callers)
         self.source_rank = -1
         self.timeout_s = timeout_s
         self._desc: str | Callable[[], str] = name
