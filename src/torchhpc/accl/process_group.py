@@ -226,11 +226,12 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
     def _next_stage(self, op: Op, k: int) -> None:
         while k < len(op.stages):
             op.stage = k
-            # big data phases use MPI's blocking algorithms: run by the synchronous caller itself once the
-            # header exchange proved every rank is here, else by the engine's worker thread
-            if op.big:
-                inline = op.check is not None and op.inline_in == threading.get_ident()
-                self._mpi.threaded = "inline" if inline else "worker"
+            # MPI's blocking (tuned) algorithms beat the nonblocking ones: a synchronous caller runs them
+            # itself once the header exchange proved every rank is here; big async ops use the worker
+            if op.check is not None and op.inline_in == threading.get_ident():
+                self._mpi.threaded = "inline"
+            elif op.big:
+                self._mpi.threaded = "worker"
             try:
                 op.reqs = op.stages[k]()
             finally:
