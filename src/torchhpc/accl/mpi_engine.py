@@ -227,19 +227,17 @@ class MpiEngine(CollectiveEngine):
         base, counts, displs = _rows(recv)
         return self._run("Iallgatherv", _bytes(send), [base, counts, displs, MPI.BYTE])
 
+    # gather/scatter always use the v-variants: a non-root rank cannot know whether the root's rows are
+    # strided, and root and non-roots must call the same MPI collective (Gather and Gatherv differ).
     def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int) -> MpiRequest:
         if self.rank != root:
             return self._run("Igatherv", _bytes(send), None, root)
-        if _rows_contiguous(recv):
-            return self._run("Igather", _bytes(send), _blocks(recv, self.size), root)
         base, counts, displs = _rows(recv)
         return self._run("Igatherv", _bytes(send), [base, counts, displs, MPI.BYTE], root)
 
     def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int) -> MpiRequest:
         if self.rank != root:
             return self._run("Iscatterv", None, _bytes(recv), root)
-        if _rows_contiguous(send):
-            return self._run("Iscatter", _blocks(send, self.size), _bytes(recv), root)
         base, counts, displs = _rows(send)
         return self._run("Iscatterv", [base, counts, displs, MPI.BYTE], _bytes(recv), root)
 
