@@ -136,6 +136,16 @@ def test_all_reduce_non_contiguous_and_large(groups) -> None:
     big = torch.ones(30_000, dtype=torch.float64) * (rank + 1)  # 3750 segments of 64 B on "tiny"
     dist.all_reduce(big, op=R.MAX, group=groups["tiny"])
     assert torch.all(big == p)
+    # 16-bit floats above the header slot go through MPI with the user-defined op: blocking inline
+    # (synchronous) and on the worker thread (async, >= threaded_min_bytes)
+    for dtype, n in itertools.product((torch.float16, torch.bfloat16), (3000, 70_000)):
+        for op in (R.SUM, R.MIN, R.PRODUCT):
+            seed = n + OPS.index(op)
+            x = rank_data(rank, n, dtype, seed)
+            w = dist.all_reduce(x, op=op, async_op=n > 10_000)
+            if w is not None:
+                w.wait()
+            assert torch.equal(x, reference([rank_data(r, n, dtype, seed) for r in range(p)], op))
 
 
 @pytest.mark.parametrize("group_name", ["world", "tiny"])
