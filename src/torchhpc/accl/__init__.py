@@ -1,0 +1,30 @@
+"""``torchhpc.accl``: a complete torch.distributed backend ``"accl"`` over MPI (mpi4py) or ACCL.
+
+Importing this package registers the backend::
+
+    import torch.distributed as dist
+    import torchhpc.accl  # noqa: F401  (registers "accl")
+
+    dist.init_process_group("accl")  # under mpiexec: no MASTER_ADDR/MASTER_PORT needed
+
+See :class:`AcclOptions` for the engine (``mpi``/``accl``), segmentation and checks.
+"""
+
+from __future__ import annotations
+
+from .backend import create_process_group, register
+from .common import AcclMismatchError
+from .engine import CollectiveEngine, EngineUnavailableError, Request
+from .info import environment_report
+from .mpi_engine import MpiEngine, mpi_cuda_aware
+from .options import AcclOptions
+from .process_group import ProcessGroupACCL
+from .work import AcclTimeoutError, AcclWork
+
+__all__ = [
+    "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",
+    "CollectiveEngine", "Request", "MpiEngine", "EngineUnavailableError", "mpi_cuda_aware",
+    "create_process_group", "register", "environment_report",
+]
+
+register()

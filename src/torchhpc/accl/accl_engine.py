@@ -1,0 +1,268 @@
+"""The ``accl`` engine: collectives on Xilinx ACCL (Alveo FPGA or its emulator) through ``pyaccl``.
+
+``pyaccl`` (ACCL's Python driver, ``driver/pynq`` in the ACCL repository) is not on PyPI; install it
+from an ACCL checkout on a machine with an Alveo card (``pynq`` + XRT) or with the ACCL emulator.
+The engine reaches the device one of two ways:
+
+- emulator: ``TORCHHPC_ACCL_SIM_SOCK`` (or ``AcclOptions.accl_sim_sock``), a ZMQ address with
+  ``{rank}``/``{port}`` placeholders, e.g. ``tcp://localhost:{port}`` (port = start port + rank);
+- hardware: ``TORCHHPC_ACCL_XCLBIN``, the ACCL bitstream loaded with ``pynq.Overlay``.
+
+What the driver does itself: SUM reductions and data movement for float16/32/64 and int32/64
+(its default arithmetic configurations).  Everything else (other ops and dtypes, all-to-all,
+barrier) falls back to MPI when listed in ``AcclOptions.sidestep`` (default: every collective).
+Driver calls block, so they run one at a time on a worker thread; the group polls the returned
+request, which keeps ``async_op=True`` truly asynchronous and timeouts enforceable.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import socket
+import threading
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .engine import CollectiveEngine, EngineUnavailableError
+from .options import AcclOptions
+from .reduction import RedOp
+
+__all__ = ["AcclEngine", "ACCL_DTYPES", "load_driver_module"]
+
+ACCL_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
+               torch.int32: np.int32, torch.int64: np.int64}
+_DATA_MOVES = ("broadcast", "allgather", "gather", "scatter", "send", "recv")
+_REDUCTIONS = ("allreduce", "reduce", "reduce_scatter")
+
+_driver_lock = threading.Lock()
+_driver_state: dict = {}  # one driver (device) per process, shared by all groups that use it
+
+
+def load_driver_module():
+    """Import ``pyaccl.accl`` or say exactly what is missing."""
+    try:
+        from pyaccl import accl as driver_module
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            "accl engine: the 'pyaccl' package (ACCL's Python driver) is not installed "
+            f"({exc}). Install it from an ACCL checkout (driver/pynq) on a host with an Alveo card "
+            "or the ACCL emulator, or use the default MPI engine (engine='mpi', "
+            "TORCHHPC_ACCL_ENGINE=mpi).") from None
+    return driver_module
+
+
+class _FutureRequest:
+    """Request backed by a driver call running on the engine's worker thread."""
+
+    __slots__ = ("_fut",)
+
+    def __init__(self, fut: cf.Future):
+        self._fut = fut
+
+    def test(self) -> bool:
+        if not self._fut.done():
+            return False
+        exc = self._fut.exception()
+        if exc is not None:
+            raise exc
+        return True
+
+    def source(self) -> int:
+        return -1
+
+    def nbytes(self) -> int:
+        return -1
+
+
+def _host_ip() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class AcclEngine(CollectiveEngine):
+    """Engine over one ACCL communicator (the group's ranks on the process's ACCL device)."""
+
+    name = "accl"
+
+    def __init__(self, comm: MPI.Comm, options: AcclOptions):
+        mod = load_driver_module()
+        self._mod = mod
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        world_ranks = comm.Get_group().Translate_ranks(list(range(self.size)), MPI.COMM_WORLD.Get_group())
+        with _driver_lock:
+            if "driver" not in _driver_state:
+                _driver_state["driver"] = self._open_driver(mod, comm, options)
+                _driver_state["ranks"] = world_ranks
+                _driver_state["pool"] = cf.ThreadPoolExecutor(1, thread_name_prefix="accl-engine")
+            drv = _driver_state["driver"]
+            base = _driver_state["ranks"]
+            if world_ranks == base:
+                self._comm_id = 0
+            else:
+                missing = [r for r in world_ranks if r not in base]
+                if missing:
+                    raise EngineUnavailableError(f"accl engine: ranks {missing} are not on the ACCL "
+                                                 f"communicator opened first ({base})")
+                drv.split_communicator([base.index(r) for r in world_ranks])
+                self._comm_id = len(drv.communicators) - 1
+        self._drv = drv
+        self._pool: cf.ThreadPoolExecutor = _driver_state["pool"]
+        self._sum = mod.ACCLReduceFunctions.SUM
+
+    @staticmethod
+    def _open_driver(mod, comm: MPI.Comm, options: AcclOptions):
+        rank = comm.Get_rank()
+        port = options.accl_start_port + rank
+        me = {"ip": _host_ip(), "port": port, "session_id": rank, "max_segment_size": options.accl_bufsize}
+        ranks = comm.allgather(me)
+        try:
+            if options.accl_sim_sock:
+                sock = options.accl_sim_sock.format(rank=rank, port=port)
+                return mod.accl(ranks, rank, protocol=options.accl_protocol, bufsize=options.accl_bufsize,
+                                sim_sock=sock)
+            if options.accl_xclbin:
+                import pynq  # noqa: PLC0415 - only on Alveo hosts
+
+                overlay = pynq.Overlay(options.accl_xclbin)
+                return mod.accl(ranks, rank, protocol=options.accl_protocol, bufsize=options.accl_bufsize,
+                                overlay=overlay, cclo_ip=overlay.ccl_offload_0,
+                                hostctrl_ip=overlay.hostctrl_0)
+        except EngineUnavailableError:
+            raise
+        except Exception as exc:
+            raise EngineUnavailableError(f"accl engine: could not open the ACCL device on rank {rank}: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+        raise EngineUnavailableError(
+            "accl engine: no ACCL device given. Set TORCHHPC_ACCL_SIM_SOCK (emulator, e.g. "
+            "'tcp://localhost:{port}') or TORCHHPC_ACCL_XCLBIN (Alveo bitstream), or use engine='mpi'.")
+
+    # ------------------------------------------------------------------ capability
+    def supports(self, collective: str, dtype: torch.dtype | None = None, op: RedOp | None = None) -> bool:
+        if collective in _REDUCTIONS:
+            return dtype in ACCL_DTYPES and op == RedOp.SUM
+        if collective in _DATA_MOVES:
+            return dtype in ACCL_DTYPES
+        return False  # alltoall, alltoallv, barrier: not in ACCL
+
+    # ------------------------------------------------------------------ buffers
+    def _buffer(self, n: int, dtype: torch.dtype):
+        """A device buffer of ``n`` elements (emulator: SimBuffer; hardware: pynq.allocate)."""
+        npdt = ACCL_DTYPES[dtype]
+        drv = self._drv
+        if getattr(drv, "sim_mode", False):
+            return self._mod.SimBuffer(np.zeros((max(n, 1),), dtype=npdt), drv.cclo.socket)
+        import pynq  # noqa: PLC0415
+
+        return pynq.allocate((max(n, 1),), dtype=npdt, target=drv.cclo.devicemem)
+
+    @staticmethod
+    def _host(buf) -> np.ndarray:
+        return buf if isinstance(buf, np.ndarray) else buf.data
+
+    def _fill(self, buf, t: torch.Tensor) -> None:
+        if t.numel():
+            self._host(buf)[: t.numel()] = t.reshape(-1).numpy()
+
+    def _drain(self, buf, t: torch.Tensor) -> None:
+        if t.numel():
+            t.copy_(torch.from_numpy(self._host(buf)[: t.numel()].copy()).view(t.shape))
+
+    def _submit(self, fn) -> _FutureRequest:
+        return _FutureRequest(self._pool.submit(fn))
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, buf: torch.Tensor, op: RedOp) -> _FutureRequest:
+        def run() -> None:
+            s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
+            self._fill(s, buf)
+            self._drv.allreduce(self._comm_id, s, r, buf.numel(), self._sum)
+            self._drain(r, buf)
+        return self._submit(run)
+
+    def reduce(self, buf: torch.Tensor, op: RedOp, root: int) -> _FutureRequest:
+        def run() -> None:
+            s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
+            self._fill(s, buf)
+            self._drv.reduce(self._comm_id, s, r, buf.numel(), root, self._sum)
+            if self.rank == root:
+                self._drain(r, buf)
+        return self._submit(run)
+
+    def broadcast(self, buf: torch.Tensor, root: int) -> _FutureRequest:
+        def run() -> None:
+            b = self._buffer(buf.numel(), buf.dtype)
+            if self.rank == root:
+                self._fill(b, buf)
+            self._drv.bcast(self._comm_id, b, buf.numel(), root)
+            if self.rank != root:
+                self._drain(b, buf)
+        return self._submit(run)
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> _FutureRequest:
+        def run() -> None:
+            n = send.numel()
+            s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
+            self._fill(s, send)
+            self._drv.allgather(self._comm_id, s, r, n)
+            tmp = torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n)
+            recv.copy_(tmp)
+        return self._submit(run)
+
+    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int) -> _FutureRequest:
+        def run() -> None:
+            n = send.numel()
+            s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
+            self._fill(s, send)
+            self._drv.gather(self._comm_id, s, r, n, root)
+            if self.rank == root:
+                recv.copy_(torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n))
+        return self._submit(run)
+
+    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int) -> _FutureRequest:
+        def run() -> None:
+            n = recv.numel()
+            s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
+            if self.rank == root:
+                self._fill(s, send.contiguous())
+            self._drv.scatter(self._comm_id, s, r, n, root)
+            self._drain(r, recv)
+        return self._submit(run)
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp) -> _FutureRequest:
+        def run() -> None:
+            n = recv.numel()
+            s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
+            self._fill(s, send)
+            self._drv.reduce_scatter(self._comm_id, s, r, n, self._sum)
+            self._drain(r, recv)
+        return self._submit(run)
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int, channel: int = 1) -> _FutureRequest:
+        def run() -> None:
+            b = self._buffer(buf.numel(), buf.dtype)
+            self._fill(b, buf)
+            self._drv.send(self._comm_id, b, buf.numel(), dst, tag=tag)
+        return self._submit(run)
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int, channel: int = 1) -> _FutureRequest:
+        def run() -> None:
+            b = self._buffer(buf.numel(), buf.dtype)
+            self._drv.recv(self._comm_id, b, buf.numel(), src, tag=tag)
+            self._drain(b, buf)
+        return self._submit(run)
+
+    def _absent(self, what: str):
+        raise NotImplementedError(f"accl engine: ACCL has no {what}; the group sidesteps it to MPI")
+
+    def alltoall(self, send, recv):
+        self._absent("all-to-all")
+
+    def alltoallv(self, send, scounts, sdispls, recv, rcounts, rdispls):
+        self._absent("all-to-all")
+
+    def barrier(self):
+        self._absent("barrier")

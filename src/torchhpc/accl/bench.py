@@ -1,0 +1,246 @@
+"""``torchhpc bench``: nccl-tests-style collective benchmark, accl vs gloo vs raw mpi4py in one run.
+
+Usage::
+
+    torchhpc bench allreduce [--np 2] [--quick] [--plot busbw.png]
+    torchhpc bench all --np 2                 # allreduce, broadcast, allgather, reduce_scatter, alltoall
+    mpiexec -n 2 python bench/allreduce.py allreduce   # already under mpiexec: runs in place
+
+Outside an MPI job the command starts itself under ``mpiexec -n NP`` (oversubscribed, one thread per
+rank).  For every size it times the same float32 collective through ``torch.distributed`` with the
+``accl`` backend, through ``torch.distributed`` with ``gloo``, and as the plain mpi4py call a user
+would write on numpy buffers (``comm.Allreduce(MPI.IN_PLACE, buf)``...).  Times are the slowest
+rank's mean; algbw = size / time, busbw = algbw x the nccl-tests factor of the collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+__all__ = ["main", "COLLECTIVES", "bus_factor"]
+
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
+FULL_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
+QUICK_SIZES = [8, 4 << 10, 1 << 20]
+IMPLS = ("accl", "gloo", "mpi4py")
+
+
+def bus_factor(coll: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: what each rank's link carries relative to the buffer size."""
+    if coll == "allreduce":
+        return 2.0 * (n - 1) / n
+    if coll in ("allgather", "reduce_scatter", "alltoall"):
+        return (n - 1) / n
+    return 1.0
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="torchhpc bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("collective", nargs="?", default="allreduce", choices=COLLECTIVES + ("all",))
+    ap.add_argument("--np", type=int, default=2, help="ranks to launch when not already under mpiexec")
+    ap.add_argument("--quick", action="store_true", help="three sizes, few iterations (seconds)")
+    ap.add_argument("--min-bytes", type=int, default=None)
+    ap.add_argument("--max-bytes", type=int, default=None)
+    ap.add_argument("--time-per-point", type=float, default=0.25, help="seconds spent per size and impl")
+    ap.add_argument("--plot", default=None, help="write a PNG of busbw vs size here")
+    ap.add_argument("--no-check", action="store_true", help="accl without the cross-rank header check")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="subset of accl,gloo,mpi4py")
+    return ap.parse_args(argv)
+
+
+def _under_mpi() -> bool:
+    from .rendezvous import under_mpi_launcher
+
+    return under_mpi_launcher()
+
+
+def _relaunch(argv: list[str], nprocs: int) -> int:
+    from torchhpc.mpirun import local_job_env, mpiexec_argv
+
+    env = local_job_env()
+    if os.geteuid() == 0:
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    src = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    cmd = mpiexec_argv(nprocs, [sys.executable, "-m", "torchhpc.accl.bench", *argv])
+    return subprocess.call(cmd, env=env)
+
+
+def _sizes(args: argparse.Namespace) -> list[int]:
+    sizes = QUICK_SIZES if args.quick else FULL_SIZES
+    lo = args.min_bytes or 0
+    hi = args.max_bytes or (1 << 62)
+    return [s for s in sizes if lo <= s <= hi]
+
+
+def _runners(coll: str, nbytes: int, n: int, groups: dict, comm) -> dict[str, Callable[[], None]]:
+    """One callable per implementation doing one ``coll`` of ``nbytes`` (float32)."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    numel = max(1, nbytes // 4)
+    out: dict[str, Callable[[], None]] = {}
+    if coll == "allreduce":
+        bufs = {k: torch.ones(numel) for k in IMPLS}
+        a = bufs["mpi4py"].numpy()
+        out["accl"] = lambda: dist.all_reduce(bufs["accl"], group=groups["accl"])
+        out["gloo"] = lambda: dist.all_reduce(bufs["gloo"], group=groups["gloo"])
+        out["mpi4py"] = lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
+    elif coll == "broadcast":
+        bufs = {k: torch.ones(numel) for k in IMPLS}
+        a = bufs["mpi4py"].numpy()
+        out["accl"] = lambda: dist.broadcast(bufs["accl"], 0, group=groups["accl"])
+        out["gloo"] = lambda: dist.broadcast(bufs["gloo"], 0, group=groups["gloo"])
+        out["mpi4py"] = lambda: comm.Bcast(a, 0)
+    elif coll == "allgather":  # size = output buffer
+        per = max(1, numel // n)
+        ins = {k: torch.ones(per) for k in IMPLS}
+        outs = {k: torch.empty(per * n) for k in IMPLS}
+        out["accl"] = lambda: dist.all_gather_into_tensor(outs["accl"], ins["accl"], group=groups["accl"])
+        out["gloo"] = lambda: dist.all_gather_into_tensor(outs["gloo"], ins["gloo"], group=groups["gloo"])
+        si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
+        out["mpi4py"] = lambda: comm.Allgather(si, so)
+    elif coll == "reduce_scatter":  # size = input buffer
+        per = max(1, numel // n)
+        ins = {k: torch.ones(per * n) for k in IMPLS}
+        outs = {k: torch.empty(per) for k in IMPLS}
+        out["accl"] = lambda: dist.reduce_scatter_tensor(outs["accl"], ins["accl"], group=groups["accl"])
+        out["gloo"] = lambda: dist.reduce_scatter_tensor(outs["gloo"], ins["gloo"], group=groups["gloo"])
+        si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
+        out["mpi4py"] = lambda: comm.Reduce_scatter_block(si, so, MPI.SUM)
+    elif coll == "alltoall":  # size = send buffer
+        per = max(1, numel // n)
+        ins = {k: torch.ones(per * n) for k in IMPLS}
+        outs = {k: torch.empty(per * n) for k in IMPLS}
+        out["accl"] = lambda: dist.all_to_all_single(outs["accl"], ins["accl"], group=groups["accl"])
+        out["gloo"] = lambda: dist.all_to_all_single(outs["gloo"], ins["gloo"], group=groups["gloo"])
+        si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
+        out["mpi4py"] = lambda: comm.Alltoall(si, so)
+    return out
+
+
+def _time(fn: Callable[[], None], comm, budget_s: float, quick: bool) -> float:
+    """Mean seconds per call on the slowest rank; iteration count agreed across ranks."""
+    from mpi4py import MPI
+
+    fn()
+    fn()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    one = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+    iters = int(max(3 if quick else 5, min(2000, budget_s / max(one, 1e-7))))
+    comm.Barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = (time.perf_counter() - t0) / iters
+    return comm.allreduce(elapsed, op=MPI.MAX)
+
+
+def _human(nbytes: int) -> str:
+    for unit, div in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div:
+            return f"{nbytes / div:g} {unit}"
+    return f"{nbytes} B"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark body, executed by every rank of an MPI job."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import torchhpc.accl as accl
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, n = comm.Get_rank(), comm.Get_size()
+    opts = accl.AcclOptions(check=not args.no_check)
+    dist.init_process_group("accl", pg_options=opts)
+    groups = {"accl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    impls = [i for i in args.impls.split(",") if i in IMPLS]
+    colls = COLLECTIVES if args.collective == "all" else (args.collective,)
+    results: dict[str, list[tuple[int, dict[str, float]]]] = {}
+    for coll in colls:
+        rows = []
+        for size in _sizes(args):
+            runners = _runners(coll, size, n, groups, comm)
+            times = {impl: _time(runners[impl], comm, args.time_per_point, args.quick) for impl in impls}
+            rows.append((size, times))
+        results[coll] = rows
+        if rank == 0:
+            _print_table(coll, rows, impls, n)
+    if rank == 0 and args.plot:
+        _plot(results, impls, n, args.plot)
+    dist.destroy_process_group()
+    comm.Free()
+    return 0
+
+
+def _print_table(coll: str, rows: list, impls: list[str], n: int) -> None:
+    fac = bus_factor(coll, n)
+    print(f"\n# {coll}, float32, {n} ranks; time in us, bandwidths in GB/s (busbw factor {fac:.3g})")
+    head = f"{'size':>10}"
+    for impl in impls:
+        head += f" | {impl + ' time':>12} {'algbw':>7} {'busbw':>7}"
+    if "accl" in impls and "gloo" in impls:
+        head += f" | {'vs gloo':>7}"
+    if "accl" in impls and "mpi4py" in impls:
+        head += f" | {'vs mpi4py':>9} {'+us':>7}"
+    print(head)
+    for size, times in rows:
+        line = f"{_human(size):>10}"
+        for impl in impls:
+            t = times[impl]
+            alg = size / t / 1e9
+            line += f" | {t * 1e6:12.1f} {alg:7.3f} {alg * fac:7.3f}"
+        if "accl" in impls and "gloo" in impls:
+            line += f" | {times['gloo'] / times['accl']:6.2f}x"
+        if "accl" in impls and "mpi4py" in impls:
+            extra_us = (times["accl"] - times["mpi4py"]) * 1e6
+            line += f" | {times['mpi4py'] / times['accl']:8.2f}x {extra_us:7.1f}"
+        print(line, flush=True)
+
+
+def _plot(results: dict, impls: list[str], n: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (coll, rows) in zip(axes[0], results.items(), strict=True):
+        fac = bus_factor(coll, n)
+        sizes = [s for s, _ in rows]
+        for impl in impls:
+            ax.plot(sizes, [s / t[impl] / 1e9 * fac for s, t in rows], marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("message size (bytes)")
+        ax.set_ylabel("busbw (GB/s)")
+        ax.set_title(f"{coll}, {n} ranks")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``torchhpc bench``: relaunch under mpiexec unless already inside an MPI job."""
+    args = _parse(list(argv))
+    if args.np < 1:
+        print("torchhpc bench: --np must be >= 1", file=sys.stderr)
+        return 2
+    if not _under_mpi():
+        return _relaunch(list(argv), args.np)
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,731 @@
+"""Collective operations of :class:`~.process_group.ProcessGroupACCL` (a mixin: the group class
+provides queueing, checks, staging and engines; see its module docstring)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .common import (
+    _DTYPE_CODE,
+    _F_SEQ,
+    _HDR_WORDS,
+    _KIND,
+    _MAGIC,
+    _NP_REDUCE,
+    _NUMPY_DTYPE,
+    _OP_CODE,
+    _R,
+    _SMALL_BYTES,
+    AcclMismatchError,
+    _as_bytes,
+    _async,
+    _describe,
+    _local_reduce,
+    _mpi_op,
+    _poll_until,
+    _ranges,
+    _Tensorish,
+    backoff,
+)
+from .engine import Request
+from .mpi_engine import MpiRequest
+from .reduction import RedOp, check_reduction, op_name, red_op_of
+from .work import AcclTimeoutError, AcclWork, Op, now
+
+
+class CollectivesMixin:
+    """all_reduce ... barrier, as torch's c10d calls them on a Python process group."""
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
+        t = _Tensorish.one(tensors, "all_reduce")
+        op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
+        return self._allreduce([t], op_t, "all_reduce", _async(opts))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
+        op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
+        if not tensors:
+            raise ValueError("accl: all_reduce_coalesced needs at least one tensor")
+        return self._allreduce(list(tensors), op_t, "all_reduce_coalesced", _async(opts))
+
+    def _allreduce(self, ts: list[torch.Tensor], op_t: RedOp, kind: str, async_op: bool) -> AcclWork:
+        dtype = ts[0].dtype
+        for t in ts:
+            if t.dtype != dtype:
+                raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
+            if t.device != ts[0].device:
+                raise ValueError(f"accl: {kind} needs tensors on one device")
+        check_reduction(dtype, op_t, kind)
+        eng = self._engine_for("allreduce", dtype, op_t)
+        # payloads up to a header slot ride in the MPI header exchange (MPI engine only: with ACCL
+        # the data always goes to the device, or is sidestepped by the rules of AcclOptions.sidestep)
+        fuse = eng is self._mpi and self.options.check
+        if (fuse and not async_op and len(ts) == 1 and not self._queue
+                and ts[0].numel() * ts[0].element_size() <= _SMALL_BYTES and ts[0].is_contiguous()
+                and ts[0].device.type == "cpu" and dtype in _NUMPY_DTYPE):
+            return self._small_allreduce_now(ts[0], op_t)
+        op = self._new_op(kind, ts)
+        numel = sum(t.numel() for t in ts)
+        esz = ts[0].element_size()
+        nbytes = numel * esz
+        op.big = nbytes >= self._big
+        op.describe = lambda: f"{kind}({dtype}, {numel} elements, {op_name(op_t)}) #{op.seq}"
+        p = self._size
+        state: dict[str, torch.Tensor] = {}
+
+        def gather_flat() -> torch.Tensor:
+            if len(ts) == 1:
+                return self._stage_in(ts[0], eng)
+            return torch.cat([t.reshape(-1) for t in ts]).to("cpu" if not eng.accepts(ts[0].device)
+                                                               else ts[0].device)
+
+        def scatter_back(flat: torch.Tensor) -> None:
+            if len(ts) == 1:
+                self._stage_out(flat, ts[0])
+                return
+            off = 0
+            for t in ts:
+                t.copy_(flat[off: off + t.numel()].view(t.shape))
+                off += t.numel()
+
+        if fuse and nbytes <= _SMALL_BYTES:
+            # the payload rides in the header exchange; every rank reduces the p slots itself
+            single = len(ts) == 1 and ts[0].is_contiguous() and ts[0].device.type == "cpu"
+            npdt = _NUMPY_DTYPE.get(dtype) if single and op_t in _NP_REDUCE else None
+
+            def start_check() -> Request:
+                flat = ts[0].view(-1) if single else gather_flat()
+                state["flat"] = flat
+                header = self._header(kind, dtype, numel, nbytes, op_t)
+                header[_F_SEQ] = op.seq
+                if npdt is not None:  # numpy: a few times cheaper than torch for tiny buffers
+                    return self._fused_start_np(header, flat.numpy().view(np.uint8))
+                return self._fused_start(header, flat, allh_holder=state)
+
+            def verify() -> None:
+                self._verify_rows(self._hdr_all)
+                if npdt is not None:
+                    vals = self._hdr_all_u8[:, :nbytes].view(npdt)
+                    with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
+                        _NP_REDUCE[op_t](vals, axis=0, out=state["flat"].numpy())
+                    if op_t == _R.AVG:
+                        state["flat"].div_(p)
+                    return
+                vals = self._hdr_all_bytes[:, :nbytes].view(dtype) if nbytes else self._hdr_all_bytes[:, :0]
+                flat = state["flat"]
+                flat.copy_(_local_reduce(vals, op_t, p).view(-1))
+                if not single:
+                    scatter_back(flat)
+
+            op.check = (start_check, verify)
+            return self._submit(op, async_op)
+
+        if self.options.check:
+            self._add_check_lazy(op, kind, dtype, numel, nbytes, op_t)
+
+        def stage0() -> list[Request]:
+            flat = gather_flat()
+            state["flat"] = flat
+            per = self._per(esz)
+            return [self._call(eng, "allreduce", (b - a) * esz, flat[a:b], _mpi_op(op_t))
+                    for a, b in _ranges(numel, per) if b > a]
+
+        def finish() -> None:
+            flat = state["flat"]
+            if op_t == _R.AVG:
+                flat.div_(p)
+            scatter_back(flat)
+
+        op.stages = [stage0]
+        op.finish = finish
+        return self._submit(op, async_op)
+
+    def _small_allreduce_now(self, t: torch.Tensor, op_t: RedOp) -> AcclWork:
+        """Blocking small all_reduce on an idle group, in the caller's thread with no queueing: one
+        header+payload all-gather, checked and reduced locally (the latency-critical case)."""
+        op = self._new_op("all_reduce", [t])
+        numel = t.numel()
+        nbytes = numel * t.element_size()
+        arr = t.numpy()
+        finished: list[Op] = []
+        with self._lock:
+            if self._aborted is not None:
+                raise dist.DistBackendError(f"accl: process group is aborted ({self._aborted})")
+            op.seq = seq = self._seq
+            self._seq += 1
+            mine = self._hdr_np
+            mine[:] = 0
+            mine[:9] = (_MAGIC, _KIND["all_reduce"], seq, _DTYPE_CODE[t.dtype], _OP_CODE[op_t], 0, nbytes,
+                        numel, 0)
+            if nbytes:
+                self._hdr_u8[:nbytes] = arr.view(np.uint8)
+            req = self._ctl.Iallgather(*self._hdr_req_args)
+            spins = 0
+            deadline = 0.0
+            while not req.Test():
+                spins += 1
+                if spins < 64:
+                    continue
+                if self._p2p:  # receives in flight may need their payload posted to let peers reach us
+                    finished += self._progress_locked()
+                t_now = now()
+                if not deadline:
+                    deadline = t_now + self._timeout_s
+                    t_spin = t_now
+                elif t_now > deadline:
+                    op.describe = f"all_reduce({t.dtype}, {numel} elements) #{seq}"
+                    self._abort_locked(op)
+                    finished += self._drain_locked()
+                    break
+                backoff(t_spin, t_now)
+            if not op.done:
+                try:
+                    self._verify_rows(self._hdr_all)
+                    vals = self._hdr_all_u8[:, :nbytes].view(_NUMPY_DTYPE[t.dtype])
+                    with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
+                        _NP_REDUCE[op_t](vals, axis=0, out=arr)
+                    if op_t == _R.AVG:
+                        t.div_(self._size)
+                    op.done = True
+                except BaseException as exc:  # noqa: BLE001 - reported through the Work
+                    op.fail(exc)
+        if finished:
+            self._complete(finished)
+        op.release()
+        return AcclWork(self, op)
+
+    def _fused_start_np(self, header: list[int], payload: np.ndarray) -> Request:
+        mine = self._hdr_np
+        mine[:] = 0
+        mine[: len(header)] = header
+        if payload.size:
+            self._hdr_u8[: payload.size] = payload
+        sb, rb = self._hdr_req_args
+        return MpiRequest([self._ctl.Iallgather(sb, rb)])
+
+    def _fused_start(self, header: list[int], flat: torch.Tensor, allh_holder: dict) -> Request:
+        mine = self._hdr_np
+        mine[:] = 0
+        mine[: len(header)] = header
+        nbytes = flat.numel() * flat.element_size()
+        if nbytes:
+            self._hdr_bytes[:nbytes] = _as_bytes(flat if flat.device.type == "cpu" else flat.cpu())
+        allh_holder["allh"] = self._hdr_all
+        sb, rb = self._hdr_req_args
+        return MpiRequest([self._ctl.Iallgather(sb, rb)])
+
+    def _verify_rows(self, allh: torch.Tensor, fused: bool = False, vary_bytes: bool = False) -> None:
+        h = (self._hdr_all_np if allh is self._hdr_all else allh.numpy())[:, :_HDR_WORDS]
+        sub = h[:, :3] if vary_bytes else h[:, :8]  # magic, kind, seq (+ dtype, op, root, bytes, numel)
+        if not (sub == sub[0]).all():
+            groups: dict[str, list[int]] = {}
+            for r, row in enumerate(h.tolist()):
+                groups.setdefault(_describe(row), []).append(r)
+            detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {d}"
+                               for d, rs in groups.items())
+            raise AcclMismatchError(f"accl: ranks disagree on a collective in group '{self._name}' "
+                                    f"({detail})")
+
+    def _add_check_lazy(self, op: Op, kind: str, dtype: torch.dtype | None, numel: int, nbytes: int,
+                        op_t: RedOp | None = None, root: int = 0, vary_bytes: bool = False,
+                        on_verified: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Header exchange started when ``op`` reaches the head of the queue (its seq is known then)."""
+        holder: dict[str, torch.Tensor] = {}
+
+        def start() -> Request:
+            header = self._header(kind, dtype, numel, nbytes, op_t, root)
+            header[_F_SEQ] = op.seq
+            return self._fused_start(header, torch.empty(0, dtype=torch.uint8), holder)
+
+        def verify() -> None:
+            self._verify_rows(holder["allh"], vary_bytes=vary_bytes)
+            if on_verified is not None:
+                on_verified(holder["allh"])
+
+        op.check = (start, verify)
+
+    # ----------------------------------------------------------------- broadcast / reduce
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
+        t = _Tensorish.one(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "broadcast")
+        if opts is not None and opts.rootTensor != 0:
+            raise ValueError(f"accl: broadcast rootTensor must be 0, got {opts.rootTensor}")
+        eng = self._engine_for("broadcast", t.dtype)
+        op = self._new_op("broadcast", [t])
+        esz, numel = t.element_size(), t.numel()
+        op.big = numel * esz >= self._big
+        op.describe = lambda: f"broadcast({t.dtype}, {numel} elements, root {root}) #{op.seq}"
+        if self.options.check:
+            self._add_check_lazy(op, "broadcast", t.dtype, numel, numel * esz, None, root)
+        state: dict[str, torch.Tensor] = {}
+
+        def stage0() -> list[Request]:
+            flat = self._stage_in(t, eng, copy=(self._rank == root))
+            state["flat"] = flat
+            per = self._per(esz)
+            return [self._call(eng, "broadcast", (b - a) * esz, flat[a:b], root)
+                    for a, b in _ranges(numel, per) if b > a]
+
+        def finish() -> None:
+            if self._rank != root:
+                self._stage_out(state["flat"], t)
+
+        op.stages, op.finish = [stage0], finish
+        return self._submit(op, _async(opts))
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
+        t = _Tensorish.one(tensors, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
+        self._check_root(root, "reduce")
+        check_reduction(t.dtype, op_t, "reduce")
+        eng = self._engine_for("reduce", t.dtype, op_t)
+        op = self._new_op("reduce", [t])
+        esz, numel = t.element_size(), t.numel()
+        op.big = numel * esz >= self._big
+        op.describe = lambda: f"reduce({t.dtype}, {numel} elements, {op_name(op_t)}, root {root}) #{op.seq}"
+        if self.options.check:
+            self._add_check_lazy(op, "reduce", t.dtype, numel, numel * esz, op_t, root)
+        state: dict[str, torch.Tensor] = {}
+
+        def stage0() -> list[Request]:
+            flat = self._stage_in(t, eng)
+            if flat.data_ptr() == t.data_ptr() and self._rank != root:
+                flat = flat.clone()  # MPI may use non-root send buffers as scratch? keep input intact
+            state["flat"] = flat
+            per = self._per(esz)
+            return [self._call(eng, "reduce", (b - a) * esz, flat[a:b], _mpi_op(op_t), root)
+                    for a, b in _ranges(numel, per) if b > a]
+
+        def finish() -> None:
+            if self._rank == root:
+                flat = state["flat"]
+                if op_t == _R.AVG:
+                    flat.div_(self._size)
+                self._stage_out(flat, t)
+
+        op.stages, op.finish = [stage0], finish
+        return self._submit(op, _async(opts))
+
+    # ----------------------------------------------------------------- gathers
+    def _gather_like(self, kind: str, inp: torch.Tensor, out_rows: Callable[[], torch.Tensor | None],
+                     deliver: Callable[[torch.Tensor], None] | None, root: int, outputs: list,
+                     async_op: bool) -> AcclWork:
+        """all_gather / gather: ``out_rows()`` gives the [p, n] destination (None off-root for gather)."""
+        coll = "allgather" if kind == "all_gather" else "gather"
+        eng = self._engine_for(coll, inp.dtype)
+        op = self._new_op(kind, outputs)
+        esz, numel, p = inp.element_size(), inp.numel(), self._size
+        op.big = numel * esz * p >= self._big
+        op.describe = lambda: f"{kind}({inp.dtype}, {numel} elements per rank) #{op.seq}"
+        if self.options.check:
+            self._add_check_lazy(op, kind, inp.dtype, numel, numel * esz, None, root)
+        state: dict = {}
+
+        def stage0() -> list[Request]:
+            src = self._stage_in(inp, eng)
+            dst = out_rows()
+            state["dst"] = dst
+            per = self._per(esz, p)
+            reqs = []
+            for a, b in _ranges(numel, per):
+                if b == a and numel:
+                    continue
+                seg_dst = dst[:, a:b] if dst is not None else None
+                if kind == "all_gather":
+                    reqs.append(self._call(eng, "allgather", (b - a) * esz * p, src[a:b], seg_dst))
+                else:
+                    reqs.append(self._call(eng, "gather", (b - a) * esz * p, src[a:b], seg_dst, root))
+            return reqs
+
+        def finish() -> None:
+            if deliver is not None and state["dst"] is not None:
+                deliver(state["dst"])
+
+        op.stages, op.finish = [stage0], finish
+        return self._submit(op, async_op)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts=None) -> AcclWork:
+        inp = _Tensorish.one(input_tensors, "all_gather")
+        if len(output_tensors) != 1:
+            raise ValueError(f"accl: all_gather takes one output list, got {len(output_tensors)}")
+        outs = output_tensors[0]
+        self._check_list(outs, inp, "all_gather", "output_tensor_list")
+        p, numel = self._size, inp.numel()
+
+        def rows() -> torch.Tensor:
+            return torch.empty((p, numel), dtype=inp.dtype, device="cpu" if inp.device.type == "cpu"
+                               or not self._mpi.accepts(inp.device) else inp.device)
+
+        def deliver(dst: torch.Tensor) -> None:
+            for r, o in enumerate(outs):
+                o.copy_(dst[r].view(o.shape))
+
+        return self._gather_like("all_gather", inp, rows, deliver, 0, [outs], _async(opts))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts=None) -> AcclWork:
+        if len(output_lists) != len(input_list):
+            raise ValueError("accl: all_gather_coalesced needs one output list per input tensor")
+        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_list, strict=True)]
+        return works[-1]  # collectives complete in issue order: the last one covers all
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork:  # noqa: A002
+        p = self._size
+        for name, t in (("output", output), ("input", input)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"accl: all_gather_into_tensor {name} must be a tensor")
+        if output.dtype != input.dtype:
+            raise TypeError(f"accl: all_gather_into_tensor dtypes differ: output {output.dtype}, "
+                            f"input {input.dtype}")
+        if output.numel() != p * input.numel():
+            raise ValueError(f"accl: all_gather_into_tensor output has {output.numel()} elements, needs "
+                             f"world_size * input = {p} * {input.numel()} = {p * input.numel()}")
+        numel = input.numel()
+        direct = output.is_contiguous() and (output.device.type == "cpu" or self._mpi.accepts(output.device))
+
+        def rows() -> torch.Tensor:
+            if direct:
+                return output.view(p, numel)
+            return torch.empty((p, numel), dtype=input.dtype)
+
+        def deliver(dst: torch.Tensor) -> None:
+            if not direct:
+                output.copy_(dst.view(output.shape))
+
+        return self._gather_like("all_gather", input, rows, deliver, 0, [output], _async(opts))
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts=None) -> AcclWork:
+        if len(outputs) != len(inputs) or not inputs:
+            raise ValueError("accl: all_gather_into_tensor_coalesced needs matching, non-empty lists")
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return works[-1]
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts=None) -> AcclWork:
+        inp = _Tensorish.one(input_tensors, "gather")
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "gather")
+        p, numel = self._size, inp.numel()
+        if self._rank == root:
+            if len(output_tensors) != 1:
+                raise ValueError("accl: gather on the root takes one gather_list")
+            outs = output_tensors[0]
+            self._check_list(outs, inp, "gather", "gather_list")
+        else:
+            if output_tensors and any(len(x) for x in output_tensors):
+                raise ValueError("accl: gather_list must be empty/None on non-root ranks")
+            outs = []
+
+        def rows() -> torch.Tensor | None:
+            return torch.empty((p, numel), dtype=inp.dtype) if self._rank == root else None
+
+        def deliver(dst: torch.Tensor) -> None:
+            for r, o in enumerate(outs):
+                o.copy_(dst[r].view(o.shape))
+
+        return self._gather_like("gather", inp, rows, deliver, root, [outs] if outs else [],
+                                 _async(opts))
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts=None) -> AcclWork:
+        out = _Tensorish.one(output_tensors, "scatter")
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "scatter")
+        p, numel, esz = self._size, out.numel(), out.element_size()
+        if self._rank == root:
+            if len(input_tensors) != 1:
+                raise ValueError("accl: scatter on the root takes one scatter_list")
+            ins = input_tensors[0]
+            self._check_list(ins, out, "scatter", "scatter_list")
+        else:
+            if input_tensors and any(len(x) for x in input_tensors):
+                raise ValueError("accl: scatter_list must be empty/None on non-root ranks")
+            ins = []
+        eng = self._engine_for("scatter", out.dtype)
+        op = self._new_op("scatter", [out])
+        op.big = numel * esz * p >= self._big
+        op.describe = lambda: f"scatter({out.dtype}, {numel} elements per rank, root {root}) #{op.seq}"
+        if self.options.check:
+            self._add_check_lazy(op, "scatter", out.dtype, numel, numel * esz, None, root)
+        state: dict = {}
+
+        def stage0() -> list[Request]:
+            src = torch.stack([i.reshape(-1) for i in ins]).cpu() if ins else None
+            dst = self._stage_in(out, eng, copy=False)
+            state["src"], state["dst"] = src, dst
+            per = self._per(esz, p)
+            return [self._call(eng, "scatter", (b - a) * esz * p,
+                               src[:, a:b] if src is not None else None, dst[a:b], root)
+                    for a, b in _ranges(numel, per) if b > a]
+
+        def finish() -> None:
+            self._stage_out(state["dst"], out)
+
+        op.stages, op.finish = [stage0], finish
+        return self._submit(op, _async(opts))
+
+    # ----------------------------------------------------------------- reduce_scatter
+    def _reduce_scatter(self, out: torch.Tensor, src_rows: Callable[[], torch.Tensor], op_t: RedOp,
+                        outputs: list, async_op: bool) -> AcclWork:
+        check_reduction(out.dtype, op_t, "reduce_scatter")
+        eng = self._engine_for("reduce_scatter", out.dtype, op_t)
+        op = self._new_op("reduce_scatter", outputs)
+        p, numel, esz = self._size, out.numel(), out.element_size()
+        op.big = numel * esz * p >= self._big
+        op.describe = lambda: (f"reduce_scatter({out.dtype}, {numel} elements per rank, {op_name(op_t)}) "
+                               f"#{op.seq}")
+        if self.options.check:
+            self._add_check_lazy(op, "reduce_scatter", out.dtype, numel, numel * esz, op_t)
+        state: dict = {}
+
+        def stage0() -> list[Request]:
+            src = src_rows()
+            dst = self._stage_in(out, eng, copy=False)
+            state["dst"] = dst
+            per = self._per(esz, p)
+            reqs = []
+            for a, b in _ranges(numel, per):
+                if b == a:
+                    continue
+                block = src[:, a:b].contiguous() if (b - a) != numel else src
+                reqs.append(self._call(eng, "reduce_scatter", (b - a) * esz * p, block, dst[a:b],
+                                       _mpi_op(op_t)))
+            return reqs
+
+        def finish() -> None:
+            dst = state["dst"]
+            if op_t == _R.AVG:
+                dst.div_(p)
+            self._stage_out(dst, out)
+
+        op.stages, op.finish = [stage0], finish
+        return self._submit(op, async_op)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts=None) -> AcclWork:
+        out = _Tensorish.one(output_tensors, "reduce_scatter")
+        if len(input_tensors) != 1:
+            raise ValueError("accl: reduce_scatter takes one input list")
+        ins = input_tensors[0]
+        self._check_list(ins, out, "reduce_scatter", "input_list")
+        op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
+        return self._reduce_scatter(out, lambda: torch.stack([i.reshape(-1).cpu() for i in ins]),
+                                    op_t, [out], _async(opts))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork:  # noqa: A002
+        p = self._size
+        if output.dtype != input.dtype:
+            raise TypeError(f"accl: reduce_scatter_tensor dtypes differ: output {output.dtype}, "
+                            f"input {input.dtype}")
+        if input.numel() != p * output.numel():
+            raise ValueError(f"accl: reduce_scatter_tensor input has {input.numel()} elements, needs "
+                             f"world_size * output = {p} * {output.numel()} = {p * output.numel()}")
+        op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
+
+        def rows() -> torch.Tensor:
+            return input.reshape(p, output.numel()).contiguous().cpu()
+
+        return self._reduce_scatter(output, rows, op_t, [output], _async(opts))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts=None) -> AcclWork:
+        if len(outputs) != len(inputs) or not inputs:
+            raise ValueError("accl: reduce_scatter_tensor_coalesced needs matching, non-empty lists")
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return works[-1]
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # ----------------------------------------------------------------- all_to_all
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: list[int], input_split_sizes: list[int], opts=None) -> AcclWork:
+        p = self._size
+        if output.dtype != input.dtype:
+            raise TypeError(f"accl: all_to_all_single dtypes differ: output {output.dtype}, "
+                            f"input {input.dtype}")
+        row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 0
+        row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 0
+        row = max(row_in, row_out, 1) if input.dim() > 1 or output.dim() > 1 else 1
+
+        def splits(sizes: list[int], t: torch.Tensor, name: str) -> list[int]:
+            if not sizes:
+                if t.dim() == 0 or t.shape[0] % p:
+                    raise ValueError(f"accl: all_to_all_single {name} dim 0 ({tuple(t.shape)}) is not "
+                                     f"divisible by world_size {p}; pass split sizes")
+                return [t.shape[0] // p] * p
+            if len(sizes) != p:
+                raise ValueError(f"accl: all_to_all_single {name}_split_sizes has {len(sizes)} entries, "
+                                 f"world_size is {p}")
+            if any(s < 0 for s in sizes):
+                raise ValueError(f"accl: all_to_all_single {name}_split_sizes must be >= 0, got {sizes}")
+            if sum(sizes) != (t.shape[0] if t.dim() else 1):
+                raise ValueError(f"accl: all_to_all_single {name}_split_sizes sum to {sum(sizes)} but "
+                                 f"{name} has {t.shape[0] if t.dim() else 1} rows")
+            return list(sizes)
+
+        s_in = splits(list(input_split_sizes), input, "input")
+        s_out = splits(list(output_split_sizes), output, "output")
+        esz = input.element_size()
+        sb = [s * row * esz for s in s_in]
+        rb = [s * row * esz for s in s_out]
+        return self._alltoallv("all_to_all", input, output, sb, rb, [output], _async(opts))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts=None) -> AcclWork:
+        p = self._size
+        if len(output_tensors) != p or len(input_tensors) != p:
+            raise ValueError(f"accl: all_to_all needs {p} input and {p} output tensors, got "
+                             f"{len(input_tensors)} and {len(output_tensors)}")
+        dtype = input_tensors[0].dtype
+        if any(t.dtype != dtype for t in list(input_tensors) + list(output_tensors)):
+            raise TypeError("accl: all_to_all needs every tensor of one dtype")
+        esz = input_tensors[0].element_size()
+        send = torch.cat([t.reshape(-1).cpu() for t in input_tensors]) if p else torch.empty(0, dtype=dtype)
+        recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+        sb = [t.numel() * esz for t in input_tensors]
+        rb = [t.numel() * esz for t in output_tensors]
+
+        def deliver() -> None:
+            off = 0
+            for t in output_tensors:
+                t.copy_(recv[off: off + t.numel()].view(t.shape))
+                off += t.numel()
+
+        return self._alltoallv("all_to_all", send, recv, sb, rb, list(output_tensors), _async(opts),
+                               deliver=deliver)
+
+    def _alltoallv(self, kind: str, inp: torch.Tensor, out: torch.Tensor, sb: list[int], rb: list[int],
+                   outputs: list, async_op: bool, deliver: Callable[[], None] | None = None) -> AcclWork:
+        p = self._size
+        eng = self._engine_for("alltoallv", inp.dtype)
+        op = self._new_op(kind, outputs)
+        op.big = max(sum(sb), sum(rb)) >= self._big
+        op.describe = lambda: f"{kind}({inp.dtype}, send bytes {sb}, recv bytes {rb}) #{op.seq}"
+        state: dict = {}
+        seg = self._seg
+
+        # the byte matrix (what every rank sends to every other) is always exchanged: it fixes the
+        # number of segment rounds, and lets every rank check that sends match receives.
+        def start_matrix() -> Request:
+            mine = torch.tensor([_MAGIC, _KIND[kind], op.seq] + sb + rb, dtype=torch.int64)
+            allm = torch.empty((p, 3 + 2 * p), dtype=torch.int64)
+            state["allm"] = allm
+            n = mine.numel() * 8
+            sbuf = [MPI.buffer.fromaddress(mine.data_ptr(), n), n, MPI.BYTE]
+            rbuf = [MPI.buffer.fromaddress(allm.data_ptr(), n * p), n, MPI.BYTE]
+            return MpiRequest([self._ctl.Iallgather(sbuf, rbuf)], keep=(mine, allm))
+
+        def verify_matrix() -> None:
+            m = state["allm"].tolist()
+            heads = {tuple(row[:3]) for row in m}
+            if len(heads) != 1:
+                raise AcclMismatchError(f"accl: ranks disagree on a collective in group '{self._name}': "
+                                        f"rank {self._rank} called {kind} as call #{op.seq}, others "
+                                        f"called something else (headers {sorted(heads)})")
+            send = [row[3: 3 + p] for row in m]
+            recv = [row[3 + p:] for row in m]
+            bad = [(i, j) for i in range(p) for j in range(p) if send[i][j] != recv[j][i]]
+            if bad:
+                i, j = bad[0]
+                raise AcclMismatchError(
+                    f"accl: {kind} split sizes do not match across ranks: rank {i} sends {send[i][j]} bytes "
+                    f"to rank {j}, which expects {recv[j][i]} bytes from it ({len(bad)} mismatched pairs)")
+            state["rounds"] = max(1, math.ceil(max(max(r) for r in send) / max(1, seg // p)))
+
+        op.check = (start_matrix, verify_matrix)
+        per_pair = max(1, seg // p)
+
+        def stage0() -> list[Request]:
+            src = _as_bytes(self._stage_in(inp, eng))
+            dst = _as_bytes(out) if out.is_contiguous() and out.device.type == "cpu" else torch.empty(
+                out.numel() * out.element_size(), dtype=torch.uint8)
+            state["dst"] = dst
+            sdis = [sum(sb[:j]) for j in range(p)]
+            rdis = [sum(rb[:j]) for j in range(p)]
+            reqs = []
+            for k in range(state["rounds"]):
+                lo = k * per_pair
+                sc = [max(0, min(per_pair, s - lo)) for s in sb]
+                rc = [max(0, min(per_pair, r - lo)) for r in rb]
+                reqs.append(self._call(eng, "alltoallv", max(sum(sc), sum(rc)), src, sc,
+                                       [d + lo for d in sdis], dst, rc, [d + lo for d in rdis]))
+            return reqs
+
+        def finish() -> None:
+            dst = state["dst"]
+            if deliver is not None:
+                deliver()
+            elif dst.data_ptr() != (out.data_ptr() if out.numel() else dst.data_ptr()):
+                out.copy_(dst.view(out.dtype).view(out.shape))
+
+        op.stages, op.finish = [stage0], finish
+        return self._submit(op, async_op)
+
+    # ----------------------------------------------------------------- barrier
+    def barrier(self, opts=None) -> AcclWork:
+        eng = self._engine_for("barrier")
+        op = self._new_op("barrier", [])
+        op.describe = lambda: f"barrier #{op.seq}"
+        if self.options.check:
+            self._add_check_lazy(op, "barrier", None, 0, 0)
+            # the header exchange is itself a full synchronisation
+            op.stages = []
+        else:
+            op.stages = [lambda: [self._call(eng, "barrier", 0)]]
+        return self._submit(op, _async(opts))
+
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """Barrier that names the ranks that did not arrive within ``timeout`` (rank 0 reports).
+
+        ``dist.monitored_barrier`` itself accepts only gloo groups; call this method on the group.
+        """
+        secs = timeout.total_seconds() if timeout is not None else self._timeout_s
+        tag = 0x7FFF0000 % (self._mpi.p2p[0].Get_attr(MPI.TAG_UB) or 32767)
+        token = torch.zeros(1, dtype=torch.int64)
+        p2p = self._mpi.p2p[0]
+        if self._rank != 0:
+            p2p.Isend([token.numpy(), MPI.INT64_T], 0, tag)
+            ack = torch.zeros(1, dtype=torch.int64)
+            req = p2p.Irecv([ack.numpy(), MPI.INT64_T], 0, tag + 1)
+            _poll_until(req, secs, f"accl: monitored_barrier: rank {self._rank} got no release from rank 0 "
+                                   f"within {secs:g} s")
+            return
+        bufs = {r: torch.zeros(1, dtype=torch.int64) for r in range(1, self._size)}
+        reqs = {r: p2p.Irecv([bufs[r].numpy(), MPI.INT64_T], r, tag) for r in bufs}
+        limit = now() + secs
+        missing = set(reqs)
+        while missing and now() < limit:
+            for r in list(missing):
+                if reqs[r].Test():
+                    missing.discard(r)
+            if missing and not wait_all_ranks and now() >= limit:
+                break
+            time.sleep(0)
+        if missing:
+            for r in missing:  # withdraw the receives so that no later message matches them
+                reqs[r].Cancel()
+                reqs[r].Wait()
+            raise AcclTimeoutError(f"accl: monitored_barrier: ranks {sorted(missing)} did not reach the "
+                                   f"barrier within {secs:g} s")
+        for r in bufs:
+            p2p.Send([token.numpy(), MPI.INT64_T], r, tag + 1)
+

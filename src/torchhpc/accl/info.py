@@ -1,0 +1,29 @@
+"""What the ``accl`` backend will do on this machine, for ``torchhpc doctor`` and bug reports."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from .mpi_engine import mpi_cuda_aware
+
+__all__ = ["environment_report"]
+
+
+def environment_report() -> list[tuple[str, str]]:
+    """(item, finding) pairs: MPI library, CUDA tensor path (direct or staged), ACCL engine availability."""
+    from mpi4py import MPI
+
+    lib = MPI.Get_library_version().strip().replace("\x00", "").splitlines()[0]
+    aware = mpi_cuda_aware()
+    if aware:
+        cuda = "CUDA tensors go to MPI directly (the MPI library reports CUDA support)"
+    else:
+        cuda = "CUDA tensors are staged through pinned host memory (MPI is not CUDA-aware)"
+    if not torch.cuda.is_available():
+        cuda += "; no CUDA device visible"
+    has_pyaccl = importlib.util.find_spec("pyaccl") is not None
+    accl = ("pyaccl installed: engine='accl' usable with TORCHHPC_ACCL_SIM_SOCK or TORCHHPC_ACCL_XCLBIN"
+            if has_pyaccl else "pyaccl not installed: only the MPI engine is available")
+    return [("accl MPI library", lib), ("accl CUDA path", cuda), ("accl ACCL engine", accl)]

@@ -1,0 +1,105 @@
+"""Options of the ``"accl"`` backend: engine choice, segmentation, ACCL fall-backs, checks.
+
+Values come from, in order of precedence: an :class:`AcclOptions` passed as
+``pg_options`` to ``init_process_group``/``new_group``, then ``TORCHHPC_ACCL_*``
+environment variables, then the defaults below.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["AcclOptions", "ALL_COLLECTIVES", "DEFAULT_MAX_SEGMENT_BYTES"]
+
+DEFAULT_MAX_SEGMENT_BYTES = 4 << 20
+
+#: Collective names used by the engine interface, sidestep configuration and error messages.
+ALL_COLLECTIVES = (
+    "allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
+    "reduce_scatter", "alltoall", "alltoallv", "send", "recv", "barrier",
+)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
+def _env_sidestep() -> frozenset[str]:
+    raw = os.environ.get("TORCHHPC_ACCL_SIDESTEP")
+    if raw is None:
+        return frozenset(ALL_COLLECTIVES)
+    raw = raw.strip().lower()
+    if raw in ("", "none", "0", "off"):
+        return frozenset()
+    if raw in ("all", "1", "on"):
+        return frozenset(ALL_COLLECTIVES)
+    return frozenset(x.strip() for x in raw.split(",") if x.strip())
+
+
+@dataclass
+class AcclOptions:
+    """Per-group settings of the ``"accl"`` backend (pass as ``pg_options``).
+
+    - ``engine``: ``"mpi"`` (mpi4py, default) or ``"accl"`` (pyaccl: Alveo card or emulator).
+    - ``max_segment_bytes``: no single engine call touches more than this many bytes of any one buffer.
+    - ``sidestep``: collectives that may fall back to MPI when the ACCL engine lacks them
+      (for the dtype/op at hand); the others raise instead.
+    - ``check``: exchange a small header before each collective so that mismatched sizes,
+      dtypes, ops, roots or call order across ranks raise a clear error instead of hanging
+      or corrupting memory (costs one small message per collective).
+    - ``threaded_min_bytes``: collectives moving at least this many bytes run MPI's blocking (tuned)
+      algorithms on a worker thread instead of nonblocking ones (faster on Open MPI); still async.
+    - ``progress_interval_us``: polling period of the background progress thread that drives
+      ``async_op=True`` operations nobody is waiting on.
+    - ``accl_sim_sock``/``accl_start_port``/``accl_xclbin``/``accl_bufsize``/``accl_protocol``:
+      how the ACCL engine reaches its device (see :mod:`torchhpc.accl.accl_engine`).
+    """
+
+    engine: str = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_ENGINE", "mpi").lower())
+    max_segment_bytes: int = field(
+        default_factory=lambda: _env_int("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", DEFAULT_MAX_SEGMENT_BYTES)
+    )
+    sidestep: frozenset[str] = field(default_factory=_env_sidestep)
+    check: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_CHECK", True))
+    threaded_min_bytes: int = field(
+        default_factory=lambda: _env_int("TORCHHPC_ACCL_THREADED_MIN_BYTES", 64 << 10))
+    progress_interval_us: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_PROGRESS_US", 100))
+    accl_sim_sock: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_SIM_SOCK"))
+    accl_start_port: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_START_PORT", 5500))
+    accl_xclbin: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_XCLBIN"))
+    accl_bufsize: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_BUFSIZE", 1 << 20))
+    accl_protocol: str = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_PROTOCOL", "TCP"))
+
+    def __post_init__(self) -> None:
+        self.engine = str(self.engine).lower()
+        if self.engine not in ("mpi", "accl"):
+            raise ValueError(f"AcclOptions.engine must be 'mpi' or 'accl', got {self.engine!r}")
+        if not isinstance(self.max_segment_bytes, int) or self.max_segment_bytes < 8:
+            raise ValueError(f"AcclOptions.max_segment_bytes must be an int >= 8, "
+                             f"got {self.max_segment_bytes!r}")
+        self.sidestep = frozenset(self.sidestep)
+        unknown = self.sidestep - set(ALL_COLLECTIVES)
+        if unknown:
+            raise ValueError(f"AcclOptions.sidestep names unknown collectives {sorted(unknown)}; "
+                             f"known: {', '.join(ALL_COLLECTIVES)}")
+        if self.progress_interval_us < 1:
+            raise ValueError(f"AcclOptions.progress_interval_us must be >= 1, "
+                             f"got {self.progress_interval_us}")

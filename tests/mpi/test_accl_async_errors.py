@@ -1,0 +1,191 @@
+"""async_op semantics, issue-order completion, timeouts, and clear errors (never hangs) of "accl"."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+import torchhpc.accl as accl
+
+MPI_RANKS = (2, 4)
+MPI_TIMEOUT = 240
+R = dist.ReduceOp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world():
+    dist.init_process_group("accl", timeout=timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def test_async_ops_complete_in_issue_order() -> None:
+    p = dist.get_world_size()
+    t = torch.ones(1000, dtype=torch.float64)
+    works = [dist.all_reduce(t, async_op=True) for _ in range(6)]
+    works.append(dist.broadcast(t, src=0, async_op=True))
+    works.append(dist.all_reduce(t, op=R.MAX, async_op=True))
+    assert all(isinstance(w, accl.AcclWork) for w in works)
+    works[-1].wait()
+    # the last one finished, so every earlier collective did too, and each consumed the previous result
+    assert all(w.is_completed() and w.is_success() for w in works)
+    assert torch.all(t == float(p) ** 6)
+    assert works[0].get_future().done()
+    assert works[0].get_future().value()[0] is t
+
+
+def test_async_progresses_without_anyone_waiting() -> None:
+    p = dist.get_world_size()
+    t = torch.ones(200_000)
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    limit = time.monotonic() + 30
+    while not fut.done() and time.monotonic() < limit:
+        time.sleep(0.01)  # no MPI or accl call here: only the progress thread can finish the op
+    assert fut.done(), "async all_reduce did not progress without wait()"
+    assert torch.all(t == p)
+    work.wait()
+
+
+def test_future_chaining_and_result() -> None:
+    p = dist.get_world_size()
+    t = torch.full((4,), 2.0)
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    doubled = fut.then(lambda f: f.value()[0] * 2)
+    assert torch.all(doubled.wait() == 4.0 * p)
+    w = dist.all_reduce(torch.ones(3), async_op=True)
+    assert torch.all(w.result()[0] == p)
+
+
+def _rank_dependent(rank: int) -> int:
+    return 4 + (rank == 1)
+
+
+@pytest.mark.parametrize("what", ["numel", "dtype", "op", "kind", "root"])
+def test_mismatch_raises_on_every_rank_and_group_survives(what: str) -> None:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    with pytest.raises(accl.AcclMismatchError, match="ranks disagree"):
+        if what == "numel":
+            dist.all_reduce(torch.ones(_rank_dependent(rank) * 100))
+        elif what == "dtype":
+            dist.all_reduce(torch.ones(8, dtype=torch.float32 if rank else torch.float64))
+        elif what == "op":
+            dist.all_reduce(torch.ones(8), op=R.MAX if rank == 1 else R.SUM)
+        elif what == "kind":
+            if rank == 0:
+                dist.broadcast(torch.ones(8), src=0)
+            else:
+                dist.all_reduce(torch.ones(8))
+        else:
+            dist.broadcast(torch.ones(8), src=min(rank, 1))
+    t = torch.ones(5)
+    dist.all_reduce(t)  # the group is still usable
+    assert torch.all(t == p)
+
+
+def test_all_to_all_split_mismatch_is_reported() -> None:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    inp = torch.ones(p)
+    out_splits = [1] * p
+    if rank == 0:
+        out_splits = [2] + [1] * (p - 2) + [0]
+    with pytest.raises(accl.AcclMismatchError, match="split sizes do not match"):
+        dist.all_to_all_single(torch.empty(p), inp, out_splits, [1] * p)
+
+
+def test_bad_arguments_raise_before_communicating() -> None:
+    p = dist.get_world_size()
+    with pytest.raises(TypeError, match="BAND is only defined for integer"):
+        dist.all_reduce(torch.ones(3), op=R.BAND)
+    with pytest.raises(TypeError, match="AVG needs a floating-point"):
+        dist.all_reduce(torch.ones(3, dtype=torch.int32), op=R.AVG)
+    with pytest.raises(TypeError, match="cannot reduce dtype"):
+        dist.all_reduce(torch.ones(3, dtype=torch.complex64).real.to(torch.uint16))
+    with pytest.raises(ValueError, match="tag"):
+        dist.isend(torch.ones(1), (dist.get_rank() + 1) % p, tag=-5)
+    with pytest.raises(ValueError, match="world_size"):
+        dist.all_gather([torch.empty(2)] * (p + 1), torch.ones(2))
+    with pytest.raises(ValueError, match="needs world_size"):
+        dist.all_gather_into_tensor(torch.empty(p * 2 + 1), torch.ones(2))
+    with pytest.raises(ValueError, match="divisible"):
+        dist.all_to_all_single(torch.empty(p + 1), torch.empty(p + 1))
+    with pytest.raises(TypeError, match="dtypes differ"):
+        dist.reduce_scatter_tensor(torch.empty(2), torch.empty(2 * p, dtype=torch.float64))
+    pg = dist.group.WORLD
+    with pytest.raises(ValueError, match="root"):
+        opts = dist.BroadcastOptions()
+        opts.rootRank = p + 3
+        pg.broadcast([torch.ones(1)], opts)
+    # nothing was sent: the next collective lines up on every rank
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert torch.all(t == p)
+
+
+@pytest.mark.parametrize("n_recv", [3, 5000])
+def test_p2p_size_mismatch_is_reported_and_nothing_is_corrupted(n_recv: int) -> None:
+    rank = dist.get_rank()
+    tiny = dist.new_group(backend="accl", pg_options=accl.AcclOptions(max_segment_bytes=1024))
+    n_send = 2 * n_recv
+    if rank == 0:
+        dist.send(torch.arange(n_send, dtype=torch.float32), 1, group=tiny)
+        dist.send(torch.full((7,), 42.0), 1, group=tiny)
+    elif rank == 1:
+        got = torch.zeros(n_recv)
+        with pytest.raises(accl.AcclMismatchError, match="expects"):
+            dist.recv(got, 0, group=tiny)
+        assert torch.all(got == 0)
+        nxt = torch.zeros(7)
+        dist.recv(nxt, 0, group=tiny)
+        assert torch.all(nxt == 42.0), "the extra segments of the bad message leaked into the next one"
+    dist.barrier()
+
+
+def test_wait_timeout_then_completion() -> None:
+    rank = dist.get_rank()
+    if rank == 1:
+        got = torch.zeros(3)
+        w = dist.irecv(got, 0)
+        with pytest.raises(accl.AcclTimeoutError, match="expired"):
+            w.wait(timeout=timedelta(milliseconds=300))
+        MPI.COMM_WORLD.Barrier()
+        w.wait()
+        assert torch.all(got == 9.0)
+    else:
+        MPI.COMM_WORLD.Barrier()
+        if rank == 0:
+            dist.send(torch.full((3,), 9.0), 1)
+    dist.barrier()
+
+
+def test_group_timeout_when_a_peer_never_joins() -> None:
+    rank, p = dist.get_rank(), dist.get_world_size()
+    g = dist.new_group(backend="accl", timeout=timedelta(seconds=2))
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(accl.AcclTimeoutError, match="did not complete within the group timeout of 2 s"):
+            dist.all_reduce(torch.ones(4), group=g)
+        assert time.monotonic() - start < 20
+        with pytest.raises(dist.DistBackendError, match="aborted"):
+            dist.all_reduce(torch.ones(4), group=g)
+    MPI.COMM_WORLD.Barrier()
+    if rank != 0:
+        # the late ranks now join the abandoned collective so that nothing stays pending at exit
+        dist.all_reduce(torch.ones(4), group=g)
+    dist.barrier()
+    assert p >= 2
+
+
+def test_monitored_barrier_method() -> None:
+    pg = dist.group.WORLD
+    pg.monitored_barrier(timedelta(seconds=30))
+    if dist.get_rank() == 0:
+        with pytest.raises(accl.AcclTimeoutError, match=r"ranks \[1"):
+            pg.monitored_barrier(timedelta(milliseconds=300))
+    MPI.COMM_WORLD.Barrier()
+    pg.monitored_barrier(timedelta(seconds=30))  # the cancelled receives did not swallow these tokens

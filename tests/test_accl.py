@@ -1,0 +1,207 @@
+"""Single-process tests of torchhpc.accl: options, dtype/op rules, the MPI user ops for float16 and
+bfloat16, rendezvous fall-back, a one-rank group, engine errors, and the benchmark CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+import torchhpc.accl as accl
+from torchhpc.accl import bench, rendezvous
+from torchhpc.accl.common import _local_reduce
+from torchhpc.accl.reduction import check_reduction, mpi_reduction, red_op_of
+
+R = dist.ReduceOp
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_options_defaults_and_validation(monkeypatch) -> None:
+    for var in ("TORCHHPC_ACCL_ENGINE", "TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "TORCHHPC_ACCL_SIDESTEP",
+                "TORCHHPC_ACCL_CHECK"):
+        monkeypatch.delenv(var, raising=False)
+    o = accl.AcclOptions()
+    assert (o.engine, o.max_segment_bytes, o.check) == ("mpi", 4 << 20, True)
+    assert "alltoallv" in o.sidestep
+    monkeypatch.setenv("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "1024")
+    monkeypatch.setenv("TORCHHPC_ACCL_SIDESTEP", "allreduce, barrier")
+    monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "off")
+    o = accl.AcclOptions()
+    assert o.max_segment_bytes == 1024 and o.sidestep == {"allreduce", "barrier"} and not o.check
+    with pytest.raises(ValueError, match="max_segment_bytes"):
+        accl.AcclOptions(max_segment_bytes=4)
+    with pytest.raises(ValueError, match="unknown collectives"):
+        accl.AcclOptions(sidestep=frozenset({"allreduse"}))
+    monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "maybe")
+    with pytest.raises(ValueError, match="TORCHHPC_ACCL_CHECK"):
+        accl.AcclOptions()
+
+
+@pytest.mark.parametrize(("dtype", "op", "message"), [
+    (torch.float32, R.BAND, "only defined for integer"),
+    (torch.bfloat16, R.BXOR, "only defined for integer"),
+    (torch.int64, R.AVG, "needs a floating-point"),
+    (torch.bool, R.AVG, "needs a floating-point"),
+    (torch.complex64, R.SUM, "cannot reduce dtype"),
+    (torch.uint16, R.MAX, "cannot reduce dtype"),
+])
+def test_invalid_reductions_are_named(dtype, op, message) -> None:
+    with pytest.raises(TypeError, match=message):
+        check_reduction(dtype, red_op_of(op), "all_reduce")
+
+
+def test_premul_sum_is_rejected_clearly() -> None:
+    with pytest.raises(ValueError, match="does not support ReduceOp.PREMUL_SUM"):
+        check_reduction(torch.float32, dist.ReduceOp.RedOpType.PREMUL_SUM, "all_reduce")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", [R.SUM, R.PRODUCT, R.MIN, R.MAX])
+def test_half_precision_mpi_user_ops(dtype, op) -> None:
+    """The user-defined MPI op reduces 16-bit floats in their own precision with torch kernels."""
+    a = torch.tensor([1.5, -2.0, 3.25, 0.0, 100.0], dtype=dtype)
+    b = torch.tensor([0.5, 4.0, -1.0, 7.0, 0.125], dtype=dtype)
+    datatype, mpi_op = mpi_reduction(dtype, red_op_of(op))
+    assert datatype == MPI.UINT16_T
+    inout = b.clone()
+    mpi_op.Reduce_local([a.view(torch.int16).numpy(), datatype], [inout.view(torch.int16).numpy(), datatype])
+    expect = {R.SUM: a + b, R.PRODUCT: a * b, R.MIN: torch.minimum(a, b), R.MAX: torch.maximum(a, b)}[op]
+    assert torch.equal(inout, expect)
+
+
+def test_bool_maps_to_logical_ops() -> None:
+    v = torch.tensor([[True, False, True, False], [True, True, False, False]])
+    assert _local_reduce(v, red_op_of(R.SUM), 2).tolist() == [True, True, True, False]
+    assert _local_reduce(v, red_op_of(R.PRODUCT), 2).tolist() == [True, False, False, False]
+    assert _local_reduce(v, red_op_of(R.BXOR), 2).tolist() == [False, True, True, False]
+    _, op = mpi_reduction(torch.bool, red_op_of(R.SUM))
+    assert op == MPI.MAX  # OR on 0/1 bytes
+
+
+def test_rendezvous_leaves_plain_processes_to_torch(monkeypatch) -> None:
+    for var in rendezvous._LAUNCHER_VARS + ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert not rendezvous.under_mpi_launcher()
+    with pytest.raises(ValueError, match="RANK expected"):
+        dist.init_process_group("gloo")
+
+
+@pytest.fixture
+def solo():
+    dist.init_process_group("accl", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_one_rank_group_runs_every_collective(solo) -> None:
+    assert isinstance(solo, accl.ProcessGroupACCL) and solo.name() == "accl"
+    t = torch.arange(6.0).view(2, 3).t()
+    dist.all_reduce(t, op=R.AVG)
+    assert torch.equal(t, torch.arange(6.0).view(2, 3).t())
+    out = torch.empty(4)
+    dist.all_gather_into_tensor(out, torch.ones(4))
+    dist.reduce_scatter_tensor(out, torch.full((4,), 2.0))
+    assert torch.all(out == 2)
+    dist.broadcast(out, 0)
+    o = torch.empty(3)
+    dist.all_to_all_single(o, torch.tensor([1.0, 2.0, 3.0]))
+    assert o.tolist() == [1.0, 2.0, 3.0]
+    dist.barrier()
+    objs = [None]
+    dist.all_gather_object(objs, {"x": 1})
+    assert objs == [{"x": 1}]
+    w = dist.all_reduce(torch.ones(2), async_op=True)
+    assert w.wait() and w.is_completed() and w.is_success() and w.exception() is None
+    assert "AcclWork" in repr(w)
+    with pytest.raises(ValueError, match="source_rank"):
+        w.source_rank()
+
+
+def test_one_rank_group_argument_errors(solo) -> None:
+    with pytest.raises(ValueError, match="tag -1 out of range"):
+        solo.send([torch.ones(1)], 0, -1)
+    with pytest.raises(ValueError, match="dst=3 is not a rank"):
+        solo.send([torch.ones(1)], 3, 0)
+    with pytest.raises(TypeError, match="AVG needs a floating-point"):
+        dist.all_reduce(torch.ones(2, dtype=torch.int32), op=R.AVG)
+    with pytest.raises(accl.AcclMismatchError, match="sends 12 bytes to rank 0, which expects 8"):
+        dist.all_to_all_single(torch.empty(2), torch.empty(3), [], [])
+    with pytest.raises(ValueError, match="split_sizes has 2 entries"):
+        dist.all_to_all_single(torch.empty(2), torch.empty(2), [1, 1], [2])
+    with pytest.raises(TypeError, match="sparse"):
+        dist.all_reduce(torch.ones(2).to_sparse())
+
+
+def test_pg_options_must_be_accl_options() -> None:
+    with pytest.raises(TypeError, match="AcclOptions"):
+        dist.init_process_group("accl", store=dist.HashStore(), rank=0, world_size=1, pg_options=object())
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_accl_engine_without_pyaccl_says_what_is_missing(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyaccl", None)
+    with pytest.raises(accl.EngineUnavailableError, match="pyaccl"):
+        dist.init_process_group("accl", store=dist.HashStore(), rank=0, world_size=1,
+                                pg_options=accl.AcclOptions(engine="accl"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_cuda_awareness_probe(monkeypatch) -> None:
+    accl.mpi_cuda_aware.cache_clear()
+    monkeypatch.setenv("TORCHHPC_ACCL_CUDA_AWARE", "1")
+    assert accl.mpi_cuda_aware() is True
+    accl.mpi_cuda_aware.cache_clear()
+    monkeypatch.delenv("TORCHHPC_ACCL_CUDA_AWARE")
+    assert isinstance(accl.mpi_cuda_aware(), bool)
+    accl.mpi_cuda_aware.cache_clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensors_are_staged_or_passed(solo) -> None:  # pragma: no cover - needs a GPU
+    t = torch.ones(1000, device="cuda")
+    dist.all_reduce(t)
+    assert t.device.type == "cuda" and torch.all(t == 1)
+
+
+def test_environment_report_for_doctor() -> None:
+    items = dict(accl.environment_report())
+    assert "Open MPI" in items["accl MPI library"] or "MPICH" in items["accl MPI library"]
+    assert ("staged" in items["accl CUDA path"]) != accl.mpi_cuda_aware()
+    assert "pyaccl" in items["accl ACCL engine"]
+
+
+def test_bus_factors() -> None:
+    assert bench.bus_factor("allreduce", 2) == 1.0
+    assert bench.bus_factor("allreduce", 4) == 1.5
+    assert bench.bus_factor("allgather", 4) == 0.75
+    assert bench.bus_factor("broadcast", 8) == 1.0
+
+
+def test_bench_cli_quick_run_writes_table_and_plot(tmp_path) -> None:
+    png = tmp_path / "busbw.png"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    for var in rendezvous._LAUNCHER_VARS:
+        env.pop(var, None)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "allreduce.py"), "allreduce", "--np", "2", "--quick",
+         "--max-bytes", "4096", "--time-per-point", "0.02", "--plot", str(png)],
+        capture_output=True, text=True, timeout=150, env=env, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "# allreduce, float32, 2 ranks" in res.stdout
+    lines = [ln for ln in res.stdout.splitlines() if ln.strip().startswith(("8 B", "4 KiB"))]
+    assert len(lines) == 2 and all(ln.count("|") == 5 for ln in lines)
+    assert png.stat().st_size > 1000
+    assert np.frombuffer(png.read_bytes()[:4], np.uint8).tolist() == [137, 80, 78, 71]  # PNG magic
+
+
+def test_bench_rejects_bad_np() -> None:
+    assert bench.main(["allreduce", "--np", "0"]) == 2
