@@ -157,10 +157,10 @@ def test_accl_engine_without_pyaccl_says_what_is_missing(monkeypatch) -> None:
 
 def test_cuda_awareness_probe(monkeypatch) -> None:
     accl.mpi_cuda_aware.cache_clear()
-    monkeypatch.setenv("TORCHHPC_ACCL_CUDA_AWARE", "1")
+    monkeypatch.setenv("TORCHHPC_CUDA_AWARE_MPI", "1")
     assert accl.mpi_cuda_aware() is True
     accl.mpi_cuda_aware.cache_clear()
-    monkeypatch.delenv("TORCHHPC_ACCL_CUDA_AWARE")
+    monkeypatch.delenv("TORCHHPC_CUDA_AWARE_MPI")
     assert isinstance(accl.mpi_cuda_aware(), bool)
     accl.mpi_cuda_aware.cache_clear()
 

@@ -59,7 +59,13 @@ def library_path() -> str | None:
 
 
 def cuda_aware_query() -> CudaAwareness:
-    """Ask the MPI library (and Cray-MPICH's runtime switch) whether it is CUDA-aware."""
+    """Ask the MPI library (and Cray-MPICH's runtime switch) whether it is CUDA-aware.
+
+    ``TORCHHPC_CUDA_AWARE_MPI=1`` / ``0`` overrides the answer, for MPIs that cannot be asked or answer wrong.
+    """
+    forced = os.environ.get("TORCHHPC_CUDA_AWARE_MPI", "").strip().lower()
+    if forced:
+        return CudaAwareness(forced in ("1", "true", "yes", "on"), f"TORCHHPC_CUDA_AWARE_MPI={forced}")
     path = library_path()
     lib = None
     if path:

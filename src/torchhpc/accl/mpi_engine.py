@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import ctypes
 import functools
-import os
 
 import torch
 from mpi4py import MPI
 
+from ..mpi_info import cuda_aware_query
 from .engine import CollectiveEngine
 from .reduction import RedOp, mpi_reduction
 
@@ -26,34 +25,9 @@ __all__ = ["MpiEngine", "MpiRequest", "mpi_cuda_aware"]
 
 @functools.cache
 def mpi_cuda_aware() -> bool:
-    """True when the MPI library can take CUDA device pointers (``TORCHHPC_ACCL_CUDA_AWARE`` overrides)."""
-    forced = os.environ.get("TORCHHPC_ACCL_CUDA_AWARE")
-    if forced:
-        return forced.lower() in ("1", "true", "yes", "on")
-    try:
-        with open("/proc/self/maps") as maps:
-            libs = {line.split()[-1] for line in maps if "libmpi" in line and ".so" in line}
-    except OSError:
-        libs = set()
-    for path in sorted(libs):
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        for fn_name in ("MPIX_Query_cuda_support", "MPIX_Query_gpu_support"):
-            fn = getattr(lib, fn_name, None)
-            if fn is None:
-                continue
-            try:
-                if fn_name == "MPIX_Query_cuda_support":
-                    fn.restype = ctypes.c_int
-                    return bool(fn())
-                fn.restype = ctypes.c_int
-                fn.argtypes = [ctypes.c_int]
-                return bool(fn(1))  # MPIX_GPU_SUPPORT_CUDA
-            except Exception:  # pragma: no cover - exotic MPI builds
-                continue
-    return False
+    """True when the MPI library can take CUDA device pointers (see :func:`torchhpc.mpi_info.cuda_aware_query`;
+    ``TORCHHPC_CUDA_AWARE_MPI=0/1`` overrides)."""
+    return cuda_aware_query().supported is True
 
 
 def _span(t: torch.Tensor) -> int:
