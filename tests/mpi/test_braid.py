@@ -317,3 +317,73 @@ def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bo
         for res in (par.last_fwd, par.last_bwd):
             assert res.converged and 1 < res.iterations < 15, res.residuals
             assert all(b < a for a, b in zip(res.residuals, res.residuals[1:], strict=False)), res.residuals
+
+
+# ---------------------------------------------------------------------------- deadlines
+import time  # noqa: E402
+
+from torchhpc.braid import transport  # noqa: E402
+from torchhpc.braid.transport import PeerTimeoutError  # noqa: E402
+
+_TMO = 0.3  # seconds; generous slack below for a loaded, oversubscribed machine
+_SLACK = 6.0
+
+
+def _late_rank_case(comm: MPI.Comm, call, pattern: str, callers: set[int] | None = None) -> None:
+    """Ranks in ``callers`` (default: all but the last) call ``call(sub)`` on a fresh communicator; the
+    last rank never joins.  The callers must raise PeerTimeoutError matching ``pattern`` within the
+    deadline (plus slack).  The abandoned communicator is never used again, so later tests are unaffected.
+    """
+    sub = comm.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank in (set(range(size - 1)) if callers is None else callers):
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match=pattern) as err:
+            call(sub)
+        elapsed = time.monotonic() - t0
+        assert _TMO <= elapsed < _TMO + _SLACK, elapsed
+        assert err.value.requests, "the pending operations are handed to the caller"
+    comm.Barrier()  # the late rank waits here until the others have given up
+
+
+_CAUSE = r"did not complete within 0\.3 s\. Likely cause: a peer rank died"
+
+
+@pytest.mark.parametrize("op", ["dup", "barrier", "allreduce", "allgather", "bcast_tensor", "bcast_object",
+                                "gather_object"])
+def test_collective_with_a_missing_rank_times_out(comm: MPI.Comm, op: str) -> None:
+    if comm.Get_size() < 2:
+        pytest.skip("needs a second rank that stays away")
+    late = comm.Get_size() - 1  # bcast from the missing rank, gather to a present one: both must wait
+    calls = {
+        "dup": (lambda c: transport.dup(c, _TMO), r"MPI_Comm_idup"),
+        "barrier": (lambda c: transport.barrier(c, _TMO), r"MPI_Ibarrier"),
+        "allreduce": (lambda c: transport.allreduce(c, 1.5, "sum", _TMO, "residual"), r"residual \(MPI_Iallreduce"),
+        "allgather": (lambda c: transport.allgather_int(c, 3, _TMO), r"MPI_Iallgather"),
+        "bcast_tensor": (lambda c: transport.bcast_tensor(c, None, late, (2, 3), torch.float64, "cpu", _TMO),
+                         rf"MPI_Ibcast from rank {late}"),
+        "bcast_object": (lambda c: transport.bcast_object(c, None, late, _TMO),
+                         rf"size \(MPI_Ibcast from rank {late}"),
+        "gather_object": (lambda c: transport.gather_object(c, {"a": 1}, 0, _TMO), r"MPI_Igather to rank 0"),
+    }
+    call, what = calls[op]
+    # a gather's contributors may finish without the root; only the root is bound to wait for everyone
+    _late_rank_case(comm, call, rf"{what}.* on rank {comm.Get_rank()} of {comm.Get_size()} .*{_CAUSE}",
+                    {0} if op == "gather_object" else None)
+
+
+def test_solve_and_layer_parallel_with_a_missing_rank_time_out(comm: MPI.Comm) -> None:
+    if comm.Get_size() < 2:
+        pytest.skip("needs a second rank that stays away")
+    prob, step, u0 = dahlquist(nt=9)
+    # a rank that never calls solve: the others stop at the first collective, naming it
+    _late_rank_case(comm, lambda c: solve(step, u0, prob.t, c, timeout=_TMO),
+                    rf"MGRIT solve start \(MPI_Comm_idup\) on rank {comm.Get_rank()} .*{_CAUSE}")
+    # a rank that builds the network but skips a forward pass: the others stop wherever they wait for it
+    lp = LayerParallel(comm, [_Step], [2 * comm.Get_size()], Tf=1.0, timeout=_TMO)
+    if comm.Get_rank() != comm.Get_size() - 1:
+        t0 = time.monotonic()
+        with pytest.raises(PeerTimeoutError, match=_CAUSE):
+            lp(torch.zeros(2, 4, dtype=torch.float64))
+        assert time.monotonic() - t0 < _TMO + _SLACK
+    comm.Barrier()

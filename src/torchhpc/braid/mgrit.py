@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
-from .transport import Channel
+from .transport import Channel, allreduce, check_timeout, dup
 
 __all__ = ["MGRIT", "MGRITResult", "solve"]
 
@@ -60,17 +60,20 @@ class MGRITResult:
 class MGRIT:
     """One MGRIT solve over fine points ``0 .. n-1``; ``phi(u, i0, i1)`` propagates from fine index i0 to i1.
 
-    ``counts[r]`` fine points go to rank ``r`` (default: pymgrit's even split).  ``init(j)`` gives
-    the initial guess at fine point ``j`` (default zeros like ``u0``); ``u0`` must be the same on
-    every rank that reads it.
+    ``counts[r]`` fine points go to logical rank ``r`` (default: pymgrit's even split), and
+    ``order[r]`` is that rank's rank in ``comm`` (identity by default; reversed for an adjoint).
+    ``init(j)`` gives the initial guess at fine point ``j`` (default zeros like ``u0``); ``u0``
+    must be the same on every rank that reads it.  Every wait on peers ends after ``timeout``
+    seconds with :class:`~torchhpc.braid.transport.PeerTimeoutError`.
     """
 
     def __init__(self, phi: Callable[[torch.Tensor, int, int], torch.Tensor], u0: torch.Tensor, n: int,
                  comm: MPI.Comm, opts: MGRITOptions, counts: Sequence[int] | None = None,
-                 init: Callable[[int], torch.Tensor] | None = None, timeout: float = 600.0,
-                 norm: float = 2) -> None:
+                 init: Callable[[int], torch.Tensor] | None = None, timeout: float | None = None,
+                 norm: float = 2, order: Sequence[int] | None = None) -> None:
         opts.validate()
-        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.ch = Channel(comm, timeout, order)
+        self.comm, self.rank, self.size = comm, self.ch.rank, comm.Get_size()
         if counts is None:
             if self.size > n:
                 raise ValueError(f"more ranks ({self.size}) than time points ({n})")
@@ -83,7 +86,6 @@ class MGRIT:
         self.h = Hierarchy(n, counts, opts.cfactor, opts.max_levels, opts.min_coarse)
         self.L = self.h.nlevels
         self.lv = [self.h.level(lvl, self.rank) for lvl in range(self.L)]
-        self.ch = Channel(comm, timeout)
         self.u: list[dict[int, torch.Tensor]] = [{} for _ in range(self.L)]
         self.v: list[dict[int, torch.Tensor]] = [{} for _ in range(self.L)]
         self.g: list[dict[int, torch.Tensor]] = [{} for _ in range(self.L)]
@@ -269,11 +271,12 @@ class MGRIT:
             self._phi_cache[j] = phi  # the next C-relaxation or restriction needs exactly this value
             parts.append(float(torch.linalg.vector_norm((phi - self.u[0][j]).reshape(-1))))
         self.ch.flush()
+        tmo, what = self.ch.timeout, "MGRIT residual norm"
         if self.norm == math.inf:
-            return self.comm.allreduce(max(parts, default=0.0), op=MPI.MAX)
+            return allreduce(self.comm, max(parts, default=0.0), "max", tmo, what)
         if self.norm == 1:
-            return self.comm.allreduce(sum(parts), op=MPI.SUM)
-        return math.sqrt(self.comm.allreduce(sum(p * p for p in parts), op=MPI.SUM))
+            return allreduce(self.comm, float(sum(parts)), "sum", tmo, what)
+        return math.sqrt(allreduce(self.comm, float(sum(p * p for p in parts)), "sum", tmo, what))
 
     def run(self) -> MGRITResult:
         """Iterate until the residual drops below the tolerance or ``max_iter`` is reached."""
@@ -316,12 +319,14 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
           tol: float = 1e-7, rtol: float = 0.0, max_iter: int = 100, nested_iteration: bool = True,
           skip_downcycle: bool = False, weight_c: float = 1.0, min_coarse: int = 2, norm: float = 2,
           init: Callable[[int], torch.Tensor] | None = None, partition: Sequence[int] | None = None,
-          timeout: float = 600.0, print_level: int = 0) -> MGRITResult:
+          timeout: float | None = None, print_level: int = 0) -> MGRITResult:
     """Solve ``u_i = step(u_{i-1}, t_{i-1}, t_i)``, ``u_0 = u0``, for all time points ``t`` at once.
 
     Collective over ``comm`` (default COMM_WORLD); every rank passes the same ``u0`` and ``t``.
     ``relax`` is "F", "FCF" or a number of CF sweeps, per level when a list (as is ``cfactor``).
-    Returns this rank's share of the solution and the residual history.
+    Returns this rank's share of the solution and the residual history.  No wait on other ranks
+    lasts longer than ``timeout`` seconds (default :func:`~torchhpc.braid.transport.default_timeout`):
+    past it, :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
     """
     times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     if len(times) < 2:
@@ -332,8 +337,9 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
                               rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
                               skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
                               print_level=print_level)
+    timeout = check_timeout(timeout)
     base = MPI.COMM_WORLD if comm is None else comm
-    work = base.Dup()
+    work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
         solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
                        counts=partition, init=init, timeout=timeout, norm=norm)
