@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+
 import numpy as np
 import pytest
 import scipy.sparse.linalg as sla
@@ -10,6 +14,12 @@ from mpi4py import MPI
 
 if not hasattr(np, "in1d"):  # pymgrit 1.0.6 calls np.in1d, removed in NumPy 2.4; np.isin is its replacement
     np.in1d = np.isin
+if "pymgrit" not in sys.modules:
+    # pymgrit's package __init__ imports every example problem (matplotlib, scipy.integrate, ...), about a
+    # second per rank; an empty package object lets the four modules used here load on their own.
+    _pkg = types.ModuleType("pymgrit")
+    _pkg.__path__ = list(importlib.util.find_spec("pymgrit").submodule_search_locations)
+    sys.modules["pymgrit"] = _pkg
 
 from pymgrit.core.mgrit import Mgrit  # noqa: E402
 from pymgrit.core.simple_setup_problem import simple_setup_problem  # noqa: E402
@@ -22,7 +32,7 @@ MPI_RANKS = (1, 2, 4)
 MPI_TIMEOUT = 240
 
 
-def dahlquist(nt: int = 65):
+def dahlquist(nt: int = 33):
     """pymgrit's Dahlquist problem (lambda = -1, backward Euler) and the same step in torch."""
     prob = Dahlquist(t_start=0, t_stop=5, nt=nt, method="BE")
 
@@ -32,7 +42,7 @@ def dahlquist(nt: int = 65):
     return prob, step, torch.tensor(1.0, dtype=torch.float64)
 
 
-def heat(nt: int = 33, nx: int = 17):
+def heat(nt: int = 17, nx: int = 9):
     """pymgrit's 1-D heat equation (backward Euler in time, central differences) and the same step."""
     prob = Heat1D(x_start=0, x_end=2 * np.pi, nx=nx, a=1.0, init_cond=np.sin,
                   rhs=lambda x, t: -np.sin(x) * (np.sin(t) - np.cos(t)), t_start=0, t_stop=2, nt=nt)
@@ -66,7 +76,6 @@ def _assert_4_digits(ref: np.ndarray, ours: list[float]) -> None:
 
 @pytest.mark.parametrize(("levels", "cfactor", "cf_iter", "cycle", "nested"), [
     (2, 4, 1, "V", True), (3, 2, 0, "V", False), (3, 2, 1, "F", True), (4, 2, 2, "F", False),
-    (4, 2, 1, "V", False),
 ])
 def test_dahlquist_residuals_match_pymgrit(levels, cfactor, cf_iter, cycle, nested) -> None:
     ref, ours = compare_with_pymgrit(dahlquist(), levels=levels, cfactor=cfactor, cf_iter=cf_iter,
@@ -84,7 +93,7 @@ def test_heat_residuals_match_pymgrit(levels, cfactor, cf_iter, cycle, nested) -
 
 
 def test_solution_independent_of_rank_count(comm: MPI.Comm) -> None:
-    prob, step, u0 = heat(nt=29)
+    prob, step, u0 = heat(nt=15)
     opts = dict(max_levels=3, cfactor=2, relax="FCF", tol=1e-12, max_iter=30)
     par = solve(step, u0, prob.t, comm, **opts)
     ser = solve(step, u0, prob.t, MPI.COMM_SELF, **opts)
@@ -196,15 +205,16 @@ def _run_and_compare(comm: MPI.Comm, lp: LayerParallel, x: torch.Tensor):
                 worst_buf = max(worst_buf, float((merged_bufs[(k, n)] - b).double().norm()
                                                  / max(b.double().norm(), 1e-300)))
         assert count == len(merged), "every parameter of the serial net has a parallel gradient"
+        y, ys = y.detach(), ys.detach()
         errs = (float((y - ys).norm() / ys.norm()), float((xp.grad - xs.grad).norm() / xs.grad.norm()), worst,
                 worst_buf)
     errs = comm.bcast(errs, root=0)
     return y, errs
 
 
-@pytest.mark.parametrize("steps", [9, 13])  # 11 and 15 layers: uneven over 2 and 4 ranks
-def test_layer_parallel_one_level_is_exact(comm: MPI.Comm, steps: int) -> None:
-    lp = LayerParallel(comm, [_open, _Step, _close], [1, steps, 1], Tf=2.0, max_fwd_levels=1,
+def test_layer_parallel_one_level_is_exact(comm: MPI.Comm) -> None:
+    # 15 layers: uneven over 2 ranks (8 + 7) and 4 ranks (4 + 4 + 4 + 3)
+    lp = LayerParallel(comm, [_open, _Step, _close], [1, 13, 1], Tf=2.0, max_fwd_levels=1,
                        max_bwd_levels=1)
     torch.manual_seed(0)
     x = torch.randn(6, 3, dtype=torch.float64)
@@ -229,7 +239,7 @@ def test_layer_parallel_many_levels_enough_iterations_is_exact(comm: MPI.Comm, v
 
 
 def test_layer_parallel_mgrit_converges_monotonically(comm: MPI.Comm) -> None:
-    lp = LayerParallel(comm, [_Step], [32], Tf=4.0, max_fwd_levels=3, max_bwd_levels=3, max_iters=20)
+    lp = LayerParallel(comm, [_Step], [16], Tf=2.0, max_fwd_levels=3, max_bwd_levels=3, max_iters=20)
     lp.setCFactor(2)
     lp.setNumRelax("F")
     lp.setAbsTol(1e-9)
@@ -281,10 +291,10 @@ def test_layer_parallel_bad_arguments(comm: MPI.Comm) -> None:
 from torchhpc.braid import GRUParallel, GRUSerial  # noqa: E402
 
 
-@pytest.mark.parametrize(("levels", "iters", "bound"), [(1, 1, 1e-12), (3, 30, 1e-12), (3, 15, 1e-6)])
+@pytest.mark.parametrize(("levels", "iters", "bound"), [(1, 1, 1e-12), (3, 15, 1e-6)])
 def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bound: float) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    lengths = [24 // size] * size  # 24 steps at every rank count, in uneven chunks
+    lengths = [16 // size] * size  # 16 steps at every rank count, in uneven chunks
     if size > 1:
         lengths[0], lengths[-1] = lengths[0] + 1, lengths[-1] - 1
     total = sum(lengths)
@@ -325,7 +335,7 @@ import time  # noqa: E402
 from torchhpc.braid import transport  # noqa: E402
 from torchhpc.braid.transport import PeerTimeoutError  # noqa: E402
 
-_TMO = 0.3  # seconds; generous slack below for a loaded, oversubscribed machine
+_TMO = 0.1  # seconds; generous slack below for a loaded, oversubscribed machine
 _SLACK = 6.0
 
 
@@ -346,7 +356,7 @@ def _late_rank_case(comm: MPI.Comm, call, pattern: str, callers: set[int] | None
     comm.Barrier()  # the late rank waits here until the others have given up
 
 
-_CAUSE = r"did not complete within 0\.3 s\. Likely cause: a peer rank died"
+_CAUSE = r"did not complete within 0\.1 s\. Likely cause: a peer rank died"
 
 
 @pytest.mark.parametrize("op", ["dup", "barrier", "allreduce", "allgather", "bcast_tensor", "bcast_object",

@@ -18,6 +18,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from .layers import vjp
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
 from .transport import Channel, allgather_int, allreduce, bcast_tensor, check_timeout, dup
@@ -168,7 +169,7 @@ class GRUParallel(nn.Module):
             with torch.enable_grad():
                 h = states[a].detach().requires_grad_(True)
                 out = gru_coarse_step(self.cell, x_at(a + 1), h, b - a)
-                (g,) = torch.autograd.grad(out, h, w)
+                (g,) = vjp([out], [h], [w])
             f = gyd.get(a)
             return g if f is None else g + f
 
@@ -185,7 +186,7 @@ class GRUParallel(nn.Module):
             xs = x.detach().requires_grad_(True)
             outs = [self.cell(xs[:, i], states[start + i].detach()) for i in range(count)]
             cots = [lam[start + 1 + i] for i in range(count)]
-            *gp, gx = torch.autograd.grad(outs, [*params, xs], cots)
+            *gp, gx = vjp(outs, [*params, xs], cots)
         flat = torch.cat([g.reshape(-1) for g in gp]).cpu()
         total = torch.from_numpy(allreduce(self.comm, flat.numpy(), "sum", self.timeout,
                                            "GRUParallel backward: weight gradients"))

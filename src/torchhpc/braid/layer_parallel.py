@@ -33,6 +33,7 @@ from .layers import (
     check_layer_modes,
     ode_step,
     takes_dt,
+    vjp,
 )
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions, relax_sweeps
@@ -274,7 +275,7 @@ class LayerParallel(nn.Module):
         with torch.enable_grad():
             xin = u.detach().requires_grad_(True)
             y = self._prop(xin, a, b, args, kwargs)
-            (g,) = torch.autograd.grad(y, xin, w, allow_unused=True)
+            (g,) = vjp([y], [xin], [w], allow_unused=True)
         return torch.zeros_like(u) if g is None else g
 
     def _adjoint_solve(self, gy: torch.Tensor, states: dict[int, torch.Tensor], args: tuple, kwargs: dict,
@@ -302,7 +303,7 @@ class LayerParallel(nn.Module):
                     k = self.layer_start + i
                     outs.append(self._prop(states[k].detach(), k, k + 1, args, kwargs))
                     cots.append(lam[k + 1])
-                grads = list(torch.autograd.grad(outs, params, cots, allow_unused=True))
+                grads = list(vjp(outs, params, cots, allow_unused=True))
         gx = bcast_tensor(self.comm, lam.get(0), 0, shapes[0], gy.dtype, device, self.timeout,
                           "LayerParallel backward: input gradient")
         self.last_bwd = res

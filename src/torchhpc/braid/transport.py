@@ -108,7 +108,7 @@ def wait_all(requests: Sequence[MPI.Request], timeout: float, what: str, comm: M
     spins, pause = 0, 1e-5
     while not MPI.Request.Testall(reqs):
         spins += 1
-        if spins > 200:  # spin briefly for fast neighbours, then yield the core to ranks sharing it
+        if spins > 50:  # spin briefly for fast neighbours, then yield the core to ranks sharing it
             time.sleep(pause)
             pause = min(pause * 2, 2e-3)
         if time.monotonic() > deadline:
