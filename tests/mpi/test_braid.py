@@ -119,6 +119,31 @@ def test_solution_independent_of_rank_count(comm: MPI.Comm) -> None:
         assert float((u - exact[j]).abs().max()) <= 1e-9
 
 
+@pytest.mark.parametrize("cycle", ["V", "F"])
+def test_skip_downcycle_is_xbraids_skip(comm: MPI.Comm, cycle: str) -> None:
+    """XBraid's skip: the first cycle starts with the coarsest solve of the plain coarse problem (no
+    relaxation, no FAS right-hand side), then corrects and F-relaxes upwards.  From a zero guess
+    one such V-cycle gives a closed form on Dahlquist: coarse backward-Euler steps of m^2 dt, then
+    steps of m dt and dt from each C-point."""
+    nt, m, dt = 17, 2, 5 / 16
+    prob, step, u0 = dahlquist(nt=nt)
+    opts = dict(max_levels=3, cfactor=m, relax="FCF", nested_iteration=False, max_iter=1, cycle=cycle)
+    skip = solve(step, u0, prob.t, comm, skip_downcycle=True, **opts)
+    plain = solve(step, u0, prob.t, comm, **opts)
+    if cycle == "V":
+        for j, u in zip(skip.index, skip.u, strict=True):
+            c2, r2 = divmod(j, m * m)  # last level-2 point, then level-1 steps and fine steps
+            c1, r1 = divmod(r2, m)
+            ref = (1 + m * m * dt) ** -c2 * (1 + m * dt) ** -c1 * (1 + dt) ** -r1
+            assert float(u) == pytest.approx(ref, rel=1e-13), (j, float(u), ref)
+    # the descent's relaxation and restriction are skipped: fewer steps, same converged answer
+    assert comm.allreduce(skip.steps) < comm.allreduce(plain.steps)
+    conv = solve(step, u0, prob.t, comm, skip_downcycle=True, **{**opts, "max_iter": 30, "tol": 1e-12})
+    assert conv.converged
+    for j, u in zip(conv.index, conv.u, strict=True):
+        assert float(u) == pytest.approx((1 + dt) ** -j, rel=1e-10)
+
+
 def test_solve_rejects_more_ranks_than_points(comm: MPI.Comm) -> None:
     if comm.Get_size() < 3:
         pytest.skip("needs more ranks than the smallest time grid (2 points)")

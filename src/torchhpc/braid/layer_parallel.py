@@ -417,6 +417,7 @@ class LayerParallel(nn.Module):
             o.cycle = cycle
 
     def setSkipDowncycle(self, skip: bool) -> None:  # noqa: N802
+        """XBraid's skip: no work on the first down-cycle (start from the coarsest solve), fwd and bwd."""
         for o in self._both():
             o.skip_downcycle = bool(skip)
 

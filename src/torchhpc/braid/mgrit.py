@@ -231,23 +231,43 @@ class MGRIT:
             self._send(lvl, lev.hi - 1, lev.next_owner, _COARSE)
 
     # ------------------------------------------------------------------ cycles
-    def _cycle(self, lvl: int, cycle: str, it: int, first_f: bool, down: bool) -> None:
+    def _cycle(self, lvl: int, cycle: str, it: int, first_f: bool) -> None:
         if lvl == self.L - 1:
             self._coarsest(lvl)
             return
         if first_f and (lvl > 0 or it == 0):
             self._f_relax(lvl)
-        sweeps = 0 if (down and it == 0 and self.opts.skip_downcycle) else self.opts.sweeps(lvl)
-        for _ in range(sweeps):
+        for _ in range(self.opts.sweeps(lvl)):
             self._c_relax(lvl)
             self._f_relax(lvl)
         self._restrict(lvl)
-        self._cycle(lvl + 1, cycle, it, True, down)
+        self._cycle(lvl + 1, cycle, it, True)
+        self._up(lvl, cycle, it)
+
+    def _up(self, lvl: int, cycle: str, it: int) -> None:
+        """Coarse-grid correction and F-relaxation on level lvl (and, in an F-cycle, a V-cycle from there)."""
         self._correct(lvl)
         f_cycle = lvl > 0 and cycle == "F"
         self._f_relax(lvl, exchange=lvl == 0 or f_cycle)
         if f_cycle:
-            self._cycle(lvl, "V", it, False, False)
+            self._cycle(lvl, "V", it, False)
+
+    def _cycle_skipping_down(self, cycle: str) -> None:
+        """The first cycle with XBraid's ``skip``: no work on the way down.
+
+        The current C-point values are injected to every coarser level (as iterate and as the
+        restricted value, with no FAS right-hand side, XBraid's ``_braid_CopyFineToCoarse``); the
+        coarsest grid is solved and the up-cycle corrects and F-relaxes as in any cycle.  This saves
+        the relaxation and restriction work of one descent when the initial guess carries no
+        information worth smoothing (the common zero guess).
+        """
+        for lvl in range(self.L - 1):
+            c, m = self.lv[lvl + 1], self.lv[lvl].cfactor
+            v = {jc: self.u[lvl][jc * m] for jc in range(c.lo, c.hi)}
+            self.v[lvl + 1], self.u[lvl + 1], self.g[lvl + 1] = v, dict(v), {}
+        self._coarsest(self.L - 1)
+        for lvl in range(self.L - 2, -1, -1):
+            self._up(lvl, cycle, 0)
 
     def _nested(self) -> None:
         """FMG-style initial guess: solve the coarsest grid, then interpolate and V-cycle upwards."""
@@ -258,7 +278,7 @@ class MGRIT:
                 self.u[lvl][jc * m] = self.u[lvl + 1][jc]
             self._exchange(lvl, c_points=True)
             if lvl > 0:
-                self._cycle(lvl, "V", 0, True, False)
+                self._cycle(lvl, "V", 0, True)
 
     def _residual(self) -> float:
         """Space-time residual norm at the fine C-points (F-points are exact after F-relaxation)."""
@@ -294,7 +314,10 @@ class MGRIT:
                 if opts.nested_iteration:
                     self._nested()
                 for it in range(opts.max_iter):
-                    self._cycle(0, opts.cycle, it, True, True)
+                    if it == 0 and opts.skip_downcycle:
+                        self._cycle_skipping_down(opts.cycle)
+                    else:
+                        self._cycle(0, opts.cycle, it, True)
                     r = self._residual()
                     residuals.append(r)
                     if opts.print_level >= 1 and self.rank == 0:
