@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 import types
 
 import numpy as np
@@ -291,11 +292,27 @@ def test_layer_parallel_rejects_dropout_in_training(comm: MPI.Comm) -> None:
     def drop() -> nn.Module:
         return nn.Sequential(nn.Linear(4, 4, dtype=torch.float64), nn.Dropout(0.5))
 
-    lp = LayerParallel(comm, [drop], [4 * comm.Get_size()], Tf=1.0)
-    with pytest.raises(ValueError, match="Dropout"):
+    size = comm.Get_size()
+    lp = LayerParallel(comm, [drop], [4 * size], Tf=1.0)
+    with pytest.raises(ValueError, match=r"layer 0 contains .*Dropout.* in training mode"):
         lp(torch.zeros(2, 4, dtype=torch.float64))
     lp.eval()  # in eval mode dropout is the identity and allowed
     assert lp(torch.ones(2, 4, dtype=torch.float64)).shape == (2, 4)
+    # dropout in the last layer only (owned by the last rank): every rank refuses, none waits for it
+    last = LayerParallel(comm, [_Step, drop], [2 * size, 1], Tf=1.0, timeout=60)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=rf"layer {2 * size} contains .*Dropout"):
+        last(torch.zeros(2, 4, dtype=torch.float64))
+    assert time.monotonic() - t0 < 30
+
+
+def test_gru_bad_chunk_on_one_rank_stops_every_rank(comm: MPI.Comm) -> None:
+    from torchhpc.braid import GRUParallel
+
+    gru = GRUParallel(comm, 2, 3, seed=0, dtype=torch.float64, timeout=60)
+    steps = 0 if comm.Get_rank() == comm.Get_size() - 1 else 2  # the last rank passes an empty chunk
+    with pytest.raises(ValueError, match=rf"ranks \[{comm.Get_size() - 1}\] passed other shapes"):
+        gru(torch.zeros(1, steps, 2, dtype=torch.float64))
 
 
 def test_layer_parallel_bad_arguments(comm: MPI.Comm) -> None:
@@ -355,8 +372,6 @@ def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bo
 
 
 # ---------------------------------------------------------------------------- deadlines
-import time  # noqa: E402
-
 from torchhpc.braid import transport  # noqa: E402
 from torchhpc.braid.transport import PeerTimeoutError  # noqa: E402
 

@@ -64,8 +64,9 @@ class GRUSerial(nn.Module):
 
 class _GRUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gru: GRUParallel, x: torch.Tensor, h0: torch.Tensor, *params: torch.Tensor):
-        y, h_last, states, counts = gru._forward_solve(x, h0)
+    def forward(ctx, gru: GRUParallel, counts: list[int], x: torch.Tensor, h0: torch.Tensor,
+                *params: torch.Tensor):
+        y, h_last, states, counts = gru._forward_solve(x, h0, counts)
         ctx.gru, ctx.x, ctx.states, ctx.counts = gru, x.detach(), states, counts
         return y, h_last
 
@@ -73,7 +74,7 @@ class _GRUFn(torch.autograd.Function):
     def backward(ctx, gy: torch.Tensor, g_last: torch.Tensor):
         gx, gh0, gparams = ctx.gru._adjoint_solve(ctx.x, gy, g_last, ctx.states, ctx.counts)
         ctx.states = None
-        return (None, gx, gh0, *gparams)
+        return (None, None, gx, gh0, *gparams)
 
 
 class GRUParallel(nn.Module):
@@ -113,15 +114,20 @@ class GRUParallel(nn.Module):
 
     def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: this rank's (batch, T_rank, input) chunk; ``h0`` (batch, hidden) is taken from rank 0."""
-        if x.ndim != 3 or x.shape[1] < 1:
-            raise ValueError(f"x must be (batch, time >= 1, input) on every rank, got {tuple(x.shape)}")
+        # every rank learns every chunk length, so a bad chunk anywhere stops every rank with the same error
+        ok = x.ndim == 3 and x.shape[1] >= 1
+        counts = allgather_int(self.comm, int(x.shape[1]) if ok else -1, self.timeout,
+                               "GRUParallel forward: chunk lengths")
+        if min(counts) < 1:
+            bad = [r for r, c in enumerate(counts) if c < 1]
+            raise ValueError(f"x must be (batch, time >= 1, input) on every rank; ranks {bad} passed other "
+                             f"shapes (this rank: {tuple(x.shape)})")
         if h0 is None:
             h0 = x.new_zeros(x.shape[0], self.cell.hidden_size)
-        return _GRUFn.apply(self, x, h0, *self.cell.parameters())
+        return _GRUFn.apply(self, counts, x, h0, *self.cell.parameters())
 
-    def _forward_solve(self, x: torch.Tensor, h0: torch.Tensor):
+    def _forward_solve(self, x: torch.Tensor, h0: torch.Tensor, counts: list[int]):
         t0 = time.perf_counter()
-        counts = allgather_int(self.comm, int(x.shape[1]), self.timeout, "GRUParallel forward: chunk lengths")
         start = sum(counts[:self.rank])
         n = sum(counts) + 1
         xd = x.detach()

@@ -30,14 +30,15 @@ from .layers import (
     bn_training,
     build_layer,
     call_layer,
-    check_layer_modes,
+    dropout_error,
+    dropout_in_training,
     ode_step,
     takes_dt,
     vjp,
 )
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions, relax_sweeps
-from .transport import Channel, bcast_object, bcast_tensor, check_timeout, dup, gather_object
+from .transport import Channel, allreduce, bcast_object, bcast_tensor, check_timeout, dup, gather_object
 
 __all__ = ["LayerParallel"]
 
@@ -234,8 +235,13 @@ class LayerParallel(nn.Module):
     # ------------------------------------------------------------------ passes
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """Run the network on ``x`` (rank 0's input counts); extra args reach every layer."""
-        for i, layer in enumerate(self.layers):
-            check_layer_modes(layer, self.layer_start + i)
+        # collective check, so that every rank refuses the pass, not only the owner of the bad layer
+        n = self.nlayers
+        bad = next((self.layer_start + i for i, m in enumerate(self.layers) if dropout_in_training(m)), n)
+        first = allreduce(self.comm, bad, "min", self.timeout, "LayerParallel forward: layer checks")
+        if first < n:
+            drop = dropout_in_training(self.layers[first - self.layer_start]) if self._owns(first) else None
+            raise dropout_error(first, f"{type(drop).__name__}(p={drop.p})" if drop is not None else "Dropout")
         return _LayerParallelFn.apply(self, args, kwargs, x, *self.layers.parameters())
 
     def _forward_solve(self, x: torch.Tensor, args: tuple, kwargs: dict):

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["ODEBlock", "LayerSpec", "takes_dt", "check_layer_modes", "call_layer", "bn_training", "ode_step",
-           "vjp"]
+__all__ = ["ODEBlock", "LayerSpec", "takes_dt", "dropout_in_training", "dropout_error", "call_layer",
+           "bn_training", "ode_step", "vjp"]
 
 LayerSpec = Callable[[], nn.Module] | nn.Module
 
@@ -43,14 +43,20 @@ def _bn_training(layer: nn.Module) -> bool:
                for m in layer.modules())
 
 
-def check_layer_modes(layer: nn.Module, index: int) -> None:
-    """Reject dropout in training mode: a random step function has no fixed point for MGRIT to converge to."""
+def dropout_in_training(layer: nn.Module) -> nn.Module | None:
+    """The first dropout module of ``layer`` that would draw random masks (training mode, p > 0), if any."""
     for m in layer.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd | nn.Dropout) and m.training and m.p > 0:
-            raise ValueError(
-                f"layer {index} contains {type(m).__name__}(p={m.p}) in training mode; MGRIT evaluates each "
-                "layer many times per forward pass and every evaluation would draw a new mask, so the "
-                "iteration has no fixed point. Put dropout outside LayerParallel or call .eval() on it.")
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            return m
+    return None
+
+
+def dropout_error(index: int, what: str) -> ValueError:
+    """Why dropout in training mode is refused inside a layer-parallel network."""
+    return ValueError(
+        f"layer {index} contains {what} in training mode; MGRIT evaluates each layer many times per pass "
+        "and every evaluation would draw a new mask, so the iteration has no fixed point. Put dropout "
+        "outside LayerParallel or call .eval() on it.")
 
 
 def call_layer(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict,
