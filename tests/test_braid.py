@@ -120,7 +120,11 @@ def test_layer_parallel_settings_and_serial_twin() -> None:
     lp.setAbsTol(1e-12)
     lp.setBwdRelTol(1e-3)
     lp.setSkipDowncycle(True)
-    lp.setFMG()
+    lp.setNestedIteration()
+    lp.setFMG()  # XBraid's FMG: F-cycles
+    assert lp.fwd_opts.cycle == lp.bwd_opts.cycle == "F"
+    lp.setFMG(False)
+    assert lp.fwd_opts.cycle == "V"
     lp.setCycle("F")
     lp.setCRelaxWt(1.0)
     lp.setFwdMaxIters(9)

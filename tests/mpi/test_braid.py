@@ -249,13 +249,13 @@ def test_layer_parallel_one_level_is_exact(comm: MPI.Comm) -> None:
     assert lp.getFwdStats()[0] == 1 and lp.getBwdStats()[0] == 1
 
 
-@pytest.mark.parametrize("variant", ["V", "F-cycle+FMG+skip"])
+@pytest.mark.parametrize("variant", ["V", "FMG+nested+skip"])
 def test_layer_parallel_many_levels_enough_iterations_is_exact(comm: MPI.Comm, variant: str) -> None:
     lp = LayerParallel(comm, [_open, _Step, _close], [1, 14, 1], Tf=2.0, max_fwd_levels=3, max_bwd_levels=3,
                        max_iters=30)
     if variant != "V":
-        lp.setCycle("F")
-        lp.setFMG()
+        lp.setFMG()  # F-cycles
+        lp.setNestedIteration()
         lp.setSkipDowncycle(True)
     lp.setAbsTol(1e-15)  # iterate to round-off (or max_iters)
     lp.setMaxIters(12)

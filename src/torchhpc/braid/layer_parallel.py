@@ -428,7 +428,11 @@ class LayerParallel(nn.Module):
             o.skip_downcycle = bool(skip)
 
     def setFMG(self, enable: bool = True) -> None:  # noqa: N802
-        """Nested iteration (FMG-style initial guess from the coarse grids)."""
+        """FMG as in XBraid's ``braid_SetFMG`` and torchbraid: F-cycles (``False``: back to V-cycles)."""
+        self.setCycle("F" if enable else "V")
+
+    def setNestedIteration(self, enable: bool = True) -> None:  # noqa: N802
+        """pymgrit's nested iteration: an initial guess from the coarse grids, refined level by level."""
         for o in self._both():
             o.nested_iteration = bool(enable)
 
