@@ -35,11 +35,13 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
 
     from torchhpc.braid import LayerParallel
+    from torchhpc.braid.transport import allreduce, barrier, bcast_object, default_timeout, wait_all
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     c = args.channels
+    tmo = default_timeout()  # every wait on a peer ends in an error, never a hang
 
     class Step(nn.Module):
         def __init__(self) -> None:
@@ -62,31 +64,31 @@ def worker(args: argparse.Namespace) -> None:
         lp(xx).square().sum().backward()
 
     par_step()  # warm-up
-    comm.Barrier()
+    barrier(comm, tmo)
     t0 = time.perf_counter()
     for _ in range(args.reps):
         par_step()
-    t_par = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / args.reps
+    t_par = allreduce(comm, time.perf_counter() - t0, "max", tmo) / args.reps
     fwd, bwd = lp.last_fwd, lp.last_bwd
-    total_steps = comm.allreduce(fwd.steps + bwd.steps + len(lp.layers))
+    total_steps = allreduce(comm, fwd.steps + bwd.steps + len(lp.layers), "sum", tmo)
     crit = fwd.critical_path + bwd.critical_path + max(lp.layer_counts)  # + local parameter-gradient pass
 
     # message cost of one state between two ranks (ping-pong), for the model
     alpha = 0.0
     if size > 1:
         buf = x.numpy().copy()
-        comm.Barrier()
+        barrier(comm, tmo)
         t0 = time.perf_counter()
         for _ in range(20):
             if rank == 0:
-                comm.Send(buf, dest=1)
-                comm.Recv(buf, source=1)
+                wait_all([comm.Isend(buf, dest=1)], tmo, "ping-pong send", comm)
+                wait_all([comm.Irecv(buf, source=1)], tmo, "ping-pong receive", comm)
             elif rank == 1:
-                comm.Recv(buf, source=0)
-                comm.Send(buf, dest=0)
-        alpha = comm.bcast((time.perf_counter() - t0) / 40 if rank == 0 else None, root=0)
+                wait_all([comm.Irecv(buf, source=0)], tmo, "ping-pong receive", comm)
+                wait_all([comm.Isend(buf, dest=0)], tmo, "ping-pong send", comm)
+        alpha = bcast_object(comm, (time.perf_counter() - t0) / 40 if rank == 0 else None, 0, tmo)
 
-    comm.Barrier()
+    barrier(comm, tmo)
     if rank == 0:
         def ser_step() -> None:
             serial.zero_grad()
@@ -117,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
             crit_fwd=fwd.critical_path, crit_bwd=bwd.critical_path, crit=crit, total=total_steps,
             serial_steps=2 * args.steps, t_par=t_par, t_ser=t_ser, c_f=c_f, c_b=c_b, alpha=alpha)),
             flush=True)
-    comm.Barrier()
+    barrier(comm, tmo)
 
 
 # ----------------------------------------------------------------------------- model

@@ -22,6 +22,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from torchhpc.braid import LayerParallel
+from torchhpc.braid.transport import allreduce, default_timeout
 
 
 def data(seed: int = 0):
@@ -115,7 +116,7 @@ def main() -> None:
     serial = lp.build_sequential_on_root()  # same initial weights, before any training
 
     t_par = train(lp, lp.parameters(), xtr, ytr, args.epochs, args.batch, args.lr, seed=1)
-    t_par = comm.allreduce(t_par, op=MPI.MAX)
+    t_par = allreduce(comm, t_par, "max", default_timeout())  # a wait on peers with a deadline
     lp.eval()
     acc_par = accuracy(lp, xte, yte)
     fwd_its, fwd_res = lp.getFwdStats()

@@ -120,7 +120,11 @@ def test_layer_parallel_settings_and_serial_twin() -> None:
     lp.setAbsTol(1e-12)
     lp.setBwdRelTol(1e-3)
     lp.setSkipDowncycle(True)
-    lp.setFMG()
+    lp.setNestedIteration()
+    lp.setFMG()  # XBraid's FMG: F-cycles
+    assert lp.fwd_opts.cycle == lp.bwd_opts.cycle == "F"
+    lp.setFMG(False)
+    assert lp.fwd_opts.cycle == "V"
     lp.setCycle("F")
     lp.setCRelaxWt(1.0)
     lp.setFwdMaxIters(9)
@@ -206,3 +210,38 @@ def test_extra_args_reach_every_layer_and_print_level(capsys) -> None:
         ref = layer(ref, shift, scale=2.0)
     assert torch.allclose(y, ref, atol=1e-12)
     assert not torch.allclose(lp(x, shift, scale=1.0), y)
+
+
+def test_timeout_settings_are_checked(monkeypatch) -> None:
+    from torchhpc.braid import transport
+
+    monkeypatch.delenv("TORCHHPC_BRAID_TIMEOUT", raising=False)
+    assert transport.default_timeout() == transport.DEFAULT_TIMEOUT == 300.0
+    monkeypatch.setenv("TORCHHPC_BRAID_TIMEOUT", "12.5")
+    assert transport.check_timeout(None) == 12.5
+    assert LayerParallel(MPI.COMM_SELF, [nn.Identity()], [2], Tf=1.0).timeout == 12.5
+    monkeypatch.setenv("TORCHHPC_BRAID_TIMEOUT", "soon")
+    with pytest.raises(ValueError, match="TORCHHPC_BRAID_TIMEOUT must be a number"):
+        transport.default_timeout()
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        solve(_dahlquist(), U0, T, MPI.COMM_SELF, timeout=0)
+    with pytest.raises(ValueError, match="op must be one of"):
+        transport.allreduce(MPI.COMM_SELF, 1.0, "prod", 1.0)
+    with pytest.raises(ValueError, match="not a permutation"):
+        transport.Channel(MPI.COMM_SELF, 1.0, order=[1])
+
+
+def test_self_collectives_round_trip() -> None:
+    from torchhpc.braid import transport
+
+    comm = MPI.COMM_SELF
+    assert transport.allreduce(comm, 3, "max", 1.0) == 3
+    assert transport.allgather_int(comm, 7, 1.0) == [7]
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert torch.equal(transport.bcast_tensor(comm, t, 0, (2, 3), torch.float32, "cpu", 1.0), t)
+    with pytest.raises(ValueError, match="differs from the expected"):
+        transport.bcast_tensor(comm, t, 0, (3, 2), torch.float32, "cpu", 1.0)
+    assert transport.bcast_object(comm, {"k": [1, 2]}, 0, 1.0) == {"k": [1, 2]}
+    assert transport.gather_object(comm, ("x", 1), 0, 1.0) == [("x", 1)]
+    transport.barrier(comm, 1.0)
+    transport.dup(comm, 1.0).Free()

@@ -18,9 +18,10 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from .layers import vjp
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
-from .transport import Channel
+from .transport import Channel, allgather_int, allreduce, bcast_tensor, check_timeout, dup
 
 __all__ = ["GRUSerial", "GRUParallel", "gru_coarse_step"]
 
@@ -63,8 +64,9 @@ class GRUSerial(nn.Module):
 
 class _GRUFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, gru: GRUParallel, x: torch.Tensor, h0: torch.Tensor, *params: torch.Tensor):
-        y, h_last, states, counts = gru._forward_solve(x, h0)
+    def forward(ctx, gru: GRUParallel, counts: list[int], x: torch.Tensor, h0: torch.Tensor,
+                *params: torch.Tensor):
+        y, h_last, states, counts = gru._forward_solve(x, h0, counts)
         ctx.gru, ctx.x, ctx.states, ctx.counts = gru, x.detach(), states, counts
         return y, h_last
 
@@ -72,7 +74,7 @@ class _GRUFn(torch.autograd.Function):
     def backward(ctx, gy: torch.Tensor, g_last: torch.Tensor):
         gx, gh0, gparams = ctx.gru._adjoint_solve(ctx.x, gy, g_last, ctx.states, ctx.counts)
         ctx.states = None
-        return (None, gx, gh0, *gparams)
+        return (None, None, gx, gh0, *gparams)
 
 
 class GRUParallel(nn.Module):
@@ -86,17 +88,21 @@ class GRUParallel(nn.Module):
 
     def __init__(self, comm: MPI.Comm, input_size: int, hidden_size: int, *, max_levels: int = 3,
                  cfactor: int = 4, max_iters: int = 10, tol: float = 1e-9, relax: str | int = "FCF",
-                 seed: int = 0, dtype: torch.dtype | None = None, timeout: float = 600.0) -> None:
+                 seed: int = 0, dtype: torch.dtype | None = None, timeout: float | None = None) -> None:
         super().__init__()
-        self.comm = comm.Dup()
+        timeout = check_timeout(timeout)
+        self.comm = dup(comm, timeout, "GRUParallel construction (MPI_Comm_idup)")
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        self.rcomm = self.comm.Split(0, self.size - 1 - self.rank)
+        # the adjoint runs backwards over the ranks: its own message space, logical ranks reversed
+        self.rcomm = dup(self.comm, timeout, "GRUParallel construction (MPI_Comm_idup)")
+        self._reversed = list(range(self.size - 1, -1, -1))
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.cell = nn.GRUCell(input_size, hidden_size, dtype=dtype)
         with torch.no_grad():
             for p in self.cell.parameters():
-                p.copy_(self.comm.bcast(p.detach().cpu(), root=0))
+                p.copy_(bcast_tensor(self.comm, p, 0, p.shape, p.dtype, p.device, timeout,
+                                     "GRUParallel construction: weights"))
         settings = dict(max_levels=max_levels, cfactor=cfactor, max_iter=max_iters, tol=tol, relax=relax,
                         nested_iteration=False)
         self.fwd_opts = MGRITOptions.build(**settings)
@@ -108,15 +114,20 @@ class GRUParallel(nn.Module):
 
     def forward(self, x: torch.Tensor, h0: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x``: this rank's (batch, T_rank, input) chunk; ``h0`` (batch, hidden) is taken from rank 0."""
-        if x.ndim != 3 or x.shape[1] < 1:
-            raise ValueError(f"x must be (batch, time >= 1, input) on every rank, got {tuple(x.shape)}")
+        # every rank learns every chunk length, so a bad chunk anywhere stops every rank with the same error
+        ok = x.ndim == 3 and x.shape[1] >= 1
+        counts = allgather_int(self.comm, int(x.shape[1]) if ok else -1, self.timeout,
+                               "GRUParallel forward: chunk lengths")
+        if min(counts) < 1:
+            bad = [r for r, c in enumerate(counts) if c < 1]
+            raise ValueError(f"x must be (batch, time >= 1, input) on every rank; ranks {bad} passed other "
+                             f"shapes (this rank: {tuple(x.shape)})")
         if h0 is None:
             h0 = x.new_zeros(x.shape[0], self.cell.hidden_size)
-        return _GRUFn.apply(self, x, h0, *self.cell.parameters())
+        return _GRUFn.apply(self, counts, x, h0, *self.cell.parameters())
 
-    def _forward_solve(self, x: torch.Tensor, h0: torch.Tensor):
+    def _forward_solve(self, x: torch.Tensor, h0: torch.Tensor, counts: list[int]):
         t0 = time.perf_counter()
-        counts = self.comm.allgather(int(x.shape[1]))
         start = sum(counts[:self.rank])
         n = sum(counts) + 1
         xd = x.detach()
@@ -135,8 +146,8 @@ class GRUParallel(nn.Module):
         if res.ghost is not None:
             states[res.index[0] - 1] = res.ghost
         y = torch.stack([states[t] for t in range(start + 1, start + counts[self.rank] + 1)], dim=1)
-        last = self.comm.bcast(states.get(n - 1).cpu() if self.rank == self.size - 1 else None,
-                               root=self.size - 1).to(x.device)
+        last = bcast_tensor(self.comm, states.get(n - 1), self.size - 1, h0.shape, h0.dtype, x.device,
+                            self.timeout, "GRUParallel forward: last hidden state")
         self.last_fwd = res
         self.timers["forward"] += time.perf_counter() - t0
         return y, last, states, counts
@@ -164,14 +175,14 @@ class GRUParallel(nn.Module):
             with torch.enable_grad():
                 h = states[a].detach().requires_grad_(True)
                 out = gru_coarse_step(self.cell, x_at(a + 1), h, b - a)
-                (g,) = torch.autograd.grad(out, h, w)
+                (g,) = vjp([out], [h], [w])
             f = gyd.get(a)
             return g if f is None else g + f
 
         w0 = (gyd[n_steps] + g_last.detach()) if self.rank == self.size - 1 else torch.zeros_like(g_last)
         solver = MGRIT(psi, w0, n_steps + 1, self.rcomm, self.bwd_opts,
                        counts=[counts[-1] + 1, *reversed(counts[:-1])], init=lambda j: torch.zeros_like(w0),
-                       timeout=self.timeout)
+                       timeout=self.timeout, order=self._reversed)
         res = solver.run()
         lam = {n_steps - j: w for j, w in zip(res.index, res.u, strict=True)}
         if res.ghost is not None:
@@ -181,15 +192,16 @@ class GRUParallel(nn.Module):
             xs = x.detach().requires_grad_(True)
             outs = [self.cell(xs[:, i], states[start + i].detach()) for i in range(count)]
             cots = [lam[start + 1 + i] for i in range(count)]
-            *gp, gx = torch.autograd.grad(outs, [*params, xs], cots)
+            *gp, gx = vjp(outs, [*params, xs], cots)
         flat = torch.cat([g.reshape(-1) for g in gp]).cpu()
-        total = torch.empty_like(flat)
-        self.comm.Allreduce(flat.numpy(), total.numpy(), op=MPI.SUM)
+        total = torch.from_numpy(allreduce(self.comm, flat.numpy(), "sum", self.timeout,
+                                           "GRUParallel backward: weight gradients"))
         gparams, off = [], 0
         for p in params:
             gparams.append(total[off:off + p.numel()].view_as(p).to(p.device))
             off += p.numel()
-        gh0 = self.comm.bcast(lam[0].cpu() if self.rank == 0 else None, root=0).to(g_last.device)
+        gh0 = bcast_tensor(self.comm, lam.get(0), 0, g_last.shape, g_last.dtype, g_last.device, self.timeout,
+                           "GRUParallel backward: initial-state gradient")
         self.last_bwd = res
         self.timers["backward"] += time.perf_counter() - t0
         return gx, gh0, gparams

@@ -30,22 +30,19 @@ from .layers import (
     bn_training,
     build_layer,
     call_layer,
-    check_layer_modes,
+    dropout_error,
+    dropout_in_training,
     ode_step,
     takes_dt,
+    vjp,
 )
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions, relax_sweeps
-from .transport import Channel
+from .transport import Channel, allreduce, bcast_object, bcast_tensor, check_timeout, dup, gather_object
 
 __all__ = ["LayerParallel"]
 
 _LAYER_TAG = 9000
-
-
-def _bcast_tensor(comm: MPI.Comm, t: torch.Tensor | None, root: int, device: torch.device) -> torch.Tensor:
-    data = comm.bcast(t.detach().cpu() if comm.Get_rank() == root else None, root=root)
-    return data.to(device)
 
 
 class _LayerParallelFn(torch.autograd.Function):
@@ -75,11 +72,14 @@ class LayerParallel(nn.Module):
     Every rank calls forward (the input is taken from rank 0) and gets the output; every rank
     must then call backward on a loss built from it.  ``parameters()`` are this rank's layers.
     With one level (``max_fwd_levels = max_bwd_levels = 1``) forward and backward are exact.
+    No wait on other ranks lasts longer than ``timeout`` seconds (default
+    :func:`~torchhpc.braid.transport.default_timeout`); past it a
+    :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
     """
 
     def __init__(self, comm: MPI.Comm, layer_blocks: Sequence[LayerSpec], global_steps: Sequence[int],
                  Tf: float, max_fwd_levels: int = 1, max_bwd_levels: int = 1, max_iters: int = 10, *,
-                 seed: int = 0, timeout: float = 600.0) -> None:
+                 seed: int = 0, timeout: float | None = None) -> None:
         super().__init__()
         if len(layer_blocks) != len(global_steps) or not layer_blocks:
             raise ValueError(f"need one step count per layer block, got {len(layer_blocks)} blocks and "
@@ -92,9 +92,12 @@ class LayerParallel(nn.Module):
         self.nlayers = int(sum(global_steps))
         if size > self.nlayers:
             raise ValueError(f"more ranks ({size}) than layers ({self.nlayers}): every rank must own a layer")
-        self.comm = comm.Dup()
+        timeout = check_timeout(timeout)
+        self.comm = dup(comm, timeout, "LayerParallel construction (MPI_Comm_idup)")
         self.rank, self.size = self.comm.Get_rank(), size
-        self.rcomm = self.comm.Split(0, size - 1 - self.rank)  # ranks in reverse: the adjoint runs backwards
+        # the adjoint runs backwards over the ranks: its own message space, logical ranks reversed
+        self.rcomm = dup(self.comm, timeout, "LayerParallel construction (MPI_Comm_idup)")
+        self._reversed = list(range(size - 1, -1, -1))
         self.Tf, self.dt, self.seed, self.timeout = float(Tf), float(Tf) / self.nlayers, seed, timeout
         self._specs = list(layer_blocks)
         self._block_of: list[int] = []
@@ -232,14 +235,20 @@ class LayerParallel(nn.Module):
     # ------------------------------------------------------------------ passes
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         """Run the network on ``x`` (rank 0's input counts); extra args reach every layer."""
-        for i, layer in enumerate(self.layers):
-            check_layer_modes(layer, self.layer_start + i)
+        # collective check, so that every rank refuses the pass, not only the owner of the bad layer
+        n = self.nlayers
+        bad = next((self.layer_start + i for i, m in enumerate(self.layers) if dropout_in_training(m)), n)
+        first = allreduce(self.comm, bad, "min", self.timeout, "LayerParallel forward: layer checks")
+        if first < n:
+            drop = dropout_in_training(self.layers[first - self.layer_start]) if self._owns(first) else None
+            raise dropout_error(first, f"{type(drop).__name__}(p={drop.p})" if drop is not None else "Dropout")
         return _LayerParallelFn.apply(self, args, kwargs, x, *self.layers.parameters())
 
     def _forward_solve(self, x: torch.Tensor, args: tuple, kwargs: dict):
         t0 = time.perf_counter()
         device = x.device
-        shape, dtype = self.comm.bcast((x.shape, x.dtype) if self.rank == 0 else None, root=0)
+        shape, dtype = bcast_object(self.comm, (x.shape, x.dtype) if self.rank == 0 else None, 0, self.timeout,
+                                    "LayerParallel forward: input shape")
         self._exchange_layers(device)
         shapes = self._point_shapes(shape, dtype, device)
         u0 = x.detach() if self.rank == 0 else torch.zeros(shape, dtype=dtype, device=device)
@@ -258,7 +267,8 @@ class LayerParallel(nn.Module):
                 if bn_training(layer):
                     k = self.layer_start + i
                     self._prop(states[k], k, k + 1, args, kwargs, pure=False)
-        y = _bcast_tensor(self.comm, states.get(self.nlayers), self.size - 1, device)
+        y = bcast_tensor(self.comm, states.get(self.nlayers), self.size - 1, shapes[-1], dtype, device,
+                         self.timeout, "LayerParallel forward: output")
         self.last_fwd = res
         self._fwd_stats = (res.iterations, list(res.residuals))
         self._timers["forward"] += time.perf_counter() - t0
@@ -271,7 +281,7 @@ class LayerParallel(nn.Module):
         with torch.enable_grad():
             xin = u.detach().requires_grad_(True)
             y = self._prop(xin, a, b, args, kwargs)
-            (g,) = torch.autograd.grad(y, xin, w, allow_unused=True)
+            (g,) = vjp([y], [xin], [w], allow_unused=True)
         return torch.zeros_like(u) if g is None else g
 
     def _adjoint_solve(self, gy: torch.Tensor, states: dict[int, torch.Tensor], args: tuple, kwargs: dict,
@@ -285,7 +295,7 @@ class LayerParallel(nn.Module):
 
         solver = MGRIT(psi, w0, n + 1, self.rcomm, self.bwd_opts, counts=[c[-1] + 1, *reversed(c[:-1])],
                        init=lambda j: torch.zeros(shapes[n - j], dtype=gy.dtype, device=device),
-                       timeout=self.timeout)
+                       timeout=self.timeout, order=self._reversed)
         res = solver.run()
         lam = {n - j: w for j, w in zip(res.index, res.u, strict=True)}  # lambda by forward point
         if res.ghost is not None:
@@ -299,8 +309,9 @@ class LayerParallel(nn.Module):
                     k = self.layer_start + i
                     outs.append(self._prop(states[k].detach(), k, k + 1, args, kwargs))
                     cots.append(lam[k + 1])
-                grads = list(torch.autograd.grad(outs, params, cots, allow_unused=True))
-        gx = _bcast_tensor(self.comm, lam.get(0), 0, device)
+                grads = list(vjp(outs, params, cots, allow_unused=True))
+        gx = bcast_tensor(self.comm, lam.get(0), 0, shapes[0], gy.dtype, device, self.timeout,
+                          "LayerParallel backward: input gradient")
         self.last_bwd = res
         self._bwd_stats = (res.iterations, list(res.residuals))
         self._timers["backward"] += time.perf_counter() - t0
@@ -312,7 +323,7 @@ class LayerParallel(nn.Module):
         """Collective: the equivalent serial network (current weights) on rank 0, None elsewhere."""
         mine = {self.layer_start + i: {k: v.detach().cpu() for k, v in m.state_dict().items()}
                 for i, m in enumerate(self.layers)}
-        gathered = self.comm.gather(mine, root=0)
+        gathered = gather_object(self.comm, mine, 0, self.timeout, "build_sequential_on_root: weights")
         if self.rank != 0:
             return None
         states = {k: s for part in gathered for k, s in part.items()}
@@ -412,11 +423,16 @@ class LayerParallel(nn.Module):
             o.cycle = cycle
 
     def setSkipDowncycle(self, skip: bool) -> None:  # noqa: N802
+        """XBraid's skip: no work on the first down-cycle (start from the coarsest solve), fwd and bwd."""
         for o in self._both():
             o.skip_downcycle = bool(skip)
 
     def setFMG(self, enable: bool = True) -> None:  # noqa: N802
-        """Nested iteration (FMG-style initial guess from the coarse grids)."""
+        """FMG as in XBraid's ``braid_SetFMG`` and torchbraid: F-cycles (``False``: back to V-cycles)."""
+        self.setCycle("F" if enable else "V")
+
+    def setNestedIteration(self, enable: bool = True) -> None:  # noqa: N802
+        """pymgrit's nested iteration: an initial guess from the coarse grids, refined level by level."""
         for o in self._both():
             o.nested_iteration = bool(enable)
 

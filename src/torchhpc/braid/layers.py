@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["ODEBlock", "LayerSpec", "takes_dt", "check_layer_modes", "call_layer", "bn_training", "ode_step"]
+__all__ = ["ODEBlock", "LayerSpec", "takes_dt", "dropout_in_training", "dropout_error", "call_layer",
+           "bn_training", "ode_step", "vjp"]
 
 LayerSpec = Callable[[], nn.Module] | nn.Module
 
@@ -42,14 +43,20 @@ def _bn_training(layer: nn.Module) -> bool:
                for m in layer.modules())
 
 
-def check_layer_modes(layer: nn.Module, index: int) -> None:
-    """Reject dropout in training mode: a random step function has no fixed point for MGRIT to converge to."""
+def dropout_in_training(layer: nn.Module) -> nn.Module | None:
+    """The first dropout module of ``layer`` that would draw random masks (training mode, p > 0), if any."""
     for m in layer.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd | nn.Dropout) and m.training and m.p > 0:
-            raise ValueError(
-                f"layer {index} contains {type(m).__name__}(p={m.p}) in training mode; MGRIT evaluates each "
-                "layer many times per forward pass and every evaluation would draw a new mask, so the "
-                "iteration has no fixed point. Put dropout outside LayerParallel or call .eval() on it.")
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0:
+            return m
+    return None
+
+
+def dropout_error(index: int, what: str) -> ValueError:
+    """Why dropout in training mode is refused inside a layer-parallel network."""
+    return ValueError(
+        f"layer {index} contains {what} in training mode; MGRIT evaluates each layer many times per pass "
+        "and every evaluation would draw a new mask, so the iteration has no fixed point. Put dropout "
+        "outside LayerParallel or call .eval() on it.")
 
 
 def call_layer(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict,
@@ -91,3 +98,21 @@ def ode_step(layer: nn.Module, x: torch.Tensor, dt: float, args: tuple, kwargs: 
     if with_dt:
         return call_layer(layer, x, args, {**kwargs, "dt": dt}, pure)
     return x + dt * call_layer(layer, x, args, kwargs, pure)
+
+
+def vjp(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], cotangents: Sequence[torch.Tensor],
+        allow_unused: bool = False) -> tuple[torch.Tensor | None, ...]:
+    """Vector-Jacobian product: the gradient of ``sum_i <cotangents[i], outputs[i]>`` with respect to ``inputs``.
+
+    Taken as the gradient of a real scalar, which gives the same values bit for bit as passing
+    ``grad_outputs`` (the backward of ``(o * c).sum()`` hands ``1.0 * c`` to ``o``), but spares every
+    rank the sympy import (about a second) that torch performs the first time it is given
+    ``grad_outputs``.  Complex outputs take the ``grad_outputs`` route.
+    """
+    if any(o.is_complex() for o in outputs):
+        return torch.autograd.grad(list(outputs), list(inputs), list(cotangents), allow_unused=allow_unused)
+    total = None
+    for o, c in zip(outputs, cotangents, strict=True):
+        term = (o * c).sum()
+        total = term if total is None else total + term
+    return torch.autograd.grad(total, list(inputs), allow_unused=allow_unused)

@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
-from .transport import Channel
+from .transport import Channel, allreduce, check_timeout, dup
 
 __all__ = ["MGRIT", "MGRITResult", "solve"]
 
@@ -60,17 +60,20 @@ class MGRITResult:
 class MGRIT:
     """One MGRIT solve over fine points ``0 .. n-1``; ``phi(u, i0, i1)`` propagates from fine index i0 to i1.
 
-    ``counts[r]`` fine points go to rank ``r`` (default: pymgrit's even split).  ``init(j)`` gives
-    the initial guess at fine point ``j`` (default zeros like ``u0``); ``u0`` must be the same on
-    every rank that reads it.
+    ``counts[r]`` fine points go to logical rank ``r`` (default: pymgrit's even split), and
+    ``order[r]`` is that rank's rank in ``comm`` (identity by default; reversed for an adjoint).
+    ``init(j)`` gives the initial guess at fine point ``j`` (default zeros like ``u0``); ``u0``
+    must be the same on every rank that reads it.  Every wait on peers ends after ``timeout``
+    seconds with :class:`~torchhpc.braid.transport.PeerTimeoutError`.
     """
 
     def __init__(self, phi: Callable[[torch.Tensor, int, int], torch.Tensor], u0: torch.Tensor, n: int,
                  comm: MPI.Comm, opts: MGRITOptions, counts: Sequence[int] | None = None,
-                 init: Callable[[int], torch.Tensor] | None = None, timeout: float = 600.0,
-                 norm: float = 2) -> None:
+                 init: Callable[[int], torch.Tensor] | None = None, timeout: float | None = None,
+                 norm: float = 2, order: Sequence[int] | None = None) -> None:
         opts.validate()
-        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        self.ch = Channel(comm, timeout, order)
+        self.comm, self.rank, self.size = comm, self.ch.rank, comm.Get_size()
         if counts is None:
             if self.size > n:
                 raise ValueError(f"more ranks ({self.size}) than time points ({n})")
@@ -83,7 +86,6 @@ class MGRIT:
         self.h = Hierarchy(n, counts, opts.cfactor, opts.max_levels, opts.min_coarse)
         self.L = self.h.nlevels
         self.lv = [self.h.level(lvl, self.rank) for lvl in range(self.L)]
-        self.ch = Channel(comm, timeout)
         self.u: list[dict[int, torch.Tensor]] = [{} for _ in range(self.L)]
         self.v: list[dict[int, torch.Tensor]] = [{} for _ in range(self.L)]
         self.g: list[dict[int, torch.Tensor]] = [{} for _ in range(self.L)]
@@ -229,23 +231,43 @@ class MGRIT:
             self._send(lvl, lev.hi - 1, lev.next_owner, _COARSE)
 
     # ------------------------------------------------------------------ cycles
-    def _cycle(self, lvl: int, cycle: str, it: int, first_f: bool, down: bool) -> None:
+    def _cycle(self, lvl: int, cycle: str, it: int, first_f: bool) -> None:
         if lvl == self.L - 1:
             self._coarsest(lvl)
             return
         if first_f and (lvl > 0 or it == 0):
             self._f_relax(lvl)
-        sweeps = 0 if (down and it == 0 and self.opts.skip_downcycle) else self.opts.sweeps(lvl)
-        for _ in range(sweeps):
+        for _ in range(self.opts.sweeps(lvl)):
             self._c_relax(lvl)
             self._f_relax(lvl)
         self._restrict(lvl)
-        self._cycle(lvl + 1, cycle, it, True, down)
+        self._cycle(lvl + 1, cycle, it, True)
+        self._up(lvl, cycle, it)
+
+    def _up(self, lvl: int, cycle: str, it: int) -> None:
+        """Coarse-grid correction and F-relaxation on level lvl (and, in an F-cycle, a V-cycle from there)."""
         self._correct(lvl)
         f_cycle = lvl > 0 and cycle == "F"
         self._f_relax(lvl, exchange=lvl == 0 or f_cycle)
         if f_cycle:
-            self._cycle(lvl, "V", it, False, False)
+            self._cycle(lvl, "V", it, False)
+
+    def _cycle_skipping_down(self, cycle: str) -> None:
+        """The first cycle with XBraid's ``skip``: no work on the way down.
+
+        The current C-point values are injected to every coarser level (as iterate and as the
+        restricted value, with no FAS right-hand side, XBraid's ``_braid_CopyFineToCoarse``); the
+        coarsest grid is solved and the up-cycle corrects and F-relaxes as in any cycle.  This saves
+        the relaxation and restriction work of one descent when the initial guess carries no
+        information worth smoothing (the common zero guess).
+        """
+        for lvl in range(self.L - 1):
+            c, m = self.lv[lvl + 1], self.lv[lvl].cfactor
+            v = {jc: self.u[lvl][jc * m] for jc in range(c.lo, c.hi)}
+            self.v[lvl + 1], self.u[lvl + 1], self.g[lvl + 1] = v, dict(v), {}
+        self._coarsest(self.L - 1)
+        for lvl in range(self.L - 2, -1, -1):
+            self._up(lvl, cycle, 0)
 
     def _nested(self) -> None:
         """FMG-style initial guess: solve the coarsest grid, then interpolate and V-cycle upwards."""
@@ -256,7 +278,7 @@ class MGRIT:
                 self.u[lvl][jc * m] = self.u[lvl + 1][jc]
             self._exchange(lvl, c_points=True)
             if lvl > 0:
-                self._cycle(lvl, "V", 0, True, False)
+                self._cycle(lvl, "V", 0, True)
 
     def _residual(self) -> float:
         """Space-time residual norm at the fine C-points (F-points are exact after F-relaxation)."""
@@ -269,11 +291,12 @@ class MGRIT:
             self._phi_cache[j] = phi  # the next C-relaxation or restriction needs exactly this value
             parts.append(float(torch.linalg.vector_norm((phi - self.u[0][j]).reshape(-1))))
         self.ch.flush()
+        tmo, what = self.ch.timeout, "MGRIT residual norm"
         if self.norm == math.inf:
-            return self.comm.allreduce(max(parts, default=0.0), op=MPI.MAX)
+            return allreduce(self.comm, max(parts, default=0.0), "max", tmo, what)
         if self.norm == 1:
-            return self.comm.allreduce(sum(parts), op=MPI.SUM)
-        return math.sqrt(self.comm.allreduce(sum(p * p for p in parts), op=MPI.SUM))
+            return allreduce(self.comm, float(sum(parts)), "sum", tmo, what)
+        return math.sqrt(allreduce(self.comm, float(sum(p * p for p in parts)), "sum", tmo, what))
 
     def run(self) -> MGRITResult:
         """Iterate until the residual drops below the tolerance or ``max_iter`` is reached."""
@@ -291,7 +314,10 @@ class MGRIT:
                 if opts.nested_iteration:
                     self._nested()
                 for it in range(opts.max_iter):
-                    self._cycle(0, opts.cycle, it, True, True)
+                    if it == 0 and opts.skip_downcycle:
+                        self._cycle_skipping_down(opts.cycle)
+                    else:
+                        self._cycle(0, opts.cycle, it, True)
                     r = self._residual()
                     residuals.append(r)
                     if opts.print_level >= 1 and self.rank == 0:
@@ -316,12 +342,14 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
           tol: float = 1e-7, rtol: float = 0.0, max_iter: int = 100, nested_iteration: bool = True,
           skip_downcycle: bool = False, weight_c: float = 1.0, min_coarse: int = 2, norm: float = 2,
           init: Callable[[int], torch.Tensor] | None = None, partition: Sequence[int] | None = None,
-          timeout: float = 600.0, print_level: int = 0) -> MGRITResult:
+          timeout: float | None = None, print_level: int = 0) -> MGRITResult:
     """Solve ``u_i = step(u_{i-1}, t_{i-1}, t_i)``, ``u_0 = u0``, for all time points ``t`` at once.
 
     Collective over ``comm`` (default COMM_WORLD); every rank passes the same ``u0`` and ``t``.
     ``relax`` is "F", "FCF" or a number of CF sweeps, per level when a list (as is ``cfactor``).
-    Returns this rank's share of the solution and the residual history.
+    Returns this rank's share of the solution and the residual history.  No wait on other ranks
+    lasts longer than ``timeout`` seconds (default :func:`~torchhpc.braid.transport.default_timeout`):
+    past it, :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
     """
     times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
     if len(times) < 2:
@@ -332,8 +360,9 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
                               rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
                               skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
                               print_level=print_level)
+    timeout = check_timeout(timeout)
     base = MPI.COMM_WORLD if comm is None else comm
-    work = base.Dup()
+    work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
         solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
                        counts=partition, init=init, timeout=timeout, norm=norm)

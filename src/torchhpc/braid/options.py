@@ -35,8 +35,10 @@ class MGRITOptions:
 
     cfactor: coarsening factor per level (>= 2).  relax: CF sweeps per level after the first
     F-relaxation ("F" = 0, "FCF" = 1).  tol: absolute stop on the space-time residual 2-norm;
-    rtol: relative to the first iteration's residual (0 = off).  skip_downcycle: no C-relaxation
-    on the first down-cycle.  weight_c: C-relaxation weight.  min_coarse: smallest coarse grid.
+    rtol: relative to the first iteration's residual (0 = off).  skip_downcycle: XBraid's
+    ``braid_SetSkip`` (torchbraid's ``setSkipDowncycle``): the first cycle does no relaxation or
+    restriction on the way down; the initial guess is injected to every level and the cycle starts
+    with the coarsest solve.  weight_c: C-relaxation weight.  min_coarse: smallest coarse grid.
     """
 
     max_levels: int = 10
