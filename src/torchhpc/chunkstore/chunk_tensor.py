@@ -39,7 +39,16 @@ SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float16, torch.bfloat16, tor
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
                  torch.bfloat16: np.uint16, torch.float32: np.float32, torch.float64: np.float64}
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_index_select = torch.index_select
 _LOAD_BLOCK_BYTES = 64 << 20  # rows are copied in blocks of this size: bounded extra memory
+
+
+def _as_index(idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``idx`` as a tensor, keeping its dtype (so float ids are refused, not truncated); [] is int64."""
+    if isinstance(idx, torch.Tensor):
+        return idx
+    t = torch.as_tensor(idx)
+    return t.to(torch.int64) if t.numel() == 0 else t
 
 
 class TierPart(NamedTuple):
@@ -310,9 +319,8 @@ class ChunkTensor:
     # ------------------------------------------------------------------ index handling
     def _positions(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Validate ``idx`` and return the storage positions of its rows (flat, on the CPU)."""
-        if not isinstance(idx, torch.Tensor):
-            idx = torch.as_tensor(idx, dtype=torch.int64)
-        if idx.dtype not in (torch.int32, torch.int64):
+        idx = _as_index(idx)
+        if idx.dtype not in _INDEX_DTYPES:
             raise TypeError(f"ChunkTensor index must be an int32 or int64 tensor, got {idx.dtype}")
         if idx.dim() != 1:
             idx = idx.reshape(-1)
@@ -421,41 +429,38 @@ class ChunkTensor:
     def index(self, idx: torch.Tensor | Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``idx`` (int32/int64, any shape, duplicates allowed), shaped ``idx.shape + row_shape``.
 
-        ``out`` (contiguous, ``len(idx)`` rows of this dtype, on this rank's device) is filled and
-        returned instead of a new tensor, which saves allocating and faulting in fresh pages.
+        ``out`` (this dtype, on this rank's device, shaped like the result or contiguous with as
+        many elements) is filled and returned instead of a new tensor, which saves allocating and
+        faulting in fresh pages.
 
         Collective over the group when the tensor spans several nodes (every rank calls it, the
         same number of times); purely local otherwise.
         """
-        if self._fast and isinstance(idx, torch.Tensor) and idx.dim() == 1 and idx.dtype in _INDEX_DTYPES \
-                and idx.device.type == "cpu":
-            # One node on CPU, no reordering: the node view is the whole tensor, and index_select's own
-            # bounds check (it also refuses negative ids) replaces a separate validation pass.
-            if out is None:
-                try:
-                    return torch.index_select(self._node_view, 0, idx)
-                except IndexError:
-                    self._positions(idx)  # raises the descriptive error
-                    raise
-            if out.dtype == self.dtype and out.device.type == "cpu" and out.is_contiguous() \
-                    and out.shape[0] == idx.shape[0] and out.shape[1:] == self._row_size:
-                try:
-                    return torch.index_select(self._node_view, 0, idx, out=out)
-                except IndexError:
-                    self._positions(idx)
-                    raise
+        if self._fast:
+            # One node on CPU, no reordering: the node view is the whole tensor and a gather is a single
+            # index_select, whose own O(1) checks (index dtype and device, out dtype) and bounds check
+            # during the copy (negative ids too) stand in for a separate validation pass.  If any of
+            # them fails, the general path below checks again and raises the descriptive error.
+            try:
+                if idx.ndim == 1:
+                    if out is None:
+                        return _index_select(self._node_view, 0, idx)
+                    if out.shape == idx.shape + self._row_size:
+                        return _index_select(self._node_view, 0, idx, out=out)
+            except (AttributeError, TypeError, IndexError, RuntimeError):
+                pass
         shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else (len(idx),)
         pos = self._positions(idx)
         if out is not None:
             want = (pos.numel(), *self.row_shape)
+            if out.dtype != self.dtype or out.device.type != self.device.type:
+                raise ValueError(f"out must be a {self.dtype} tensor on {self.device}, "
+                                 f"got {out.dtype} on {out.device}")
             if out.shape != want:
                 if out.numel() != math.prod(want) or not out.is_contiguous():
-                    raise ValueError(f"out must be a contiguous tensor with {math.prod(want)} elements "
-                                     f"(shape {want}), got shape {tuple(out.shape)}")
+                    raise ValueError(f"out must have shape {want} (or be contiguous with {math.prod(want)} "
+                                     f"elements), got shape {tuple(out.shape)}")
                 out = out.view(want)
-            if out.dtype != self.dtype or out.device.type != self.device.type or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous {self.dtype} tensor on {self.device}, "
-                                 f"got {out.dtype} on {out.device}")
         if self._node_view is not None and self.topo.num_nodes == 1:  # CPU, one node: one gather
             res = torch.index_select(self._node_view, 0, pos, out=out) if out is not None \
                 else torch.index_select(self._node_view, 0, pos)
@@ -475,8 +480,7 @@ class ChunkTensor:
 
         Each part gives the positions in ``idx`` and the row ids; not collective.
         """
-        if not isinstance(idx, torch.Tensor):
-            idx = torch.as_tensor(idx, dtype=torch.int64)
+        idx = _as_index(idx)
         pos = self._positions(idx)
         flat = idx.reshape(-1).cpu().to(torch.int64)
         nodes = self._node_of(pos)
