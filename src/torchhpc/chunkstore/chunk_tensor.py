@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .exchange import fetch_remote_rows
+from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
 from .shm import Segment
 from .topology import NodeTopology, node_topology
@@ -69,15 +69,19 @@ class IndexSplit(NamedTuple):
 
 @dataclass
 class MemoryReport:
-    """Bytes held per tier, per rank and per node (host tier counted once, on its node)."""
+    """Bytes held per tier, per rank and per node (host tier counted once, on its node).
+
+    ``exchange_buffer_bytes`` is the kept send/receive space of cross-node gathers (see
+    :class:`~torchhpc.chunkstore.exchange.RowExchange`), 0 on one node.
+    """
 
     per_rank: list[dict[str, int]]
     per_node: list[dict[str, int]]
 
     def __str__(self) -> str:
-        lines = ["rank node device_bytes host_bytes_mapped", *(
-            f"{r['rank']:>4} {r['node']:>4} {r['device_bytes']:>12} {r['host_bytes_mapped']:>17}"
-            for r in self.per_rank), "node device_bytes host_bytes total_bytes", *(
+        lines = ["rank node device_bytes host_bytes_mapped exchange_buffer_bytes", *(
+            f"{r['rank']:>4} {r['node']:>4} {r['device_bytes']:>12} {r['host_bytes_mapped']:>17} "
+            f"{r['exchange_buffer_bytes']:>21}" for r in self.per_rank), "node device_bytes host_bytes total_bytes", *(
             f"{n['node']:>4} {n['device_bytes']:>12} {n['host_bytes']:>10} {n['total_bytes']:>11}"
             for n in self.per_node)]
         return "\n".join(lines)
@@ -91,9 +95,10 @@ class ChunkTensor:
     of the node's rows to its shared host tier; with several nodes the rows are sharded evenly
     by node.  ``hot_order`` (a permutation of row ids, hottest first; read on rank 0) places
     the hottest rows in the fastest tiers while callers keep using the original ids.
-    ``group`` is the torch.distributed group used for cross-node exchanges (default: the
-    default group); its ranks must be the ranks of ``comm``.  ``ranks_per_node`` overrides the
-    shared-memory node detection (see :func:`node_topology`).
+    ``group`` is the torch.distributed group that carries rows between nodes (default: the
+    default group); its ranks must be the ranks of ``comm``, which carries the small metadata.
+    ``ranks_per_node`` overrides the shared-memory node detection (see :func:`node_topology`).
+    ``timeout`` (seconds) bounds how long a cross-node gather waits for its peers to join.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class ChunkTensor:
         hot_order: torch.Tensor | None = None,
         ranks_per_node: int | None = None,
         use_cuda: bool | None = None,
+        timeout: float = 600.0,
     ):
         shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
         if len(shape) not in (1, 2) or any(s < 0 for s in shape):
@@ -129,8 +135,12 @@ class ChunkTensor:
                                           [len(r) for r in topo.node_ranks])
         self.group = None
         self.comm_device = torch.device("cpu")
+        self._exchange: RowExchange | None = None
         if topo.num_nodes > 1:
+            if not timeout > 0:
+                raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
             self.group = self._check_group(group)
+            self._exchange = RowExchange(topo.comm, self.group, self.comm_device, self.row_bytes, timeout)
         self._segments: list[Segment] = []
         self._ipc_keep: list[torch.Tensor] = []
         self._setup_memory(hot_order)
@@ -265,6 +275,8 @@ class ChunkTensor:
         self._node_start = lay.node_starts[node]
         self._node_end = lay.node_starts[node + 1]
         self._node_edges = torch.tensor(lay.node_starts[1:-1], dtype=torch.int64)
+        # rank that serves this rank's requests on each node: the same local rank, wrapped if that node is smaller
+        self._dest_of_node = torch.tensor([r[lr % len(r)] for r in topo.node_ranks], dtype=torch.int64)
 
     def _fill_order(self, hot_order: torch.Tensor | None) -> None:
         topo = self.topo
@@ -376,53 +388,52 @@ class ChunkTensor:
     def _node_of(self, pos: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(pos, self._node_edges, right=True)
 
-    def _serve(self, pos: torch.Tensor) -> torch.Tensor:
-        """Answer remote requests: rows at global storage positions on this node, as bytes."""
-        if pos.numel() and (pos.min() < self._node_start or pos.max() >= self._node_end):
+    def _serve_into(self, pos: torch.Tensor, into: torch.Tensor) -> None:
+        """Answer remote requests: rows at global storage positions ``pos`` (this node's) into bytes ``into``."""
+        if pos.min() < self._node_start or pos.max() >= self._node_end:
             raise RuntimeError("remote request for a row this node does not hold (inconsistent layouts)")
-        rows = self._gather_node(pos - self._node_start)
-        return self._as_bytes(rows)
+        self._gather_node(pos - self._node_start, self._rows_of(into))
+
+    def _rows_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """A ``(n, row_bytes)`` uint8 tensor seen as ``n`` rows of this dtype and row shape."""
+        return raw.view(self.dtype).view(raw.shape[0], *self.row_shape)
 
     def _as_bytes(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
         flat = rows.contiguous().reshape(n, math.prod(self.row_shape))
         return flat.view(torch.uint8).reshape(n, self.row_bytes)
 
-    def _remote_dest(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Rank of each other node serving this rank: same local rank, wrapped if that node is smaller."""
-        lr = self.topo.local_rank
-        table = torch.tensor([r[lr % len(r)] for r in self.topo.node_ranks], dtype=torch.int64)
-        return table[nodes]
-
     def _gather(self, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at global storage positions ``pos``: this node's read in place, the rest fetched (collective)."""
         n = pos.numel()
         if out is None:
             out = torch.empty((n, *self.row_shape), dtype=self.dtype, device=self.device)
         if self.topo.num_nodes == 1:
             return self._gather_node(pos, out)
-        if n:
-            nodes = self._node_of(pos)
-            here = nodes == self.topo.node
-            all_here = bool(here.all())
-        else:
-            all_here = True
-        if all_here:
+        if self.row_bytes == 0:  # rows of zero width: nothing to move, on every rank alike
+            return out
+        nodes = self._node_of(pos)
+        here = nodes == self.topo.node
+        n_here = int(here.sum()) if n else 0
+        remote_sel = None  # positions in out of the remote rows; None: all of out
+        if n_here == n:
             self._gather_node(pos - self._node_start, out)
-            remote_sel = torch.empty(0, dtype=torch.int64)
-            remote_pos = remote_sel
-        else:
+            pos = nodes = pos[:0]
+        elif n_here:
             local_sel = here.nonzero().squeeze(1)
+            out.index_copy_(0, local_sel.to(out.device),
+                            self._gather_node(pos.index_select(0, local_sel) - self._node_start))
             remote_sel = (~here).nonzero().squeeze(1)
-            if local_sel.numel():
-                out.index_copy_(0, local_sel.to(out.device),
-                                self._gather_node(pos.index_select(0, local_sel) - self._node_start))
-            remote_pos = pos.index_select(0, remote_sel)
-        dest = self._remote_dest(self._node_of(remote_pos)) if remote_pos.numel() else remote_pos
-        got, order = fetch_remote_rows(remote_pos, dest, self.topo.size, self._serve, self.row_bytes,
-                                       self.group, self.comm_device)
-        if remote_sel.numel():
-            rows = got.to(self.device).view(self.dtype).reshape(remote_sel.numel(), *self.row_shape)
-            out.index_copy_(0, remote_sel.index_select(0, order).to(out.device), rows)
+            pos, nodes = pos.index_select(0, remote_sel), nodes.index_select(0, remote_sel)
+        direct = (remote_sel is None and n > n_here and out.is_contiguous()
+                  and out.device == self.comm_device)
+        got, order = self._exchange.fetch(pos, self._dest_of_node.index_select(0, nodes), self._serve_into,
+                                          self._as_bytes(out) if direct else None)
+        if pos.numel() and not (direct and order is None):
+            where = torch.arange(pos.numel()) if remote_sel is None else remote_sel
+            if order is not None:
+                where = where.index_select(0, order)
+            out.index_copy_(0, where.to(out.device), self._rows_of(got).to(out.device))
         return out
 
     # ------------------------------------------------------------------ gathers
@@ -449,24 +460,38 @@ class ChunkTensor:
                         return _index_select(self._node_view, 0, idx, out=out)
             except (AttributeError, TypeError, IndexError, RuntimeError):
                 pass
-        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else (len(idx),)
-        pos = self._positions(idx)
-        if out is not None:
-            want = (pos.numel(), *self.row_shape)
-            if out.dtype != self.dtype or out.device.type != self.device.type:
-                raise ValueError(f"out must be a {self.dtype} tensor on {self.device}, "
-                                 f"got {out.dtype} on {out.device}")
-            if out.shape != want:
-                if out.numel() != math.prod(want) or not out.is_contiguous():
-                    raise ValueError(f"out must have shape {want} (or be contiguous with {math.prod(want)} "
-                                     f"elements), got shape {tuple(out.shape)}")
-                out = out.view(want)
+        try:
+            idx = _as_index(idx)
+            shape = tuple(idx.shape)
+            pos = self._positions(idx)
+            if out is not None:
+                out = self._check_out(out, pos.numel())
+        except Exception as e:
+            self._refuse_gather(e)  # peers in the same collective gather raise too, instead of waiting
+            raise
         if self._node_view is not None and self.topo.num_nodes == 1:  # CPU, one node: one gather
             res = torch.index_select(self._node_view, 0, pos, out=out) if out is not None \
                 else torch.index_select(self._node_view, 0, pos)
         else:
             res = self._gather(pos, out)
         return res if len(shape) == 1 else res.reshape(*shape, *self.row_shape)
+
+    def _check_out(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        want = (n, *self.row_shape)
+        if not isinstance(out, torch.Tensor) or out.dtype != self.dtype or out.device.type != self.device.type:
+            got = f"{out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out must be a {self.dtype} tensor on {self.device}, got {got}")
+        if out.shape != want:
+            if out.numel() != math.prod(want) or not out.is_contiguous():
+                raise ValueError(f"out must be of shape {want} (or contiguous with {math.prod(want)} "
+                                 f"elements), got shape {tuple(out.shape)}")
+            out = out.view(want)
+        return out
+
+    def _refuse_gather(self, error: BaseException) -> None:
+        """Join the collective gather that peers are in, telling them it failed here (multi-node only)."""
+        if self._exchange is not None:
+            self._exchange.fail(error)
 
     def __getitem__(self, idx: torch.Tensor | Sequence[int] | int | slice) -> torch.Tensor:
         if isinstance(idx, int):
@@ -518,16 +543,14 @@ class ChunkTensor:
 
     def remote_index(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Gather rows that all live on other nodes (error otherwise); collective over the group."""
-        split = self.split_index(idx)
-        ok = split.remote.order.numel() == sum(p.order.numel() for p in split)
-        if self.topo.num_nodes > 1:
-            # Agree first so that a rank with a bad index does not leave its peers in the exchange.
-            flags = self.topo.comm.allgather(ok)
-            if not all(flags):
-                raise ValueError(f"remote_index got ids this node holds, on rank {flags.index(False)}")
-            return self.index(idx)
-        if not ok:
-            raise ValueError("remote_index got ids this node holds (there is only one node)")
+        try:
+            split = self.split_index(idx)
+            if split.remote.order.numel() != sum(p.order.numel() for p in split):
+                raise ValueError(f"remote_index got ids that node {self.topo.node} (of {self.topo.num_nodes}) "
+                                 f"holds itself, on rank {self.topo.rank}")
+        except Exception as e:
+            self._refuse_gather(e)  # a rank with a bad index must not leave its peers in the exchange
+            raise
         return self.index(idx)
 
     # ------------------------------------------------------------------ loading
@@ -652,7 +675,8 @@ class ChunkTensor:
         topo, lay = self.topo, self.layout
         me = {"rank": topo.rank, "node": topo.node,
               "device_bytes": lay.device_rows[topo.node][topo.local_rank] * self.row_bytes,
-              "host_bytes_mapped": lay.host_rows(topo.node) * self.row_bytes}
+              "host_bytes_mapped": lay.host_rows(topo.node) * self.row_bytes,
+              "exchange_buffer_bytes": 0 if self._exchange is None else self._exchange.buffer_bytes}
         per_rank = topo.comm.allgather(me)
         per_node = []
         for n in range(topo.num_nodes):
@@ -672,6 +696,8 @@ class ChunkTensor:
         self._host_view = None  # type: ignore[assignment]
         self._pos_of = self._id_at = None
         self._ipc_keep = []
+        if getattr(self, "_exchange", None) is not None:
+            self._exchange.close()
         for s in getattr(self, "_segments", []):
             s.close()
         self._segments = []
