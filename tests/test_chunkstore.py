@@ -204,3 +204,19 @@ def test_single_node_gather_inputs_and_errors():
         for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1], dtype=torch.int16), [1.5]):
             with pytest.raises(TypeError, match="int32 or int64"):
                 ct[bad]
+
+
+def test_argument_mistakes_and_use_after_close_are_clear():
+    with pytest.raises(TypeError, match="shape must be an int"):
+        ChunkTensor((10.5, 4), torch.float32, 0)
+    with pytest.raises(TypeError, match="number of bytes"):
+        ChunkTensor((10, 4), torch.float32, 100.5)
+    with pytest.raises(ValueError, match="timeout"):
+        ChunkTensor((10, 4), torch.float32, 0, timeout=0)
+    ct = ChunkTensor((10, 4), torch.float32, 1e3)  # an integral float capacity is fine
+    assert ct.capacity_per_device == 1000
+    ct.close()
+    for use in (lambda: ct[torch.tensor([1])], lambda: ct.split_index([1]), lambda: ct.host_index([9]),
+                lambda: ct.load_from_tensor(torch.zeros(10, 4))):
+        with pytest.raises(RuntimeError, match="closed"):
+            use()

@@ -233,6 +233,7 @@ def test_errors_are_clear_and_agreed(comm):
         bad = t.double() if comm.rank == 0 else None
         with pytest.raises((TypeError, RuntimeError), match="dtype|rank 0"):
             ct.load_from_tensor(bad, src=0)
+        assert torch.equal(ct[torch.arange(20)], t)  # a refused load leaves the tensor as it was
     with pytest.raises(ValueError, match="smaller than one row"):
         ChunkTensor((10, 4), torch.float32, 3)
     with pytest.raises(ValueError, match="1-D or 2-D"):
@@ -352,5 +353,16 @@ def test_a_gather_peers_never_join_times_out(comm):
                 ct._exchange._abandoned[0].Wait()  # the late peers complete the abandoned step
             else:
                 ct._exchange.fail(RuntimeError("late"))
+        # construction (and every other collective entry point) waits for the peers with the same deadline
+        from torchhpc.chunkstore import waiting
+
+        if comm.rank == 0:
+            with pytest.raises(TimeoutError, match=r"ChunkTensor\(\) is collective"):
+                ChunkTensor((40, 2), torch.float32, 0, timeout=0.5)
+        side.Barrier()
+        if comm.rank == 0:
+            waiting.ABANDONED.pop().Wait()
+        else:
+            comm.Ibarrier().Wait()  # what the late peers' constructors would have started with
     finally:
         side.Free()

@@ -18,6 +18,7 @@ gather is collective only when the tensor spans more than one node.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
 from .shm import Segment
 from .topology import NodeTopology, node_topology
+from .waiting import rendezvous
 
 __all__ = ["ChunkTensor", "TierPart", "IndexSplit", "MemoryReport", "SUPPORTED_DTYPES"]
 
@@ -98,7 +100,8 @@ class ChunkTensor:
     ``group`` is the torch.distributed group that carries rows between nodes (default: the
     default group); its ranks must be the ranks of ``comm``, which carries the small metadata.
     ``ranks_per_node`` overrides the shared-memory node detection (see :func:`node_topology`).
-    ``timeout`` (seconds) bounds how long a cross-node gather waits for its peers to join.
+    ``timeout`` (seconds) bounds how long a collective step (construction, loading, reports,
+    cross-node gathers) waits for its peers to join; past it a :class:`TimeoutError` is raised.
     """
 
     def __init__(
@@ -114,11 +117,24 @@ class ChunkTensor:
         use_cuda: bool | None = None,
         timeout: float = 600.0,
     ):
-        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        try:
+            shape = (operator.index(shape),) if not isinstance(shape, Sequence) else \
+                tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise TypeError(f"ChunkTensor shape must be an int or a sequence of ints, got {shape!r}") from None
         if len(shape) not in (1, 2) or any(s < 0 for s in shape):
             raise ValueError(f"ChunkTensor shape must be 1-D or 2-D with sizes >= 0, got {shape}")
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"ChunkTensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        if isinstance(capacity_per_device, float) and capacity_per_device.is_integer():
+            capacity_per_device = int(capacity_per_device)  # 1e9 and the like
+        if not isinstance(capacity_per_device, int):
+            raise TypeError(f"capacity_per_device is a number of bytes (int), got {capacity_per_device!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.timeout = float(timeout)
+        # Every later step is a blocking collective: first make sure every rank is here (or time out).
+        rendezvous(comm if comm is not None else MPI.COMM_WORLD, self.timeout, "ChunkTensor()")
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.row_shape = tuple(shape[1:])
@@ -137,10 +153,9 @@ class ChunkTensor:
         self.comm_device = torch.device("cpu")
         self._exchange: RowExchange | None = None
         if topo.num_nodes > 1:
-            if not timeout > 0:
-                raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
             self.group = self._check_group(group)
             self._exchange = RowExchange(topo.comm, self.group, self.comm_device, self.row_bytes, timeout)
+        self._closed = False
         self._segments: list[Segment] = []
         self._ipc_keep: list[torch.Tensor] = []
         self._setup_memory(hot_order)
@@ -159,10 +174,12 @@ class ChunkTensor:
         self.comm_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         return group
 
-    def _agree(self, error: BaseException | None) -> None:
+    def _agree(self, error: BaseException | None, setup: bool = True) -> None:
         """Collective: raise on every rank if a step failed on any rank (instead of leaving peers hanging).
 
-        Peers raise the same exception type as the failing rank, with its rank and message.
+        Peers raise the same exception type as the failing rank, with its rank and message.  A
+        failed set-up step (``setup``) also releases what was mapped; a refused load leaves the
+        tensor usable.
         """
         info = None if error is None else (type(error), str(error))
         try:
@@ -170,11 +187,13 @@ class ChunkTensor:
         except Exception:  # exception type not picklable: fall back to its message
             infos = self.topo.comm.allgather(None if error is None else (RuntimeError, str(error)))
         if error is not None:
-            self.close()
+            if setup:
+                self.close()
             raise error
         bad = [(r, i) for r, i in enumerate(infos) if i is not None]
         if bad:
-            self.close()
+            if setup:
+                self.close()
             rank, (typ, msg) = bad[0]
             try:
                 exc = typ(f"on rank {rank}: {msg}")
@@ -461,6 +480,7 @@ class ChunkTensor:
             except (AttributeError, TypeError, IndexError, RuntimeError):
                 pass
         try:
+            self._check_open()
             idx = _as_index(idx)
             shape = tuple(idx.shape)
             pos = self._positions(idx)
@@ -488,6 +508,10 @@ class ChunkTensor:
             out = out.view(want)
         return out
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ChunkTensor is closed: its shared memory is no longer mapped")
+
     def _refuse_gather(self, error: BaseException) -> None:
         """Join the collective gather that peers are in, telling them it failed here (multi-node only)."""
         if self._exchange is not None:
@@ -505,6 +529,7 @@ class ChunkTensor:
 
         Each part gives the positions in ``idx`` and the row ids; not collective.
         """
+        self._check_open()
         idx = _as_index(idx)
         pos = self._positions(idx)
         flat = idx.reshape(-1).cpu().to(torch.int64)
@@ -576,7 +601,9 @@ class ChunkTensor:
         Collective.  Only node leaders write; rows for other nodes go to their leaders over
         torch.distributed in bounded blocks.
         """
+        self._check_open()
         topo = self.topo
+        rendezvous(topo.comm, self.timeout, "ChunkTensor.load_from_tensor()")
         error = None
         have = src is None or topo.rank == src
         if have:
@@ -592,7 +619,7 @@ class ChunkTensor:
                 error = e
         if src is not None and not 0 <= src < topo.size:
             error = error or ValueError(f"src={src} is not a rank of the communicator (size {topo.size})")
-        self._agree(error)
+        self._agree(error, setup=False)
         lay = self.layout
         block = max(1, _LOAD_BLOCK_BYTES // max(self.row_bytes, 1))
         src_node = None if src is None else next(n for n, r in enumerate(topo.node_ranks) if src in r)
@@ -623,7 +650,9 @@ class ChunkTensor:
         map in bounded blocks, so no process ever holds the whole tensor.  A file must be
         readable at the same path on every node; bfloat16 data is read as uint16 bit patterns.
         """
+        self._check_open()
         topo = self.topo
+        rendezvous(topo.comm, self.timeout, "ChunkTensor.load_from_file()")
         error = None
         arr = None
         try:
@@ -643,7 +672,7 @@ class ChunkTensor:
                                 f"(needs numpy {want})")
         except BaseException as e:  # noqa: BLE001
             error = e
-        self._agree(error)
+        self._agree(error, setup=False)
         lay = self.layout
         lo, hi = lay.node_starts[topo.node], lay.node_starts[topo.node + 1]
         share = -(-(hi - lo) // topo.local_size)
@@ -673,6 +702,7 @@ class ChunkTensor:
     def memory_report(self) -> MemoryReport:
         """Bytes per tier per rank and per node (collective over the communicator)."""
         topo, lay = self.topo, self.layout
+        rendezvous(topo.comm, self.timeout, "ChunkTensor.memory_report()")
         me = {"rank": topo.rank, "node": topo.node,
               "device_bytes": lay.device_rows[topo.node][topo.local_rank] * self.row_bytes,
               "host_bytes_mapped": lay.host_rows(topo.node) * self.row_bytes,
@@ -691,6 +721,7 @@ class ChunkTensor:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         self._fast = False
+        self._closed = True
         self._node_view = None
         self._device_views = []
         self._host_view = None  # type: ignore[assignment]

@@ -19,8 +19,6 @@ node, the fabric's eager protocol across nodes), where a gloo collective costs h
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -28,11 +26,12 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from .waiting import wait
+
 __all__ = ["RowExchange"]
 
 # Negative counts sent in step 1 by a rank whose gather failed before the exchange: the error type.
 _FAIL_CODES: dict[int, type[Exception]] = {-1: RuntimeError, -2: IndexError, -3: TypeError, -4: ValueError}
-_SPIN_S = 2e-3  # poll without sleeping this long, then back off (peers may be computing)
 
 
 def _fail_code(error: BaseException) -> int:
@@ -87,30 +86,18 @@ class RowExchange:
             self._bufs[name] = buf
         return buf[:rows]
 
-    def _wait(self, req: MPI.Request, what: str) -> None:
-        """Complete ``req``, raising TimeoutError after ``timeout`` seconds instead of hanging."""
-        if req.Test():
-            return
-        start = time.monotonic()
-        while not req.Test():
-            waited = time.monotonic() - start
-            if waited > self.timeout:
-                self._abandoned.append(req)
-                raise TimeoutError(
-                    f"{what}: peers did not join within {self.timeout:.0f} s. A ChunkTensor spanning "
-                    f"several nodes gathers collectively: every rank must call index() (or the sampler) "
-                    f"the same number of times, with any number of ids (also none)")
-            if waited < _SPIN_S:
-                os.sched_yield()
-            else:
-                time.sleep(min(1e-3, waited / 10))
-
     def _exchange_counts(self, what: str) -> np.ndarray:
         if self._abandoned:
             raise RuntimeError("an earlier cross-node gather of this ChunkTensor timed out waiting for its "
                                "peers; the ranks no longer agree on the exchange, so it cannot be used again")
         req = self.comm.Ialltoall([self._send_counts, MPI.INT64_T], [self._recv_counts, MPI.INT64_T])
-        self._wait(req, what)
+        try:
+            wait(req, self.timeout, what)
+        except TimeoutError as e:
+            self._abandoned.append(req)
+            raise TimeoutError(f"{e}. A ChunkTensor spanning several nodes gathers collectively: every rank "
+                               f"must call index() (or the sampler) the same number of times, with any "
+                               f"number of ids (also none)") from None
         return self._recv_counts
 
     # ------------------------------------------------------------------ the collective steps
