@@ -11,8 +11,10 @@ local ranks map: each local rank's "device" chunk and the node's host tier.
   (accounted per rank) and the host tier the rest.  Local peers read any chunk directly, and a
   gather of rows from any mix of local tiers is one ``index_select``.
 
-Rows held by other nodes are fetched with all-to-all exchanges over torch.distributed, so a
-gather is collective only when the tensor spans more than one node.
+Rows held by other nodes are fetched by all-to-all exchanges (counts and ids over MPI, rows over
+torch.distributed; see :mod:`.exchange`), so a gather is collective only when the tensor spans
+more than one node.  Every collective step waits for its peers with a deadline, and a bad input
+on one rank makes every rank of that step raise.
 """
 
 from __future__ import annotations
@@ -463,8 +465,9 @@ class ChunkTensor:
         many elements) is filled and returned instead of a new tensor, which saves allocating and
         faulting in fresh pages.
 
-        Collective over the group when the tensor spans several nodes (every rank calls it, the
-        same number of times); purely local otherwise.
+        Collective when the tensor spans several nodes (every rank calls it, the same number of
+        times, with any number of ids); purely local otherwise.  On one CPU node without a hot-row
+        order this is a single ``index_select`` with O(1) Python overhead.
         """
         if self._fast:
             # One node on CPU, no reordering: the node view is the whole tensor and a gather is a single
