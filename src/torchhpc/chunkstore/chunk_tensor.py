@@ -411,7 +411,8 @@ class ChunkTensor:
 
     def _serve_into(self, pos: torch.Tensor, into: torch.Tensor) -> None:
         """Answer remote requests: rows at global storage positions ``pos`` (this node's) into bytes ``into``."""
-        if pos.min() < self._node_start or pos.max() >= self._node_end:
+        lo, hi = torch.aminmax(pos)
+        if lo < self._node_start or hi >= self._node_end:
             raise RuntimeError("remote request for a row this node does not hold (inconsistent layouts)")
         self._gather_node(pos - self._node_start, self._rows_of(into))
 
