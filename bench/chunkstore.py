@@ -129,6 +129,8 @@ def worker(args: argparse.Namespace) -> None:
         comm.Barrier()
         other = remote.topo.node_ranks[1 - remote.topo.node][0]
         tiers["remote node (gloo)"] = comm.allgather(remote.host_ids())[other]
+    if args.tiers:
+        tiers = {k: v for k, v in tiers.items() if any(t in k for t in args.tiers)}
     for batch in args.batches:
         for tier, pool in tiers.items():
             idx = pool[torch.randint(0, len(pool), (batch,), generator=g)]
@@ -145,7 +147,8 @@ def worker(args: argparse.Namespace) -> None:
                 send = torch.empty(batch * rb, dtype=torch.uint8)
                 recv = torch.empty(batch * rb, dtype=torch.uint8)
                 tb, tc = [], []
-                for _ in range(4):
+                reps = 16 if batch <= 10_000 else 8 if batch <= 100_000 else 5
+                for _ in range(reps):
                     comm.Barrier()
                     t0 = time.perf_counter()
                     dist.all_to_all_single(recv, send, splits, splits)
@@ -282,7 +285,7 @@ def run_ranks(n: int, args: argparse.Namespace) -> dict:
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     argv = [sys.executable, __file__, "--worker", "--rows", str(args.rows), "--min-time", str(args.min_time),
-            "--batches", *map(str, args.batches)]
+            "--batches", *map(str, args.batches), *(["--tiers", *args.tiers] if args.tiers else [])]
     proc = subprocess.run(mpiexec_argv(n, argv), capture_output=True, text=True, env=env, timeout=1800)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -299,6 +302,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=None)
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--min-time", type=float, default=None)
+    p.add_argument("--tiers", nargs="+", default=None, help="only tiers whose name contains one of these")
+    p.add_argument("--no-sampling", action="store_true", help="skip the sampling benchmark")
     p.add_argument("--graph-nodes", type=int, default=None)
     p.add_argument("--seeds", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -314,7 +319,7 @@ def main() -> None:
         worker(args)
         return
     runs = [run_ranks(n, args) for n in args.ranks]
-    results = {"argv": sys.argv, "runs": runs, "sampling": sampling_bench(args)}
+    results = {"argv": sys.argv, "runs": runs, "sampling": [] if args.no_sampling else sampling_bench(args)}
     print(f"## gathers of {DIM}-dim float32 rows from a {args.rows}-row ChunkTensor "
           f"(ratio = ChunkTensor / torch.index_select on a private tensor, same ranks, same run)\n")
     print("| local ranks | tier | batch | GB/s per rank | aggregate GB/s | baseline aggregate GB/s "

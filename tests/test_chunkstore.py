@@ -170,3 +170,53 @@ def test_empty_shapes():
     with ChunkTensor((5, 0), torch.int32, 0) as ct:
         ct.load_from_tensor(torch.empty(5, 0, dtype=torch.int32))
         assert ct[torch.tensor([4, 0])].shape == (2, 0)
+
+
+def test_single_node_gather_inputs_and_errors():
+    """The one-node fast path accepts every index form the general path does and fails just as clearly."""
+    import numpy as np
+
+    t = torch.randn(30, 4)
+    with ChunkTensor(t.shape, t.dtype, 10 * 16) as ct:
+        ct.load_from_tensor(t)
+        assert ct._fast
+        idx = torch.tensor([29, 0, 10, 9, 10])
+        for form in (idx, idx.int(), idx.tolist(), idx.numpy(), np.array(idx.tolist(), dtype=np.int32)):
+            assert torch.equal(ct.index(form), t[idx])
+        assert torch.equal(ct[torch.tensor(7)], t[7]) and ct[torch.tensor(7)].shape == (4,)  # 0-d index
+        assert torch.equal(ct[idx.view(5, 1)], t[idx.view(5, 1)])
+        strided = torch.zeros(5, 8)[:, ::2]  # a non-contiguous out of the right shape is filled in place
+        assert ct.index(idx, out=strided).data_ptr() == strided.data_ptr() and torch.equal(strided, t[idx])
+        flat = torch.empty(20)  # contiguous with the right number of elements: viewed, not resized
+        assert torch.equal(ct.index(idx, out=flat).view(5, 4), t[idx])
+        for bad_out, what in ((torch.empty(4, 4), "shape"), (torch.empty(6, 4), "shape"),
+                              (torch.empty(5, 4, dtype=torch.float64), "float32")):
+            before = bad_out.shape
+            with pytest.raises(ValueError, match=what):
+                ct.index(idx, out=bad_out)
+            assert bad_out.shape == before  # never resized behind the caller's back
+        for bad in (torch.tensor([30]), torch.tensor([3, -1]), torch.tensor([-31])):
+            with pytest.raises(IndexError, match="out of range for a ChunkTensor of 30 rows"):
+                ct[bad]
+            with pytest.raises(IndexError, match="out of range"):
+                ct.index(bad, out=torch.empty(len(bad), 4))
+        assert ct.index([]).shape == (0, 4)
+        for bad in (torch.tensor([1.0]), torch.tensor([True]), torch.tensor([1], dtype=torch.int16), [1.5]):
+            with pytest.raises(TypeError, match="int32 or int64"):
+                ct[bad]
+
+
+def test_argument_mistakes_and_use_after_close_are_clear():
+    with pytest.raises(TypeError, match="shape must be an int"):
+        ChunkTensor((10.5, 4), torch.float32, 0)
+    with pytest.raises(TypeError, match="number of bytes"):
+        ChunkTensor((10, 4), torch.float32, 100.5)
+    with pytest.raises(ValueError, match="timeout"):
+        ChunkTensor((10, 4), torch.float32, 0, timeout=0)
+    ct = ChunkTensor((10, 4), torch.float32, 1e3)  # an integral float capacity is fine
+    assert ct.capacity_per_device == 1000
+    ct.close()
+    for use in (lambda: ct[torch.tensor([1])], lambda: ct.split_index([1]), lambda: ct.host_index([9]),
+                lambda: ct.load_from_tensor(torch.zeros(10, 4))):
+        with pytest.raises(RuntimeError, match="closed"):
+            use()

@@ -150,6 +150,20 @@ def test_remote_gathers_with_uneven_requests(comm):
         idx = torch.arange(97) if comm.rank % 2 else torch.empty(0, dtype=torch.int64)
         for _ in range(3):
             assert torch.equal(ct[idx], t[idx])
+        # rows from several nodes in random order (rows come back grouped by server, then scattered),
+        # only remote rows in request order (received straight into out), and mixed local + remote
+        g = torch.Generator().manual_seed(comm.rank)
+        mine = ct.host_ids()
+        remote = torch.tensor([i for i in range(97) if i not in set(mine.tolist())])
+        for idx in (torch.randint(0, 97, (300,), generator=g), remote, remote.flip(0),
+                    torch.cat([mine[:3], remote[:5], mine[3:4]])):
+            buf = torch.empty(len(idx), 4, dtype=torch.float64)
+            assert ct.index(idx, out=buf).data_ptr() == buf.data_ptr() and torch.equal(buf, t[idx])
+            assert torch.equal(ct.index(idx.int()), t[idx])
+        rep = ct.memory_report()
+        assert all(r["exchange_buffer_bytes"] > 0 for r in rep.per_rank)  # kept for the next gather
+    with ChunkTensor((9, 0), torch.float32, 0, ranks_per_node=1) as ct:  # rows of zero width
+        assert ct[torch.tensor([8, 0, 4])].shape == (3, 0)
 
 
 def test_host_tier_is_one_shared_segment_per_node(comm):
@@ -219,6 +233,7 @@ def test_errors_are_clear_and_agreed(comm):
         bad = t.double() if comm.rank == 0 else None
         with pytest.raises((TypeError, RuntimeError), match="dtype|rank 0"):
             ct.load_from_tensor(bad, src=0)
+        assert torch.equal(ct[torch.arange(20)], t)  # a refused load leaves the tensor as it was
     with pytest.raises(ValueError, match="smaller than one row"):
         ChunkTensor((10, 4), torch.float32, 3)
     with pytest.raises(ValueError, match="1-D or 2-D"):
@@ -281,3 +296,73 @@ def test_graphsage_example_data_parallel(comm):
     assert accs[0] == accs[1]  # evaluated jointly: every rank reports the same accuracy
     if comm.rank == 0:
         assert hist[1]["test_acc"] > hist[-1]["features_only_acc"] + 0.15, hist
+
+
+def test_bad_input_on_one_rank_fails_every_rank_of_a_collective_gather(comm):
+    """A rank whose gather (or sampling) input is bad tells its peers in the same collective step:
+    everyone raises at once, nobody waits for a timeout, and the next gather works."""
+    from torchhpc.chunkstore import NeighborSampler, sample_neighbors
+
+    if comm.size < 2:
+        pytest.skip("needs two nodes")
+    t = _data((40, 3), torch.float32, 7)
+    good = torch.tensor([1, 39, 20])
+    with ChunkTensor(t.shape, t.dtype, 0, ranks_per_node=comm.size // 2) as ct:
+        ct.load_from_tensor(t)
+        cases = [(lambda: ct[torch.tensor([40])], IndexError, "out of range"),
+                 (lambda: ct[torch.tensor([1.0])], TypeError, "int32 or int64"),
+                 (lambda: ct.index(good, out=torch.empty(2, 3)), ValueError, "out must be"),
+                 (lambda: ct.remote_index(ct.host_ids()[:1]), ValueError, "holds itself")]
+        for bad_call, typ, msg in cases:
+            with pytest.raises(typ, match=msg if comm.rank == 0 else r"on rank\(s\) \[0\]"):
+                bad_call() if comm.rank == 0 else ct[good]
+            assert torch.equal(ct[good], t[good])  # the exchange is still in step on every rank
+    indptr = torch.tensor([0, 2, 3, 5])
+    indices = torch.tensor([1, 2, 0, 0, 1])
+    with ChunkTensor(4, torch.int64, 0, ranks_per_node=comm.size // 2) as cp, \
+            ChunkTensor(5, torch.int64, 0, ranks_per_node=comm.size // 2) as ci, \
+            ChunkTensor(5, torch.float32, 0, ranks_per_node=comm.size // 2) as cw:
+        cp.load_from_tensor(indptr)
+        ci.load_from_tensor(indices)
+        cw.load_from_tensor(torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0]))
+        seeds = torch.tensor([3]) if comm.rank == 0 else torch.tensor([0, 2])
+        with pytest.raises(IndexError, match="seed ids" if comm.rank == 0 else r"on rank\(s\) \[0\]"):
+            sample_neighbors(seeds, cp, ci, 2, seed=0)
+        # rank 0 meets a negative edge weight (node 0's edges); the others sample node 2 only
+        seeds = torch.tensor([0]) if comm.rank == 0 else torch.tensor([2])
+        with pytest.raises(ValueError, match="finite and >= 0" if comm.rank == 0 else r"on rank\(s\) \[0\]"):
+            NeighborSampler(cp, ci, [2], probs=cw, seed=0)(seeds)
+        row, col = sample_neighbors(torch.tensor([2]), cp, ci, 5, seed=0)
+        assert sorted(row.tolist()) == [0, 1] and col.tolist() == [2, 2]
+
+
+def test_a_gather_peers_never_join_times_out(comm):
+    """A rank left alone in a cross-node gather raises TimeoutError after ``timeout`` instead of hanging."""
+    if comm.size < 2:
+        pytest.skip("needs two nodes")
+    side = comm.Dup()  # synchronises the test without touching the ChunkTensor's communicator
+    try:
+        with ChunkTensor((40, 2), torch.float32, 0, ranks_per_node=comm.size // 2, timeout=0.5) as ct:
+            if comm.rank == 0:
+                with pytest.raises(TimeoutError, match="same number of times"):
+                    ct[torch.tensor([39])]
+                with pytest.raises(RuntimeError, match="timed out"):
+                    ct[torch.tensor([39])]  # refused: the ranks no longer agree on the exchange
+            side.Barrier()
+            if comm.rank == 0:
+                ct._exchange._abandoned[0].Wait()  # the late peers complete the abandoned step
+            else:
+                ct._exchange.fail(RuntimeError("late"))
+        # construction (and every other collective entry point) waits for the peers with the same deadline
+        from torchhpc.chunkstore import waiting
+
+        if comm.rank == 0:
+            with pytest.raises(TimeoutError, match=r"ChunkTensor\(\) is collective"):
+                ChunkTensor((40, 2), torch.float32, 0, timeout=0.5)
+        side.Barrier()
+        if comm.rank == 0:
+            waiting.ABANDONED.pop().Wait()
+        else:
+            comm.Ibarrier().Wait()  # what the late peers' constructors would have started with
+    finally:
+        side.Free()

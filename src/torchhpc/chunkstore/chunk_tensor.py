@@ -11,13 +11,16 @@ local ranks map: each local rank's "device" chunk and the node's host tier.
   (accounted per rank) and the host tier the rest.  Local peers read any chunk directly, and a
   gather of rows from any mix of local tiers is one ``index_select``.
 
-Rows held by other nodes are fetched with all-to-all exchanges over torch.distributed, so a
-gather is collective only when the tensor spans more than one node.
+Rows held by other nodes are fetched by all-to-all exchanges (counts and ids over MPI, rows over
+torch.distributed; see :mod:`.exchange`), so a gather is collective only when the tensor spans
+more than one node.  Every collective step waits for its peers with a deadline, and a bad input
+on one rank makes every rank of that step raise.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +31,11 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .exchange import fetch_remote_rows
+from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
 from .shm import Segment
 from .topology import NodeTopology, node_topology
+from .waiting import rendezvous
 
 __all__ = ["ChunkTensor", "TierPart", "IndexSplit", "MemoryReport", "SUPPORTED_DTYPES"]
 
@@ -39,7 +43,16 @@ SUPPORTED_DTYPES = (torch.int32, torch.int64, torch.float16, torch.bfloat16, tor
 _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float16: np.float16,
                  torch.bfloat16: np.uint16, torch.float32: np.float32, torch.float64: np.float64}
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_index_select = torch.index_select
 _LOAD_BLOCK_BYTES = 64 << 20  # rows are copied in blocks of this size: bounded extra memory
+
+
+def _as_index(idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """``idx`` as a tensor, keeping its dtype (so float ids are refused, not truncated); [] is int64."""
+    if isinstance(idx, torch.Tensor):
+        return idx
+    t = torch.as_tensor(idx)
+    return t.to(torch.int64) if t.numel() == 0 else t
 
 
 class TierPart(NamedTuple):
@@ -60,15 +73,19 @@ class IndexSplit(NamedTuple):
 
 @dataclass
 class MemoryReport:
-    """Bytes held per tier, per rank and per node (host tier counted once, on its node)."""
+    """Bytes held per tier, per rank and per node (host tier counted once, on its node).
+
+    ``exchange_buffer_bytes`` is the kept send/receive space of cross-node gathers (see
+    :class:`~torchhpc.chunkstore.exchange.RowExchange`), 0 on one node.
+    """
 
     per_rank: list[dict[str, int]]
     per_node: list[dict[str, int]]
 
     def __str__(self) -> str:
-        lines = ["rank node device_bytes host_bytes_mapped", *(
-            f"{r['rank']:>4} {r['node']:>4} {r['device_bytes']:>12} {r['host_bytes_mapped']:>17}"
-            for r in self.per_rank), "node device_bytes host_bytes total_bytes", *(
+        lines = ["rank node device_bytes host_bytes_mapped exchange_buffer_bytes", *(
+            f"{r['rank']:>4} {r['node']:>4} {r['device_bytes']:>12} {r['host_bytes_mapped']:>17} "
+            f"{r['exchange_buffer_bytes']:>21}" for r in self.per_rank), "node device_bytes host_bytes total_bytes", *(
             f"{n['node']:>4} {n['device_bytes']:>12} {n['host_bytes']:>10} {n['total_bytes']:>11}"
             for n in self.per_node)]
         return "\n".join(lines)
@@ -82,9 +99,11 @@ class ChunkTensor:
     of the node's rows to its shared host tier; with several nodes the rows are sharded evenly
     by node.  ``hot_order`` (a permutation of row ids, hottest first; read on rank 0) places
     the hottest rows in the fastest tiers while callers keep using the original ids.
-    ``group`` is the torch.distributed group used for cross-node exchanges (default: the
-    default group); its ranks must be the ranks of ``comm``.  ``ranks_per_node`` overrides the
-    shared-memory node detection (see :func:`node_topology`).
+    ``group`` is the torch.distributed group that carries rows between nodes (default: the
+    default group); its ranks must be the ranks of ``comm``, which carries the small metadata.
+    ``ranks_per_node`` overrides the shared-memory node detection (see :func:`node_topology`).
+    ``timeout`` (seconds) bounds how long a collective step (construction, loading, reports,
+    cross-node gathers) waits for its peers to join; past it a :class:`TimeoutError` is raised.
     """
 
     def __init__(
@@ -98,12 +117,26 @@ class ChunkTensor:
         hot_order: torch.Tensor | None = None,
         ranks_per_node: int | None = None,
         use_cuda: bool | None = None,
+        timeout: float = 600.0,
     ):
-        shape = (shape,) if isinstance(shape, int) else tuple(int(s) for s in shape)
+        try:
+            shape = (operator.index(shape),) if not isinstance(shape, Sequence) else \
+                tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise TypeError(f"ChunkTensor shape must be an int or a sequence of ints, got {shape!r}") from None
         if len(shape) not in (1, 2) or any(s < 0 for s in shape):
             raise ValueError(f"ChunkTensor shape must be 1-D or 2-D with sizes >= 0, got {shape}")
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"ChunkTensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        if isinstance(capacity_per_device, float) and capacity_per_device.is_integer():
+            capacity_per_device = int(capacity_per_device)  # 1e9 and the like
+        if not isinstance(capacity_per_device, int):
+            raise TypeError(f"capacity_per_device is a number of bytes (int), got {capacity_per_device!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        self.timeout = float(timeout)
+        # Every later step is a blocking collective: first make sure every rank is here (or time out).
+        rendezvous(comm if comm is not None else MPI.COMM_WORLD, self.timeout, "ChunkTensor()")
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.row_shape = tuple(shape[1:])
@@ -120,8 +153,11 @@ class ChunkTensor:
                                           [len(r) for r in topo.node_ranks])
         self.group = None
         self.comm_device = torch.device("cpu")
+        self._exchange: RowExchange | None = None
         if topo.num_nodes > 1:
             self.group = self._check_group(group)
+            self._exchange = RowExchange(topo.comm, self.group, self.comm_device, self.row_bytes, timeout)
+        self._closed = False
         self._segments: list[Segment] = []
         self._ipc_keep: list[torch.Tensor] = []
         self._setup_memory(hot_order)
@@ -140,10 +176,12 @@ class ChunkTensor:
         self.comm_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         return group
 
-    def _agree(self, error: BaseException | None) -> None:
+    def _agree(self, error: BaseException | None, setup: bool = True) -> None:
         """Collective: raise on every rank if a step failed on any rank (instead of leaving peers hanging).
 
-        Peers raise the same exception type as the failing rank, with its rank and message.
+        Peers raise the same exception type as the failing rank, with its rank and message.  A
+        failed set-up step (``setup``) also releases what was mapped; a refused load leaves the
+        tensor usable.
         """
         info = None if error is None else (type(error), str(error))
         try:
@@ -151,11 +189,13 @@ class ChunkTensor:
         except Exception:  # exception type not picklable: fall back to its message
             infos = self.topo.comm.allgather(None if error is None else (RuntimeError, str(error)))
         if error is not None:
-            self.close()
+            if setup:
+                self.close()
             raise error
         bad = [(r, i) for r, i in enumerate(infos) if i is not None]
         if bad:
-            self.close()
+            if setup:
+                self.close()
             rank, (typ, msg) = bad[0]
             try:
                 exc = typ(f"on rank {rank}: {msg}")
@@ -256,6 +296,8 @@ class ChunkTensor:
         self._node_start = lay.node_starts[node]
         self._node_end = lay.node_starts[node + 1]
         self._node_edges = torch.tensor(lay.node_starts[1:-1], dtype=torch.int64)
+        # rank that serves this rank's requests on each node: the same local rank, wrapped if that node is smaller
+        self._dest_of_node = torch.tensor([r[lr % len(r)] for r in topo.node_ranks], dtype=torch.int64)
 
     def _fill_order(self, hot_order: torch.Tensor | None) -> None:
         topo = self.topo
@@ -310,9 +352,8 @@ class ChunkTensor:
     # ------------------------------------------------------------------ index handling
     def _positions(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Validate ``idx`` and return the storage positions of its rows (flat, on the CPU)."""
-        if not isinstance(idx, torch.Tensor):
-            idx = torch.as_tensor(idx, dtype=torch.int64)
-        if idx.dtype not in (torch.int32, torch.int64):
+        idx = _as_index(idx)
+        if idx.dtype not in _INDEX_DTYPES:
             raise TypeError(f"ChunkTensor index must be an int32 or int64 tensor, got {idx.dtype}")
         if idx.dim() != 1:
             idx = idx.reshape(-1)
@@ -368,100 +409,117 @@ class ChunkTensor:
     def _node_of(self, pos: torch.Tensor) -> torch.Tensor:
         return torch.bucketize(pos, self._node_edges, right=True)
 
-    def _serve(self, pos: torch.Tensor) -> torch.Tensor:
-        """Answer remote requests: rows at global storage positions on this node, as bytes."""
-        if pos.numel() and (pos.min() < self._node_start or pos.max() >= self._node_end):
+    def _serve_into(self, pos: torch.Tensor, into: torch.Tensor) -> None:
+        """Answer remote requests: rows at global storage positions ``pos`` (this node's) into bytes ``into``."""
+        lo, hi = torch.aminmax(pos)
+        if lo < self._node_start or hi >= self._node_end:
             raise RuntimeError("remote request for a row this node does not hold (inconsistent layouts)")
-        rows = self._gather_node(pos - self._node_start)
-        return self._as_bytes(rows)
+        self._gather_node(pos - self._node_start, self._rows_of(into))
+
+    def _rows_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """A ``(n, row_bytes)`` uint8 tensor seen as ``n`` rows of this dtype and row shape."""
+        return raw.view(self.dtype).view(raw.shape[0], *self.row_shape)
 
     def _as_bytes(self, rows: torch.Tensor) -> torch.Tensor:
         n = rows.shape[0]
         flat = rows.contiguous().reshape(n, math.prod(self.row_shape))
         return flat.view(torch.uint8).reshape(n, self.row_bytes)
 
-    def _remote_dest(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Rank of each other node serving this rank: same local rank, wrapped if that node is smaller."""
-        lr = self.topo.local_rank
-        table = torch.tensor([r[lr % len(r)] for r in self.topo.node_ranks], dtype=torch.int64)
-        return table[nodes]
-
     def _gather(self, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows at global storage positions ``pos``: this node's read in place, the rest fetched (collective)."""
         n = pos.numel()
         if out is None:
             out = torch.empty((n, *self.row_shape), dtype=self.dtype, device=self.device)
         if self.topo.num_nodes == 1:
             return self._gather_node(pos, out)
-        if n:
-            nodes = self._node_of(pos)
-            here = nodes == self.topo.node
-            all_here = bool(here.all())
-        else:
-            all_here = True
-        if all_here:
+        if self.row_bytes == 0:  # rows of zero width: nothing to move, on every rank alike
+            return out
+        nodes = self._node_of(pos)
+        here = nodes == self.topo.node
+        n_here = int(here.sum()) if n else 0
+        remote_sel = None  # positions in out of the remote rows; None: all of out
+        if n_here == n:
             self._gather_node(pos - self._node_start, out)
-            remote_sel = torch.empty(0, dtype=torch.int64)
-            remote_pos = remote_sel
-        else:
+            pos = nodes = pos[:0]
+        elif n_here:
             local_sel = here.nonzero().squeeze(1)
+            out.index_copy_(0, local_sel.to(out.device),
+                            self._gather_node(pos.index_select(0, local_sel) - self._node_start))
             remote_sel = (~here).nonzero().squeeze(1)
-            if local_sel.numel():
-                out.index_copy_(0, local_sel.to(out.device),
-                                self._gather_node(pos.index_select(0, local_sel) - self._node_start))
-            remote_pos = pos.index_select(0, remote_sel)
-        dest = self._remote_dest(self._node_of(remote_pos)) if remote_pos.numel() else remote_pos
-        got, order = fetch_remote_rows(remote_pos, dest, self.topo.size, self._serve, self.row_bytes,
-                                       self.group, self.comm_device)
-        if remote_sel.numel():
-            rows = got.to(self.device).view(self.dtype).reshape(remote_sel.numel(), *self.row_shape)
-            out.index_copy_(0, remote_sel.index_select(0, order).to(out.device), rows)
+            pos, nodes = pos.index_select(0, remote_sel), nodes.index_select(0, remote_sel)
+        direct = (remote_sel is None and n > n_here and out.is_contiguous()
+                  and out.device == self.comm_device)
+        got, order = self._exchange.fetch(pos, self._dest_of_node.index_select(0, nodes), self._serve_into,
+                                          self._as_bytes(out) if direct else None)
+        if pos.numel() and not (direct and order is None):
+            where = torch.arange(pos.numel()) if remote_sel is None else remote_sel
+            if order is not None:
+                where = where.index_select(0, order)
+            out.index_copy_(0, where.to(out.device), self._rows_of(got).to(out.device))
         return out
 
     # ------------------------------------------------------------------ gathers
     def index(self, idx: torch.Tensor | Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``idx`` (int32/int64, any shape, duplicates allowed), shaped ``idx.shape + row_shape``.
 
-        ``out`` (contiguous, ``len(idx)`` rows of this dtype, on this rank's device) is filled and
-        returned instead of a new tensor, which saves allocating and faulting in fresh pages.
+        ``out`` (this dtype, on this rank's device, shaped like the result or contiguous with as
+        many elements) is filled and returned instead of a new tensor, which saves allocating and
+        faulting in fresh pages.
 
-        Collective over the group when the tensor spans several nodes (every rank calls it, the
-        same number of times); purely local otherwise.
+        Collective when the tensor spans several nodes (every rank calls it, the same number of
+        times, with any number of ids); purely local otherwise.  On one CPU node without a hot-row
+        order this is a single ``index_select`` with O(1) Python overhead.
         """
-        if self._fast and isinstance(idx, torch.Tensor) and idx.dim() == 1 and idx.dtype in _INDEX_DTYPES \
-                and idx.device.type == "cpu":
-            # One node on CPU, no reordering: the node view is the whole tensor, and index_select's own
-            # bounds check (it also refuses negative ids) replaces a separate validation pass.
-            if out is None:
-                try:
-                    return torch.index_select(self._node_view, 0, idx)
-                except IndexError:
-                    self._positions(idx)  # raises the descriptive error
-                    raise
-            if out.dtype == self.dtype and out.device.type == "cpu" and out.is_contiguous() \
-                    and out.shape[0] == idx.shape[0] and out.shape[1:] == self._row_size:
-                try:
-                    return torch.index_select(self._node_view, 0, idx, out=out)
-                except IndexError:
-                    self._positions(idx)
-                    raise
-        shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else (len(idx),)
-        pos = self._positions(idx)
-        if out is not None:
-            want = (pos.numel(), *self.row_shape)
-            if out.shape != want:
-                if out.numel() != math.prod(want) or not out.is_contiguous():
-                    raise ValueError(f"out must be a contiguous tensor with {math.prod(want)} elements "
-                                     f"(shape {want}), got shape {tuple(out.shape)}")
-                out = out.view(want)
-            if out.dtype != self.dtype or out.device.type != self.device.type or not out.is_contiguous():
-                raise ValueError(f"out must be a contiguous {self.dtype} tensor on {self.device}, "
-                                 f"got {out.dtype} on {out.device}")
+        if self._fast:
+            # One node on CPU, no reordering: the node view is the whole tensor and a gather is a single
+            # index_select, whose own O(1) checks (index dtype and device, out dtype) and bounds check
+            # during the copy (negative ids too) stand in for a separate validation pass.  If any of
+            # them fails, the general path below checks again and raises the descriptive error.
+            try:
+                if idx.ndim == 1:
+                    if out is None:
+                        return _index_select(self._node_view, 0, idx)
+                    if out.shape == idx.shape + self._row_size:
+                        return _index_select(self._node_view, 0, idx, out=out)
+            except (AttributeError, TypeError, IndexError, RuntimeError):
+                pass
+        try:
+            self._check_open()
+            idx = _as_index(idx)
+            shape = tuple(idx.shape)
+            pos = self._positions(idx)
+            if out is not None:
+                out = self._check_out(out, pos.numel())
+        except Exception as e:
+            self._refuse_gather(e)  # peers in the same collective gather raise too, instead of waiting
+            raise
         if self._node_view is not None and self.topo.num_nodes == 1:  # CPU, one node: one gather
             res = torch.index_select(self._node_view, 0, pos, out=out) if out is not None \
                 else torch.index_select(self._node_view, 0, pos)
         else:
             res = self._gather(pos, out)
         return res if len(shape) == 1 else res.reshape(*shape, *self.row_shape)
+
+    def _check_out(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        want = (n, *self.row_shape)
+        if not isinstance(out, torch.Tensor) or out.dtype != self.dtype or out.device.type != self.device.type:
+            got = f"{out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"out must be a {self.dtype} tensor on {self.device}, got {got}")
+        if out.shape != want:
+            if out.numel() != math.prod(want) or not out.is_contiguous():
+                raise ValueError(f"out must be of shape {want} (or contiguous with {math.prod(want)} "
+                                 f"elements), got shape {tuple(out.shape)}")
+            out = out.view(want)
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ChunkTensor is closed: its shared memory is no longer mapped")
+
+    def _refuse_gather(self, error: BaseException) -> None:
+        """Join the collective gather that peers are in, telling them it failed here (multi-node only)."""
+        if self._exchange is not None:
+            self._exchange.fail(error)
 
     def __getitem__(self, idx: torch.Tensor | Sequence[int] | int | slice) -> torch.Tensor:
         if isinstance(idx, int):
@@ -475,8 +533,8 @@ class ChunkTensor:
 
         Each part gives the positions in ``idx`` and the row ids; not collective.
         """
-        if not isinstance(idx, torch.Tensor):
-            idx = torch.as_tensor(idx, dtype=torch.int64)
+        self._check_open()
+        idx = _as_index(idx)
         pos = self._positions(idx)
         flat = idx.reshape(-1).cpu().to(torch.int64)
         nodes = self._node_of(pos)
@@ -514,16 +572,14 @@ class ChunkTensor:
 
     def remote_index(self, idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
         """Gather rows that all live on other nodes (error otherwise); collective over the group."""
-        split = self.split_index(idx)
-        ok = split.remote.order.numel() == sum(p.order.numel() for p in split)
-        if self.topo.num_nodes > 1:
-            # Agree first so that a rank with a bad index does not leave its peers in the exchange.
-            flags = self.topo.comm.allgather(ok)
-            if not all(flags):
-                raise ValueError(f"remote_index got ids this node holds, on rank {flags.index(False)}")
-            return self.index(idx)
-        if not ok:
-            raise ValueError("remote_index got ids this node holds (there is only one node)")
+        try:
+            split = self.split_index(idx)
+            if split.remote.order.numel() != sum(p.order.numel() for p in split):
+                raise ValueError(f"remote_index got ids that node {self.topo.node} (of {self.topo.num_nodes}) "
+                                 f"holds itself, on rank {self.topo.rank}")
+        except Exception as e:
+            self._refuse_gather(e)  # a rank with a bad index must not leave its peers in the exchange
+            raise
         return self.index(idx)
 
     # ------------------------------------------------------------------ loading
@@ -549,7 +605,9 @@ class ChunkTensor:
         Collective.  Only node leaders write; rows for other nodes go to their leaders over
         torch.distributed in bounded blocks.
         """
+        self._check_open()
         topo = self.topo
+        rendezvous(topo.comm, self.timeout, "ChunkTensor.load_from_tensor()")
         error = None
         have = src is None or topo.rank == src
         if have:
@@ -565,7 +623,7 @@ class ChunkTensor:
                 error = e
         if src is not None and not 0 <= src < topo.size:
             error = error or ValueError(f"src={src} is not a rank of the communicator (size {topo.size})")
-        self._agree(error)
+        self._agree(error, setup=False)
         lay = self.layout
         block = max(1, _LOAD_BLOCK_BYTES // max(self.row_bytes, 1))
         src_node = None if src is None else next(n for n, r in enumerate(topo.node_ranks) if src in r)
@@ -596,7 +654,9 @@ class ChunkTensor:
         map in bounded blocks, so no process ever holds the whole tensor.  A file must be
         readable at the same path on every node; bfloat16 data is read as uint16 bit patterns.
         """
+        self._check_open()
         topo = self.topo
+        rendezvous(topo.comm, self.timeout, "ChunkTensor.load_from_file()")
         error = None
         arr = None
         try:
@@ -616,7 +676,7 @@ class ChunkTensor:
                                 f"(needs numpy {want})")
         except BaseException as e:  # noqa: BLE001
             error = e
-        self._agree(error)
+        self._agree(error, setup=False)
         lay = self.layout
         lo, hi = lay.node_starts[topo.node], lay.node_starts[topo.node + 1]
         share = -(-(hi - lo) // topo.local_size)
@@ -646,9 +706,11 @@ class ChunkTensor:
     def memory_report(self) -> MemoryReport:
         """Bytes per tier per rank and per node (collective over the communicator)."""
         topo, lay = self.topo, self.layout
+        rendezvous(topo.comm, self.timeout, "ChunkTensor.memory_report()")
         me = {"rank": topo.rank, "node": topo.node,
               "device_bytes": lay.device_rows[topo.node][topo.local_rank] * self.row_bytes,
-              "host_bytes_mapped": lay.host_rows(topo.node) * self.row_bytes}
+              "host_bytes_mapped": lay.host_rows(topo.node) * self.row_bytes,
+              "exchange_buffer_bytes": 0 if self._exchange is None else self._exchange.buffer_bytes}
         per_rank = topo.comm.allgather(me)
         per_node = []
         for n in range(topo.num_nodes):
@@ -663,11 +725,14 @@ class ChunkTensor:
             torch.cuda.cudart().cudaHostUnregister(self._registered)
             self._registered = None
         self._fast = False
+        self._closed = True
         self._node_view = None
         self._device_views = []
         self._host_view = None  # type: ignore[assignment]
         self._pos_of = self._id_at = None
         self._ipc_keep = []
+        if getattr(self, "_exchange", None) is not None:
+            self._exchange.close()
         for s in getattr(self, "_segments", []):
             s.close()
         self._segments = []

@@ -1,46 +1,158 @@
-"""All-to-all fetch of rows held by other nodes, over any torch.distributed backend."""
+"""Cross-node row fetches: ids over MPI, rows over torch.distributed, one exchange of each.
+
+A gather of rows held by other nodes is collective over the job and takes three all-to-all steps:
+
+1. counts: how many rows each rank asks of each peer, one int64 per peer (``MPI_Ialltoall``,
+   polled against a deadline so that a rank that never joins raises :class:`TimeoutError`
+   instead of hanging its peers).  A negative count tells the peers that this rank's gather
+   failed (bad index, ...): every rank then raises, nobody is left waiting.
+2. ids: the requested storage positions (``MPI_Alltoallv`` of int64).
+3. rows: the serving ranks gather the rows into a reused buffer and one
+   ``torch.distributed.all_to_all_single`` over the group moves them as raw bytes (so every
+   dtype works with every backend, and NCCL moves them GPU to GPU).  When the caller's output
+   is contiguous, on the transport's device, and the rows arrive in its order, they are
+   received straight into it.
+
+Counts and ids are small host-side metadata: MPI moves them in microseconds (shared memory on a
+node, the fabric's eager protocol across nodes), where a gloo collective costs hundreds.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
-__all__ = ["fetch_remote_rows"]
+from .waiting import wait
+
+__all__ = ["RowExchange"]
+
+# Negative counts sent in step 1 by a rank whose gather failed before the exchange: the error type.
+_FAIL_CODES: dict[int, type[Exception]] = {-1: RuntimeError, -2: IndexError, -3: TypeError, -4: ValueError}
 
 
-def _alltoall(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int],
-              group: dist.ProcessGroup | None) -> None:
-    dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits, group=group)
+def _fail_code(error: BaseException) -> int:
+    for code, typ in _FAIL_CODES.items():
+        if code != -1 and isinstance(error, typ):
+            return code
+    return -1
 
 
-def fetch_remote_rows(
-    positions: torch.Tensor,
-    dest: torch.Tensor,
-    world_size: int,
-    serve: Callable[[torch.Tensor], torch.Tensor],
-    row_bytes: int,
-    group: dist.ProcessGroup | None,
-    comm_device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ask rank ``dest[i]`` for storage position ``positions[i]``; answer peers' requests with ``serve``.
+def _peer_error(codes: np.ndarray) -> Exception:
+    """The error every rank raises when ranks sent failure codes: the first failing rank's error type."""
+    bad = [int(r) for r in np.flatnonzero(codes < 0)]
+    typ = _FAIL_CODES.get(int(codes[bad[0]]), RuntimeError)
+    return typ(f"on rank(s) {bad}: the collective ChunkTensor gather was refused there (bad index or "
+               f"arguments; see that rank's error)")
 
-    Collective over ``group``: every rank calls it, with zero requests if it needs no remote
-    rows.  Rows travel as raw bytes, so every dtype works with every backend.  Returns the rows
-    as a ``(len(positions), row_bytes)`` uint8 tensor grouped by serving rank, and ``order``:
-    row ``i`` answers ``positions[order[i]]`` (the caller scatters once, straight to its output).
+
+class RowExchange:
+    """Reusable state of one ChunkTensor's cross-node gathers: peers, deadline and buffers.
+
+    ``comm`` and ``group`` hold the same ranks in the same order.  The send and receive buffers
+    grow to the largest gather seen and are kept (``buffer_bytes``), so repeated minibatch
+    gathers neither allocate nor fault in fresh pages; :meth:`close` drops them.
     """
-    order = torch.argsort(dest, stable=True)
-    send_pos = positions[order].to(torch.int64)
-    send_counts = torch.bincount(dest, minlength=world_size).to(torch.int64)
-    cnt_out = torch.empty(world_size, dtype=torch.int64, device=comm_device)
-    _alltoall(cnt_out, send_counts.to(comm_device), [1] * world_size, [1] * world_size, group)
-    recv_counts = cnt_out.cpu()
-    sc, rc = send_counts.tolist(), recv_counts.tolist()
-    req = torch.empty(sum(rc), dtype=torch.int64, device=comm_device)
-    _alltoall(req, send_pos.to(comm_device), rc, sc, group)
-    rows = serve(req.cpu()).reshape(len(req), row_bytes).to(comm_device)
-    got = torch.empty((len(send_pos), row_bytes), dtype=torch.uint8, device=comm_device)
-    _alltoall(got, rows, sc, rc, group)
-    return got, order
+
+    def __init__(self, comm: MPI.Comm, group: dist.ProcessGroup | None, comm_device: torch.device,
+                 row_bytes: int, timeout: float):
+        self.comm = comm
+        self.group = group
+        self.comm_device = comm_device
+        self.row_bytes = row_bytes
+        self.timeout = float(timeout)
+        self.size = comm.Get_size()
+        self._send_counts = np.zeros(self.size, dtype=np.int64)
+        self._recv_counts = np.zeros(self.size, dtype=np.int64)
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._abandoned: list[MPI.Request] = []  # a timed-out step: the exchange is unusable after it
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(b.numel() for b in self._bufs.values())
+
+    def _buffer(self, name: str, rows: int) -> torch.Tensor:
+        """``rows`` x ``row_bytes`` uint8 rows of a kept buffer, grown by at least a quarter when short."""
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape[0] < rows:
+            have = 0 if buf is None else buf.shape[0]
+            self._bufs.pop(name, None)
+            buf = torch.empty((max(rows, have + have // 4), self.row_bytes), dtype=torch.uint8,
+                              device=self.comm_device)
+            self._bufs[name] = buf
+        return buf[:rows]
+
+    def _exchange_counts(self, what: str) -> np.ndarray:
+        if self._abandoned:
+            raise RuntimeError("an earlier cross-node gather of this ChunkTensor timed out waiting for its "
+                               "peers; the ranks no longer agree on the exchange, so it cannot be used again")
+        req = self.comm.Ialltoall([self._send_counts, MPI.INT64_T], [self._recv_counts, MPI.INT64_T])
+        try:
+            wait(req, self.timeout, what)
+        except TimeoutError as e:
+            self._abandoned.append(req)
+            raise TimeoutError(f"{e}. A ChunkTensor spanning several nodes gathers collectively: every rank "
+                               f"must call index() (or the sampler) the same number of times, with any "
+                               f"number of ids (also none)") from None
+        return self._recv_counts
+
+    # ------------------------------------------------------------------ the collective steps
+    def fail(self, error: BaseException) -> None:
+        """Join step 1 of the gather the peers are in, telling them it failed here (then re-raise ``error``)."""
+        self._send_counts.fill(_fail_code(error))
+        try:
+            self._exchange_counts("collective gather (reporting a local error)")
+        finally:
+            self._send_counts.fill(0)
+
+    def fetch(self, positions: torch.Tensor, dest: torch.Tensor,
+              serve: Callable[[torch.Tensor, torch.Tensor], None],
+              out_bytes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Ask rank ``dest[i]`` for storage position ``positions[i]``; answer the peers' requests.
+
+        ``serve(pos, into)`` writes the rows at this node's storage positions ``pos`` into the
+        ``(len(pos), row_bytes)`` uint8 tensor ``into``.  Returns ``(got, order)``: ``got`` holds
+        the rows as bytes, grouped by serving rank, and row ``i`` answers ``positions[order[i]]``;
+        ``order`` is None when the rows arrived in request order.  Then, if ``out_bytes`` (a
+        ``(len(positions), row_bytes)`` uint8 view of the caller's output on ``comm_device``) was
+        given, ``got`` is ``out_bytes``, already filled.
+        """
+        n = positions.numel()
+        order = None
+        sc = self._send_counts
+        if n:
+            dest = dest.to(torch.int64)
+            sc[:] = torch.bincount(dest, minlength=self.size).numpy()
+            if n > 1 and not bool((dest[1:] >= dest[:-1]).all()):
+                order = torch.argsort(dest, stable=True)
+                positions = positions.index_select(0, order)
+        else:
+            sc.fill(0)
+        rc = self._exchange_counts("collective gather")
+        if (rc < 0).any():
+            raise _peer_error(rc)
+        m = int(rc.sum())
+        send_pos = positions.to(torch.int64).contiguous().numpy()
+        req_pos = np.empty(m, dtype=np.int64)
+        sd = np.zeros(self.size, dtype=np.int64)
+        rd = np.zeros(self.size, dtype=np.int64)
+        np.cumsum(sc[:-1], out=sd[1:])
+        np.cumsum(rc[:-1], out=rd[1:])
+        self.comm.Alltoallv([send_pos, (sc, sd), MPI.INT64_T], [req_pos, (rc, rd), MPI.INT64_T])
+        send = self._buffer("send", m)
+        if m:
+            serve(torch.from_numpy(req_pos), send)
+        if out_bytes is not None and order is None:
+            got = out_bytes
+        else:
+            got = self._buffer("recv", n)
+        dist.all_to_all_single(got, send, output_split_sizes=sc.tolist(), input_split_sizes=rc.tolist(),
+                               group=self.group)
+        return got, order
+
+    def close(self) -> None:
+        self._bufs.clear()

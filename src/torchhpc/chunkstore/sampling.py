@@ -28,6 +28,12 @@ __all__ = ["sample_neighbors", "NeighborSampler", "Block", "MiniBatch"]
 Store = ChunkTensor | torch.Tensor
 
 
+def _refuse(store: Store, error: BaseException) -> None:
+    """A local error before the collective gather of ``store``: make the peers waiting in it raise too."""
+    if isinstance(store, ChunkTensor):
+        store._refuse_gather(error)
+
+
 def _gather(store: Store, ids: torch.Tensor) -> torch.Tensor:
     if isinstance(store, ChunkTensor):
         return store.index(ids)
@@ -71,16 +77,18 @@ def _uniform(start, deg, k, replace, gen):
     return torch.cat([seg_small, seg_big]), torch.cat([e_small, e_big])
 
 
-def _weights(probs: Store, eids: torch.Tensor) -> torch.Tensor:
+def _weights(probs: Store, eids: torch.Tensor, next_store: Store) -> torch.Tensor:
     w = _gather(probs, eids).to(torch.float64).reshape(-1)
     if w.numel() and (not bool(torch.isfinite(w).all()) or bool((w < 0).any())):
-        raise ValueError("edge probabilities must be finite and >= 0")
+        error = ValueError("edge probabilities must be finite and >= 0")
+        _refuse(next_store, error)  # peers are about to gather from it
+        raise error
     return w
 
 
-def _weighted(start, deg, k, replace, probs, gen):
+def _weighted(start, deg, k, replace, probs, gen, next_store):
     eids, seg = _expand(start, deg)
-    w = _weights(probs, eids)
+    w = _weights(probs, eids, next_store)
     n = len(deg)
     if k < 0:
         keep = w > 0
@@ -122,7 +130,7 @@ def _sample(seeds: torch.Tensor, indptr: Store, indices: Store, fanout: int, rep
     if probs is None:
         seg, eids = _uniform(start, deg, fanout, replace, gen)
     else:
-        seg, eids = _weighted(start, deg, fanout, replace, probs, gen)
+        seg, eids = _weighted(start, deg, fanout, replace, probs, gen, indices)
     order = torch.argsort(seg, stable=True)
     seg, eids = seg[order], eids[order]
     nbr = _gather(indices, eids).to(torch.int64).reshape(-1)
@@ -131,7 +139,8 @@ def _sample(seeds: torch.Tensor, indptr: Store, indices: Store, fanout: int, rep
 
 def _check(seeds: torch.Tensor, fanout: int, num_nodes: int) -> torch.Tensor:
     if not isinstance(seeds, torch.Tensor):
-        seeds = torch.as_tensor(seeds, dtype=torch.int64)
+        seeds = torch.as_tensor(seeds)  # keep the dtype: float ids are refused below, not truncated
+        seeds = seeds.to(torch.int64) if seeds.numel() == 0 else seeds
     if seeds.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"seeds must be an int32 or int64 tensor, got {seeds.dtype}")
     seeds = seeds.reshape(-1).cpu()
@@ -141,6 +150,15 @@ def _check(seeds: torch.Tensor, fanout: int, num_nodes: int) -> torch.Tensor:
     if not isinstance(fanout, int) or fanout < -1:
         raise ValueError(f"fanout must be an int >= 0, or -1 for all neighbors, got {fanout!r}")
     return seeds
+
+
+def _checked(seeds: torch.Tensor, fanout: int, num_nodes: int, first_store: Store) -> torch.Tensor:
+    """:func:`_check`, telling the peers when it fails (they are about to gather from ``first_store``)."""
+    try:
+        return _check(seeds, fanout, num_nodes)
+    except Exception as e:
+        _refuse(first_store, e)
+        raise
 
 
 def _generator(seed: int | None) -> torch.Generator | None:
@@ -156,7 +174,7 @@ def sample_neighbors(seeds: torch.Tensor, indptr: Store, indices: Store, fanout:
     edges (only positive-weight edges when weighted); with replacement exactly ``fanout`` (none
     if it has no neighbor).  ``seed`` (or ``generator``) makes the result deterministic.
     """
-    seeds = _check(seeds, fanout, len(indptr) - 1)
+    seeds = _checked(seeds, fanout, len(indptr) - 1, indptr)
     nbr, seg, _ = _sample(seeds, indptr, indices, fanout, replace, probs, generator or _generator(seed))
     return nbr, seeds[seg]
 
@@ -241,7 +259,7 @@ class NeighborSampler:
 
     def sample(self, seeds: torch.Tensor) -> MiniBatch:
         """Sample the blocks of ``seeds`` (duplicates are dropped, first occurrence kept)."""
-        seeds = _check(seeds, self.fanouts[0], self.num_nodes).to(torch.int64)
+        seeds = _checked(seeds, self.fanouts[0], self.num_nodes, self.indptr).to(torch.int64)
         nodes, _ = _relabel(torch.empty(0, dtype=torch.int64), seeds)
         batch_size = len(nodes)
         blocks = []
