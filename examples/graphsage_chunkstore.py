@@ -13,7 +13,6 @@ graph.  Training is data-parallel (DDP over gloo); every rank samples its own mi
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch
@@ -105,9 +104,6 @@ def main(argv: list[str] | None = None) -> dict:
     comm = MPI.COMM_WORLD
     rank, size = comm.rank, comm.size
     own_group = not dist.is_initialized()
-    # init_distributed exports the rendezvous address it picks; restore the caller's environment afterwards
-    # so that processes started later (e.g. other mpiexec jobs of a test session) do not reuse that port.
-    saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     if own_group:
         init_distributed(backend="gloo", timeout=300)
     t0 = time.perf_counter()
@@ -199,11 +195,6 @@ def main(argv: list[str] | None = None) -> dict:
         ct.close()
     if own_group:
         dist.destroy_process_group()
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return {"history": history}
 
 

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from torchhpc.mpi_info import cuda_aware_query
+
 __all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "cuda_aware_mpi", "wait_all",
            "dup", "barrier", "allreduce", "allgather_int", "bcast_tensor", "bcast_object", "gather_object"]
 
@@ -73,24 +75,9 @@ def check_timeout(timeout: float | None) -> float:
 
 
 def cuda_aware_mpi() -> bool:
-    """Whether MPI can read and write CUDA device buffers directly.
-
-    ``TORCHHPC_CUDA_AWARE_MPI=0/1`` decides; otherwise Cray MPICH's ``MPICH_GPU_SUPPORT_ENABLED=1``
-    or Open MPI's ``MPIX_Query_cuda_support()`` (looked up in the loaded MPI library) say yes.
-    """
-    env = os.environ.get("TORCHHPC_CUDA_AWARE_MPI")
-    if env is not None:
-        return env not in ("0", "", "false", "no")
-    if os.environ.get("MPICH_GPU_SUPPORT_ENABLED") == "1":
-        return True
-    try:
-        import ctypes
-
-        query = ctypes.CDLL(None).MPIX_Query_cuda_support  # present in CUDA-capable Open MPI builds
-        query.restype = ctypes.c_int
-        return bool(query())
-    except (AttributeError, OSError):
-        return False
+    """Whether MPI can read and write CUDA device buffers directly (:func:`torchhpc.mpi_info.cuda_aware_query`;
+    ``TORCHHPC_CUDA_AWARE_MPI=0/1`` overrides)."""
+    return cuda_aware_query().supported is True
 
 
 def wait_all(requests: Sequence[MPI.Request], timeout: float, what: str, comm: MPI.Comm,
