@@ -157,7 +157,8 @@ class CollectivesMixin:
         payloads up to ``_SMALL_BYTES`` ride in it and are reduced locally, bigger ones then run MPI's
         blocking (tuned) all-reduce in segments directly on the tensor's memory: the header proved
         every rank is in this very call, so the blocking call cannot wait on a missing peer.
-        Unchecked groups poll a nonblocking all-reduce (small) or an ``Ibarrier`` (large) instead."""
+        Unchecked groups skip the header for messages that fit one nonblocking call below
+        ``threaded_min_bytes`` and poll that call itself instead."""
         op = self._new_op("all_reduce", [t])
         numel = t.numel()
         esz = t.element_size()
@@ -173,7 +174,10 @@ class CollectivesMixin:
             op.seq = seq = self._seq
             self._seq += 1
             try:
-                if check:
+                # unchecked groups skip the header only where it costs: for large messages it is the
+                # proof that every rank arrived before the blocking call, and costs well under 1%
+                header = check or nbytes > unchecked_one_call
+                if header:
                     mine = self._hdr_np
                     mine[:] = 0
                     mine[:9] = (_MAGIC, _KIND["all_reduce"], seq, _DTYPE_CODE[t.dtype], _OP_CODE[op_t], 0,
@@ -181,19 +185,17 @@ class CollectivesMixin:
                     if fused and nbytes:
                         self._hdr_u8[:nbytes] = arr.view(np.uint8)
                     req = self._ctl.Iallgather(*self._hdr_req_args)
-                elif nbytes <= unchecked_one_call:  # small and unchecked: the data call itself, polled
+                else:  # small and unchecked: the data call itself, polled against the timeout
                     req = self._call(self._mpi, "allreduce", nbytes, t.view(-1), _mpi_op(op_t))
-                else:  # unchecked: prove every rank arrived before blocking
-                    req = self._mpi.coll.Ibarrier()
                 if not self._poll_now(req, op, finished):
                     pass  # timed out: the group is aborted and op failed
-                elif check:
+                elif header:
                     self._verify_rows(self._hdr_all)
                 if not op.done and fused:
                     vals = self._hdr_all_u8[:, :nbytes].view(_NUMPY_DTYPE[t.dtype])
                     with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
                         _NP_REDUCE[op_t](vals, axis=0, out=arr)
-                elif not op.done and (check or nbytes > unchecked_one_call):
+                elif not op.done and header:
                     self._blocking_allreduce(t.view(-1), op_t)
                 if not op.done:
                     if op_t == _R.AVG:
