@@ -58,7 +58,7 @@ class CollectivesMixin:
 
     def _allreduce(self, ts: list[torch.Tensor], op_t: RedOp, kind: str, async_op: bool) -> AcclWork:
         dtype = ts[0].dtype
-        for t in ts:
+        for t in ts[1:]:
             if t.dtype != dtype:
                 raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
             if t.device != ts[0].device:
@@ -70,7 +70,7 @@ class CollectivesMixin:
         fuse = eng is self._mpi and self.options.check
         t0 = ts[0]
         if (not async_op and len(ts) == 1 and eng is self._mpi and not self._queue and t0.is_contiguous()
-                and t0.device.type == "cpu"
+                and t0.is_cpu
                 and (not self._p2p or (fuse and t0.numel() * t0.element_size() <= _SMALL_BYTES))):
             return self._allreduce_now(t0, op_t)
         op = self._new_op(kind, ts)
@@ -165,7 +165,7 @@ class CollectivesMixin:
         nbytes = numel * esz
         check = self.options.check
         fused = check and nbytes <= _SMALL_BYTES and t.dtype in _NUMPY_DTYPE and op_t in _NP_REDUCE
-        arr = t.view(-1).numpy() if fused else None
+        arr = (t.numpy() if t.dim() == 1 else t.view(-1).numpy()) if fused else None
         unchecked_one_call = min(self._seg, self._big - 1)
         finished: list[Op] = []
         with self._lock:
