@@ -33,11 +33,12 @@ from .common import (
     _poll_until,
     _ranges,
     _Tensorish,
+    _wrap,
     backoff,
 )
 from .engine import Request
 from .mpi_engine import MpiRequest
-from .reduction import RedOp, check_reduction, op_name, red_op_of
+from .reduction import RedOp, check_reduction, mpi_reduction, op_name, red_op_of
 from .work import AcclTimeoutError, AcclWork, Op, now
 
 
@@ -57,7 +58,7 @@ class CollectivesMixin:
 
     def _allreduce(self, ts: list[torch.Tensor], op_t: RedOp, kind: str, async_op: bool) -> AcclWork:
         dtype = ts[0].dtype
-        for t in ts:
+        for t in ts[1:]:
             if t.dtype != dtype:
                 raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
             if t.device != ts[0].device:
@@ -67,10 +68,11 @@ class CollectivesMixin:
         # payloads up to a header slot ride in the MPI header exchange (MPI engine only: with ACCL
         # the data always goes to the device, or is sidestepped by the rules of AcclOptions.sidestep)
         fuse = eng is self._mpi and self.options.check
-        if (fuse and not async_op and len(ts) == 1 and not self._queue
-                and ts[0].numel() * ts[0].element_size() <= _SMALL_BYTES and ts[0].is_contiguous()
-                and ts[0].device.type == "cpu" and dtype in _NUMPY_DTYPE):
-            return self._small_allreduce_now(ts[0], op_t)
+        t0 = ts[0]
+        if (not async_op and len(ts) == 1 and eng is self._mpi and not self._queue and t0.is_contiguous()
+                and t0.is_cpu
+                and (not self._p2p or (fuse and t0.numel() * t0.element_size() <= _SMALL_BYTES))):
+            return self._allreduce_now(t0, op_t)
         op = self._new_op(kind, ts)
         numel = sum(t.numel() for t in ts)
         esz = ts[0].element_size()
@@ -147,59 +149,107 @@ class CollectivesMixin:
         op.finish = finish
         return self._submit(op, async_op)
 
-    def _small_allreduce_now(self, t: torch.Tensor, op_t: RedOp) -> AcclWork:
-        """Blocking small all_reduce on an idle group, in the caller's thread with no queueing: one
-        header+payload all-gather, checked and reduced locally (the latency-critical case)."""
+    def _allreduce_now(self, t: torch.Tensor, op_t: RedOp) -> AcclWork:
+        """Blocking all_reduce of one contiguous CPU tensor on an idle group, entirely in the caller's
+        thread: no queue, no closures, no copies (the latency-critical path of ``dist.all_reduce``).
+
+        Checked groups first all-gather the header (nonblocking, polled against the group timeout);
+        payloads up to ``_SMALL_BYTES`` ride in it and are reduced locally, bigger ones then run MPI's
+        blocking (tuned) all-reduce in segments directly on the tensor's memory: the header proved
+        every rank is in this very call, so the blocking call cannot wait on a missing peer.
+        Unchecked groups skip the header for messages that fit one nonblocking call below
+        ``threaded_min_bytes`` and poll that call itself instead."""
         op = self._new_op("all_reduce", [t])
         numel = t.numel()
-        nbytes = numel * t.element_size()
-        arr = t.numpy()
+        esz = t.element_size()
+        nbytes = numel * esz
+        check = self.options.check
+        fused = check and nbytes <= _SMALL_BYTES and t.dtype in _NUMPY_DTYPE and op_t in _NP_REDUCE
+        arr = (t.numpy() if t.dim() == 1 else t.view(-1).numpy()) if fused else None
+        unchecked_one_call = min(self._seg, self._big - 1)
         finished: list[Op] = []
         with self._lock:
             if self._aborted is not None:
                 raise dist.DistBackendError(f"accl: process group is aborted ({self._aborted})")
             op.seq = seq = self._seq
             self._seq += 1
-            mine = self._hdr_np
-            mine[:] = 0
-            mine[:9] = (_MAGIC, _KIND["all_reduce"], seq, _DTYPE_CODE[t.dtype], _OP_CODE[op_t], 0, nbytes,
-                        numel, 0)
-            if nbytes:
-                self._hdr_u8[:nbytes] = arr.view(np.uint8)
-            req = self._ctl.Iallgather(*self._hdr_req_args)
-            spins = 0
-            deadline = 0.0
-            while not req.Test():
-                spins += 1
-                if spins < 64:
-                    continue
-                if self._p2p:  # receives in flight may need their payload posted to let peers reach us
-                    finished += self._progress_locked()
-                t_now = now()
-                if not deadline:
-                    deadline = t_now + self._timeout_s
-                    t_spin = t_now
-                elif t_now > deadline:
-                    op.describe = f"all_reduce({t.dtype}, {numel} elements) #{seq}"
-                    self._abort_locked(op)
-                    finished += self._drain_locked()
-                    break
-                backoff(t_spin, t_now)
-            if not op.done:
-                try:
+            try:
+                # unchecked groups skip the header only where it costs: for large messages it is the
+                # proof that every rank arrived before the blocking call, and costs well under 1%
+                header = check or nbytes > unchecked_one_call
+                if header:
+                    mine = self._hdr_np
+                    mine[:] = 0
+                    mine[:9] = (_MAGIC, _KIND["all_reduce"], seq, _DTYPE_CODE[t.dtype], _OP_CODE[op_t], 0,
+                                nbytes, numel, 0)
+                    if fused and nbytes:
+                        self._hdr_u8[:nbytes] = arr.view(np.uint8)
+                    req = self._ctl.Iallgather(*self._hdr_req_args)
+                else:  # small and unchecked: the data call itself, polled against the timeout
+                    req = self._call(self._mpi, "allreduce", nbytes, t.view(-1), _mpi_op(op_t))
+                if not self._poll_now(req, op, finished):
+                    pass  # timed out: the group is aborted and op failed
+                elif header:
                     self._verify_rows(self._hdr_all)
+                if not op.done and fused:
                     vals = self._hdr_all_u8[:, :nbytes].view(_NUMPY_DTYPE[t.dtype])
                     with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
                         _NP_REDUCE[op_t](vals, axis=0, out=arr)
+                elif not op.done and header:
+                    self._blocking_allreduce(t.view(-1), op_t)
+                if not op.done:
                     if op_t == _R.AVG:
                         t.div_(self._size)
                     op.done = True
-                except BaseException as exc:  # noqa: BLE001 - reported through the Work
-                    op.fail(exc)
+            except BaseException as exc:  # noqa: BLE001 - reported through the Work
+                op.fail(_wrap(exc, op))
         if finished:
             self._complete(finished)
         op.release()
         return AcclWork(self, op)
+
+    def _blocking_allreduce(self, flat: torch.Tensor, op_t: RedOp) -> None:
+        """MPI's blocking all-reduce on ``flat`` in place, in segments of at most ``max_segment_bytes``
+        (straight on the communicator: this is the bandwidth path, no per-segment Python layers)."""
+        esz = flat.element_size()
+        numel = flat.numel()
+        per = self._per(esz)
+        dt, mop = mpi_reduction(flat.dtype, _mpi_op(op_t))
+        allreduce = self._mpi.coll.Allreduce
+        base = flat.data_ptr()
+        st = self.stats
+        for a in range(0, numel, per):
+            n = min(numel - a, per)
+            st["engine_calls"] += 1
+            if n * esz > st["max_call_bytes"]:
+                st["max_call_bytes"] = n * esz
+            allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(base + a * esz, n * esz), n, dt], mop)
+
+    def _poll_now(self, req, op: Op, finished: list[Op]) -> bool:
+        """Poll ``req`` (an mpi4py or engine request) until done or the group timeout (caller holds the
+        lock); on timeout abort the group, fail ``op`` and return False."""
+        test = req.Test if hasattr(req, "Test") else req.test
+        spins = 0
+        deadline = 0.0
+        t_spin = 0.0
+        while not test():
+            spins += 1
+            if spins < 64:
+                continue
+            if self._p2p:  # receives in flight may need their payload posted to let peers reach us
+                finished += self._progress_locked()
+            t_now = now()
+            if not deadline:
+                deadline = t_now + self._timeout_s
+                t_spin = t_now
+            elif t_now > deadline:
+                numel = op.outputs[0].numel()
+                op.describe = f"{op.name}({op.outputs[0].dtype}, {numel} elements) #{op.seq}"
+                self._abort_locked(op)
+                finished += self._drain_locked()
+                return False
+            backoff(t_spin, t_now)
+        return True
 
     def _fused_start_np(self, header: list[int], payload: np.ndarray) -> Request:
         mine = self._hdr_np
@@ -224,7 +274,8 @@ class CollectivesMixin:
     def _verify_rows(self, allh: torch.Tensor, fused: bool = False, vary_bytes: bool = False) -> None:
         h = (self._hdr_all_np if allh is self._hdr_all else allh.numpy())[:, :_HDR_WORDS]
         sub = h[:, :3] if vary_bytes else h[:, :8]  # magic, kind, seq (+ dtype, op, root, bytes, numel)
-        if not (sub == sub[0]).all():
+        raw = sub.tobytes()  # every row equal <=> the rows' bytes are p copies of row 0's (cheap on the hot path)
+        if raw != raw[: len(raw) // self._size] * self._size:
             groups: dict[str, list[int]] = {}
             for r, row in enumerate(h.tolist()):
                 groups.setdefault(_describe(row), []).append(r)
