@@ -197,6 +197,10 @@ def test_all_gather_list_and_into_tensor(groups, group_name: str) -> None:
         stacked = torch.empty(p, 9, 5, dtype=dtype)
         dist.all_gather_into_tensor(stacked, mine.t().contiguous().t(), group=g)
         assert torch.equal(stacked[rank], mine)
+        if hasattr(dist, "all_gather_single"):  # torch >= 2.13's name for all_gather_into_tensor
+            single = torch.empty(p * 45, dtype=dtype)
+            dist.all_gather_single(single, mine, group=g)
+            assert torch.equal(single, flat)
 
 
 @pytest.mark.parametrize("group_name", ["world", "tiny"])
@@ -235,6 +239,10 @@ def test_reduce_scatter_list_and_tensor(groups, group_name: str) -> None:
         out2 = torch.empty(4, 6, dtype=dtype)
         dist.reduce_scatter(out2, [c.view(4, 6) for c in full[rank].chunk(p)], op=op, group=g)
         assert torch.equal(out2.view(-1), expect), (dtype, op)
+        if hasattr(dist, "reduce_scatter_single"):  # torch >= 2.13's name for reduce_scatter_tensor
+            out3 = torch.empty(24, dtype=dtype)
+            dist.reduce_scatter_single(out3, full[rank], op=op, group=g)
+            assert torch.equal(out3, expect), (dtype, op)
 
 
 @pytest.mark.parametrize("group_name", ["world", "tiny"])
