@@ -26,6 +26,7 @@ import torch
 from mpi4py import MPI
 
 from .engine import CollectiveEngine, EngineUnavailableError
+from .mpi_engine import ThreadRequest
 from .options import AcclOptions
 from .reduction import RedOp
 
@@ -51,29 +52,6 @@ def load_driver_module():
             "or the ACCL emulator, or use the default MPI engine (engine='mpi', "
             "TORCHHPC_ACCL_ENGINE=mpi).") from None
     return driver_module
-
-
-class _FutureRequest:
-    """Request backed by a driver call running on the engine's worker thread."""
-
-    __slots__ = ("_fut",)
-
-    def __init__(self, fut: cf.Future):
-        self._fut = fut
-
-    def test(self) -> bool:
-        if not self._fut.done():
-            return False
-        exc = self._fut.exception()
-        if exc is not None:
-            raise exc
-        return True
-
-    def source(self) -> int:
-        return -1
-
-    def nbytes(self) -> int:
-        return -1
 
 
 def _host_ip() -> str:
@@ -171,11 +149,11 @@ class AcclEngine(CollectiveEngine):
         if t.numel():
             t.copy_(torch.from_numpy(self._host(buf)[: t.numel()].copy()).view(t.shape))
 
-    def _submit(self, fn) -> _FutureRequest:
-        return _FutureRequest(self._pool.submit(fn))
+    def _submit(self, fn) -> ThreadRequest:
+        return ThreadRequest(self._pool.submit(fn))
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, buf: torch.Tensor, op: RedOp) -> _FutureRequest:
+    def allreduce(self, buf: torch.Tensor, op: RedOp) -> ThreadRequest:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
@@ -183,7 +161,7 @@ class AcclEngine(CollectiveEngine):
             self._drain(r, buf)
         return self._submit(run)
 
-    def reduce(self, buf: torch.Tensor, op: RedOp, root: int) -> _FutureRequest:
+    def reduce(self, buf: torch.Tensor, op: RedOp, root: int) -> ThreadRequest:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
@@ -192,7 +170,7 @@ class AcclEngine(CollectiveEngine):
                 self._drain(r, buf)
         return self._submit(run)
 
-    def broadcast(self, buf: torch.Tensor, root: int) -> _FutureRequest:
+    def broadcast(self, buf: torch.Tensor, root: int) -> ThreadRequest:
         def run() -> None:
             b = self._buffer(buf.numel(), buf.dtype)
             if self.rank == root:
@@ -202,7 +180,7 @@ class AcclEngine(CollectiveEngine):
                 self._drain(b, buf)
         return self._submit(run)
 
-    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> _FutureRequest:
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> ThreadRequest:
         def run() -> None:
             n = send.numel()
             s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
@@ -212,7 +190,7 @@ class AcclEngine(CollectiveEngine):
             recv.copy_(tmp)
         return self._submit(run)
 
-    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int) -> _FutureRequest:
+    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int) -> ThreadRequest:
         def run() -> None:
             n = send.numel()
             s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
@@ -222,7 +200,7 @@ class AcclEngine(CollectiveEngine):
                 recv.copy_(torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n))
         return self._submit(run)
 
-    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int) -> _FutureRequest:
+    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int) -> ThreadRequest:
         def run() -> None:
             n = recv.numel()
             s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
@@ -232,7 +210,7 @@ class AcclEngine(CollectiveEngine):
             self._drain(r, recv)
         return self._submit(run)
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp) -> _FutureRequest:
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp) -> ThreadRequest:
         def run() -> None:
             n = recv.numel()
             s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
@@ -241,14 +219,14 @@ class AcclEngine(CollectiveEngine):
             self._drain(r, recv)
         return self._submit(run)
 
-    def send(self, buf: torch.Tensor, dst: int, tag: int, channel: int = 1) -> _FutureRequest:
+    def send(self, buf: torch.Tensor, dst: int, tag: int, channel: int = 1) -> ThreadRequest:
         def run() -> None:
             b = self._buffer(buf.numel(), buf.dtype)
             self._fill(b, buf)
             self._drv.send(self._comm_id, b, buf.numel(), dst, tag=tag)
         return self._submit(run)
 
-    def recv(self, buf: torch.Tensor, src: int, tag: int, channel: int = 1) -> _FutureRequest:
+    def recv(self, buf: torch.Tensor, src: int, tag: int, channel: int = 1) -> ThreadRequest:
         def run() -> None:
             b = self._buffer(buf.numel(), buf.dtype)
             self._drv.recv(self._comm_id, b, buf.numel(), src, tag=tag)
