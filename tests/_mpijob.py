@@ -21,8 +21,9 @@ def run_mpi(nprocs: int, argv: list[str], timeout: float) -> subprocess.Complete
     # Each job agrees on its own rendezvous; never reuse an address inherited from the test process.
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    here = Path(__file__).resolve().parent
+    paths = (str(here.parent / "src"), str(here), env.get("PYTHONPATH"))  # torchhpc, and tests/ helpers
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     cmd = mpiexec_argv(nprocs, argv)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True

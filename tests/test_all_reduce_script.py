@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -10,22 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 from _mpijob import run_mpi
+from _scripts import load_script
 
 SCRIPT = Path(__file__).with_name("all_reduce_test.py")
-spec = importlib.util.spec_from_file_location("all_reduce_test", SCRIPT)
-art = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(art)
+art = load_script("tests/all_reduce_test.py")
 
 
-def _backends() -> list:
-    params = [pytest.param("gloo", id="gloo")]
-    accl_ready = importlib.util.find_spec("torchhpc.accl") is not None
-    params.append(pytest.param("accl", id="accl", marks=pytest.mark.skipif(
-        not accl_ready, reason="torchhpc.accl not in this tree yet")))
-    return params
-
-
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", ["gloo", "accl"])
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_script_under_mpiexec(backend: str, nprocs: int) -> None:
     res = run_mpi(nprocs, [sys.executable, str(SCRIPT), "--backend", backend, "-b", "8", "-e", "256K", "-f", "4",

@@ -1,15 +1,10 @@
 """The GraphSAGE example runs end to end (one rank, tiny graph) and learns from the graph."""
 
-import importlib.util
-from pathlib import Path
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "graphsage_chunkstore.py"
+from _scripts import load_script
 
 
 def test_graphsage_example_beats_features_only():
-    spec = importlib.util.spec_from_file_location("graphsage_chunkstore", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/graphsage_chunkstore.py")
     out = mod.main(["--nodes", "2000", "--avg-degree", "10", "--epochs", "2", "--batch-size", "128",
                     "--batches-per-epoch", "6", "--fanouts", "5,5", "--eval-nodes", "400", "--hidden", "32"])
     hist = out["history"]

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import torch
+from _scripts import load_script
 from mpi4py import MPI
-
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "continual_digits.py"
 
 
 def test_rehearsal_reduces_forgetting_on_digits() -> None:
-    spec = importlib.util.spec_from_file_location("continual_digits", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/continual_digits.py")
     args = argparse.Namespace(epochs=2, batch=8, lr=0.05, slots=10, candidates=4, representatives=8, seed=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny MLP: extra intra-op threads only spin on a shared, loaded machine

@@ -282,13 +282,9 @@ def test_graphsage_example_data_parallel(comm):
     """The example trains data-parallel on 2 ranks sharing the host tier, and learns from the graph."""
     if comm.size != 2:
         pytest.skip("the example is checked at 2 ranks")
-    import importlib.util
-    from pathlib import Path
+    from _scripts import load_script  # tests/ is on the path of every harness job
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "graphsage_chunkstore.py"
-    spec = importlib.util.spec_from_file_location("graphsage_chunkstore", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("examples/graphsage_chunkstore.py")
     out = mod.main(["--nodes", "2000", "--avg-degree", "10", "--epochs", "2", "--batch-size", "128",
                     "--batches-per-epoch", "4", "--fanouts", "5,5", "--eval-nodes", "400", "--hidden", "32"])
     hist = out["history"]
