@@ -12,8 +12,10 @@ import pytest
 from torchhpc.mpirun import local_job_env, mpiexec_argv
 
 
-def run_mpi(nprocs: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
-    """Run ``argv`` under mpiexec with ``nprocs`` ranks; kill the whole job at ``timeout``."""
+def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool = False
+            ) -> subprocess.CompletedProcess:
+    """Run ``argv`` under mpiexec with ``nprocs`` ranks; kill the whole job at ``timeout``.
+    ``fault_tolerant``: a dying rank leaves the others running (ULFM; see ``mpiexec_argv``)."""
     env = local_job_env()
     # Open MPI refuses to start as root unless told; CI containers run as root.
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
@@ -24,7 +26,7 @@ def run_mpi(nprocs: int, argv: list[str], timeout: float) -> subprocess.Complete
     here = Path(__file__).resolve().parent
     paths = (str(here.parent / "src"), str(here), env.get("PYTHONPATH"))  # torchhpc, and tests/ helpers
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    cmd = mpiexec_argv(nprocs, argv)
+    cmd = mpiexec_argv(nprocs, argv, fault_tolerant=fault_tolerant)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )

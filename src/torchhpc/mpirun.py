@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["find_mpiexec", "mpi_flavor", "mpiexec_argv", "local_job_env"]
+__all__ = ["find_mpiexec", "mpi_flavor", "mpiexec_argv", "fault_tolerant_args", "local_job_env"]
 
 
 def find_mpiexec() -> str:
@@ -50,13 +50,32 @@ def mpi_flavor(mpiexec: str | None = None) -> str:
     return "unknown"
 
 
+def fault_tolerant_args(flavor: str, detect_s: float = 2.0) -> list[str]:
+    """mpiexec options under which the survivors of a dead rank keep running and see MPI errors
+    (``MPI_ERR_PROC_FAILED``) instead of being killed by the launcher.
+
+    Open MPI: ULFM (``--with-ft ulfm``) plus its heartbeat detector, which declares a silent rank dead
+    after ``detect_s`` seconds (the PyPI build gets no failure notice from the runtime without it).
+    MPICH: ``-disable-auto-cleanup``.  Other launchers: ``ValueError``.
+    """
+    if flavor == "openmpi":
+        return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_thread",
+                "true", "--mca", "mpi_ft_detector_period", f"{detect_s / 4:g}", "--mca", "mpi_ft_detector_timeout",
+                f"{detect_s:g}"]
+    if flavor == "mpich":
+        return ["-disable-auto-cleanup"]
+    raise ValueError(f"no known fault-tolerance options for an mpiexec of flavor {flavor!r}")
+
+
 def mpiexec_argv(
-    nprocs: int, command: Sequence[str], *, oversubscribe: bool = True, mpiexec: str | None = None
+    nprocs: int, command: Sequence[str], *, oversubscribe: bool = True, mpiexec: str | None = None,
+    fault_tolerant: bool = False,
 ) -> list[str]:
     """Argument vector running ``command`` on ``nprocs`` local ranks.
 
     With ``oversubscribe`` the job may use more ranks than cores and ranks are not
     pinned (pinning oversubscribed ranks to cores makes them fight for one core).
+    With ``fault_tolerant`` a rank's death does not kill the others (:func:`fault_tolerant_args`).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
@@ -67,6 +86,8 @@ def mpiexec_argv(
         argv += ["--oversubscribe", "--bind-to", "none"]
     elif oversubscribe and flavor == "mpich":
         argv += ["-bind-to", "none"]
+    if fault_tolerant:
+        argv += fault_tolerant_args(flavor)
     return argv + list(command)
 
 

@@ -19,11 +19,12 @@ from .info import environment_report
 from .mpi_engine import MpiEngine, mpi_cuda_aware
 from .options import AcclOptions
 from .process_group import ProcessGroupACCL
-from .work import AcclTimeoutError, AcclWork
+from .work import AcclPeerFailedError, AcclTimeoutError, AcclWork
 
 __all__ = [
     "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",
-    "CollectiveEngine", "Request", "MpiEngine", "EngineUnavailableError", "mpi_cuda_aware",
+    "AcclPeerFailedError", "CollectiveEngine", "Request", "MpiEngine", "EngineUnavailableError",
+    "mpi_cuda_aware",
     "create_process_group", "register", "environment_report",
 ]
 

@@ -33,7 +33,6 @@ from .common import (
     _poll_until,
     _ranges,
     _Tensorish,
-    _wrap,
     backoff,
 )
 from .engine import Request
@@ -202,7 +201,9 @@ class CollectivesMixin:
                         t.div_(self._size)
                     op.done = True
             except BaseException as exc:  # noqa: BLE001 - reported through the Work
-                op.fail(_wrap(exc, op))
+                self._fail(op, exc)
+                if self._aborted is not None:
+                    finished += self._drain_locked()
         if finished:
             self._complete(finished)
         op.release()

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
+from mpi4py.run import set_abort_status
 
 from .collectives import CollectivesMixin
 from .common import (
@@ -51,9 +52,13 @@ from .mpi_engine import MpiEngine, MpiRequest
 from .options import AcclOptions
 from .p2p import PointToPointMixin
 from .reduction import RedOp, op_name
-from .work import AcclTimeoutError, AcclWork, Op, now
+from .work import AcclPeerFailedError, AcclTimeoutError, AcclWork, Op, now
 
 __all__ = ["ProcessGroupACCL"]
+
+# MPI error classes meaning "a peer process died" (ULFM, standard in MPI 5; absent names are skipped)
+_PEER_FAILED = frozenset(getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
+                         if hasattr(MPI, n))
 
 
 class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
@@ -221,7 +226,7 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
             else:
                 self._next_stage(op, 0)
         except BaseException as exc:  # noqa: BLE001 - reported through the Work
-            op.fail(_wrap(exc, op))
+            self._fail(op, exc)
 
     def _next_stage(self, op: Op, k: int) -> None:
         while k < len(op.stages):
@@ -258,13 +263,48 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
             else:
                 self._next_stage(op, op.stage + 1)
         except BaseException as exc:  # noqa: BLE001
-            op.fail(_wrap(exc, op))
+            self._fail(op, exc)
+
+    def _fail(self, op: Op, exc: BaseException) -> None:
+        """Fail ``op`` with ``exc`` (caller holds the lock).  A dead peer also aborts the group: its
+        collectives can never complete, so the pending ones are failed by the caller's next drain."""
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in _PEER_FAILED:
+            err = self._peer_failure(op, exc)
+            if self._aborted is None:
+                self._aborted = err
+            op.fail(err)
+            return
+        op.fail(_wrap(exc, op))
+
+    def _peer_failure(self, op: Op, exc: MPI.Exception) -> AcclPeerFailedError:
+        """The error for a peer death that MPI reported during ``op``; revokes the group's communicators
+        so that every survivor's pending and next calls on them fail at once instead of waiting."""
+        comms = (self._mpi.coll, self._ctl, *self._mpi.p2p)
+        for comm in comms:
+            with contextlib.suppress(MPI.Exception, NotImplementedError):
+                comm.Revoke()
+        # A rank told only by a revocation learns who died from its own failure detector shortly after.
+        limit = now() + (1.0 if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None) else 0.0)
+        while not (ranks := _failed_ranks(comms)) and now() < limit:
+            time.sleep(0.01)
+        # MPI_Finalize would wait for the dead rank forever: end this process with MPI_Abort at exit instead.
+        set_abort_status(1)
+        who = (f"peer rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
+               else "a peer rank (a survivor revoked the group after seeing it die)")
+        return AcclPeerFailedError(
+            f"accl: {who} of group '{self._name}' died during {op.describe} on rank {self._rank} of "
+            f"{self._size} (MPI: {exc.Get_error_string()}). The group is aborted; later calls on it raise "
+            f"at once. Restart the job (e.g. from a checkpoint) or rebuild the group from the survivors.",
+            ranks)
 
     def _progress_locked(self) -> list[Op]:
         """Advance everything in flight; return ops that finished (futures are set outside the lock)."""
         finished: list[Op] = []
         q = self._queue
         while q:
+            if self._aborted is not None:  # a peer died: nothing queued can complete
+                finished.extend(self._drain_locked())
+                return finished
             head = q[0]
             if not head.started:
                 self._start(head)
@@ -290,6 +330,8 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
                 else:
                     keep.append(op)
             self._p2p = keep
+            if self._aborted is not None and keep:
+                finished.extend(self._drain_locked())
         return finished
 
     def _abort_locked(self, op: Op) -> None:
@@ -419,6 +461,19 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
 
 
 # --------------------------------------------------------------------- helpers
+
+
+def _failed_ranks(comms: Sequence[MPI.Comm]) -> tuple[int, ...]:
+    """Ranks (in these communicators' common group) that MPI knows to have died; () if none or unknown."""
+    failed: set[int] = set()
+    for comm in comms:
+        with contextlib.suppress(MPI.Exception, NotImplementedError):
+            grp, mine = comm.Get_failed(), comm.Get_group()
+            failed.update(r for r in MPI.Group.Translate_ranks(grp, list(range(grp.Get_size())), mine)
+                          if r >= 0)
+            grp.Free()
+            mine.Free()
+    return tuple(sorted(failed))
 
 
 def _progress_loop(pg_ref: weakref.ref, wake: threading.Event) -> None:

@@ -25,11 +25,20 @@ from .engine import Request
 if TYPE_CHECKING:
     from .process_group import ProcessGroupACCL
 
-__all__ = ["Op", "AcclWork", "AcclTimeoutError"]
+__all__ = ["Op", "AcclWork", "AcclTimeoutError", "AcclPeerFailedError"]
 
 
 class AcclTimeoutError(dist.DistBackendError):
     """An operation did not complete within the group's timeout (a peer died, hung or skipped it)."""
+
+
+class AcclPeerFailedError(dist.DistBackendError):
+    """MPI reported that peer processes of the group died (ULFM's ``MPI_ERR_PROC_FAILED``); the group
+    is aborted.  ``failed_ranks`` holds their ranks in the group (empty if MPI could not say)."""
+
+    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.failed_ranks = failed_ranks
 
 
 class Op:
