@@ -36,8 +36,8 @@ def test_console_command_reports_every_check() -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "torchhpc doctor"
-    for name in ("python", "torch", "launcher", "gpus", "mpi", "mpi threads", "cuda-aware mpi", "backends",
-                 "libfabric", "site profile", "runtime vars"):
+    for name in ("python", "torch", "launcher", "gpus", "mpi", "mpi threads", "fault tolerance", "cuda-aware mpi",
+                 "backends", "libfabric", "site profile", "runtime vars"):
         assert any(line[7:].startswith(name + " ") for line in lines if line.startswith("[")), name
     for line in lines[1:-1]:
         assert line.startswith(("[ OK ]", "[WARN]", "[FAIL]", " ")), line
@@ -102,3 +102,19 @@ def test_a_crashing_check_is_reported_not_raised() -> None:
 
     [check] = doctor._guard("thing", boom)
     assert check.status == "FAIL" and "kaput" in check.value
+
+
+def test_fault_tolerance_follows_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchhpc import doctor, mpi_info
+
+    monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
+    capable, enabled = mpi_info.fault_tolerance()
+    assert not enabled
+    check = doctor._fault_tolerance(mpi_info)
+    if capable:  # e.g. the PyPI Open MPI, built with ULFM: the hint gives the launch options
+        assert "off for this job" in check.value and "--with-ft ulfm" in check.hint
+        monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "1")  # what `mpiexec --with-ft ulfm` sets in its ranks
+        assert mpi_info.fault_tolerance() == (True, True)
+        assert "ULFM on" in doctor._fault_tolerance(mpi_info).value
+    else:
+        assert "no ULFM" in check.value

@@ -112,6 +112,7 @@ def _mpi(probe: bool) -> list[Check]:
     checks.append(Check("mpi threads", OK if level == "multiple" else WARN, level,
                         "" if level == "multiple" else "accl's asynchronous ops and rehearsal's background worker "
                         "need MPI_THREAD_MULTIPLE; use an MPI built with thread support"))
+    checks.append(_fault_tolerance(mpi_info))
     import torch
 
     query = mpi_info.cuda_aware_query()
@@ -132,6 +133,20 @@ def _mpi(probe: bool) -> list[Check]:
         checks.append(Check("cuda-aware mpi", WARN, text + "; accl stages CUDA tensors through pinned host memory",
                             "for GPU-direct MPI use a CUDA-aware MPI (Cray: MPICH_GPU_SUPPORT_ENABLED=1)"))
     return checks
+
+
+def _fault_tolerance(mpi_info) -> Check:
+    from torchhpc.mpirun import fault_tolerant_args, mpi_flavor
+
+    capable, enabled = mpi_info.fault_tolerance()
+    if enabled:
+        return Check("fault tolerance", OK, "ULFM on: survivors of a dead rank raise AcclPeerFailedError")
+    if not capable:
+        return Check("fault tolerance", OK, "no ULFM in this MPI: a dead rank ends the job")
+    flavor = mpi_flavor()
+    how = " ".join(fault_tolerant_args(flavor)) if flavor in ("openmpi", "mpich") else "your MPI's ULFM option"
+    return Check("fault tolerance", OK, "ULFM available, off for this job: a dead rank ends the job",
+                 f"to let survivors raise AcclPeerFailedError instead: mpiexec {how} ...")
 
 
 def _backends() -> Check:

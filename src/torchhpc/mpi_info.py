@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = ["CudaAwareness", "library_version", "library_path", "thread_level", "cuda_aware_query",
-           "cuda_aware_probe"]
+           "cuda_aware_probe", "fault_tolerance"]
 
 MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's type id for CUDA in MPIX_GPU_query_support
 
@@ -40,6 +40,21 @@ def thread_level() -> str:
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     return names.get(MPI.Query_thread(), "unknown")
+
+
+def fault_tolerance() -> tuple[bool, bool]:
+    """(the library has ULFM's ``MPIX_Comm_revoke``, this job was launched with it switched on): only then
+    do survivors of a dead rank get MPI errors (``torchhpc.accl.AcclPeerFailedError``) instead of being
+    killed by the launcher."""
+    from mpi4py import MPI  # noqa: F401  (loads the library)
+
+    path = library_path()
+    try:
+        capable = path is not None and hasattr(ctypes.CDLL(path), "MPIX_Comm_revoke")
+    except OSError:
+        capable = False
+    enabled = os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true", "yes")  # noqa: SIM112
+    return capable, capable and enabled
 
 
 def library_path() -> str | None:
