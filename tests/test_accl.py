@@ -205,3 +205,4 @@ def test_bench_cli_quick_run_writes_table_and_plot(tmp_path) -> None:
 
 def test_bench_rejects_bad_np() -> None:
     assert bench.main(["allreduce", "--np", "0"]) == 2
+    assert bench.main(["allreduce", "--repeats", "0"]) == 2

@@ -541,8 +541,9 @@ class CollectivesMixin:
         if output.dtype != input.dtype:
             raise TypeError(f"accl: all_to_all_single dtypes differ: output {output.dtype}, "
                             f"input {input.dtype}")
-        row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 0
-        row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 0
+        # elements per dim-0 row (shape arithmetic: indexing a tensor costs more than the whole call)
+        row_in = math.prod(input.shape[1:]) if input.dim() > 0 and input.shape[0] else 0
+        row_out = math.prod(output.shape[1:]) if output.dim() > 0 and output.shape[0] else 0
         row = max(row_in, row_out, 1) if input.dim() > 1 or output.dim() > 1 else 1
 
         def splits(sizes: list[int], t: torch.Tensor, name: str) -> list[int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import struct
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -439,11 +440,15 @@ class FastPathMixin:
         (the queued path's rounds)."""
         p = self._size
         per_pair = max(1, self._seg // p)
-        sdis = [sum(sb[:j]) for j in range(p)]
-        rdis = [sum(rb[:j]) for j in range(p)]
+        sdis = list(accumulate(sb[:-1], initial=0))
+        rdis = list(accumulate(rb[:-1], initial=0))
         sbuf = _fromaddress(src, slen)
         rbuf = _fromaddress(dst, rlen)
         a2a = self._mpi.coll.Alltoallv
+        if rounds == 1 and max(sb) <= per_pair and max(rb) <= per_pair:  # the one round's counts
+            self._note_call(max(sum(sb), sum(rb)))
+            a2a([sbuf, sb, sdis, MPI.BYTE], [rbuf, rb, rdis, MPI.BYTE])
+            return
         for k in range(rounds):
             lo = k * per_pair
             sc = [max(0, min(per_pair, s - lo)) for s in sb]
