@@ -547,8 +547,8 @@ def test_sync_and_async_ranks_make_matching_calls(groups, n: int) -> None:
     rank, p = dist.get_rank(), dist.get_world_size()
     for name in ("world", "tiny", "unchecked"):
         g = groups[name]
-        if name == "tiny" and n > 600:
-            continue  # thousands of 64 B segments: covered at 600
+        if name != "world" and n > 600:
+            continue  # hundreds of 64/256 B segments per call: the small groups are covered at 600
         a = rank == 0
 
         def done(w) -> None:
