@@ -124,6 +124,24 @@ def test_one_rank_group_runs_every_collective(solo) -> None:
         w.source_rank()
 
 
+def test_header_exchange_without_persistent_collectives(solo) -> None:
+    """MPIs without MPI-4 persistent collectives (Allgather_init raising NotImplementedError): every
+    header exchange, fast path and queued, falls back to a nonblocking all-gather."""
+    solo._hdr_preq.Free()
+    solo._hdr_preq = None
+    t = torch.arange(4.0)
+    dist.all_reduce(t)  # header slot carries the payload
+    big = torch.arange(600.0)
+    dist.all_reduce(big, op=R.MAX)  # header + blocking all-reduce
+    dist.broadcast(big, 0)
+    out = torch.empty(600)
+    dist.all_gather_into_tensor(out, big)
+    dist.reduce_scatter_tensor(out, big)
+    dist.all_to_all_single(out, big)
+    dist.all_reduce(t, async_op=True).wait()  # queued path
+    assert torch.equal(t, torch.arange(4.0)) and torch.equal(out, torch.arange(600.0))
+
+
 def test_one_rank_group_argument_errors(solo) -> None:
     with pytest.raises(ValueError, match="tag -1 out of range"):
         solo.send([torch.ones(1)], 0, -1)

@@ -358,12 +358,14 @@ class FastPathMixin:
                         self._note_call(nbytes * p)
                         coll.Reduce_scatter_block([_fromaddress(inp.data_ptr(), nbytes * p), numel, dt],
                                                   [_fromaddress(dst, nbytes), numel, dt], mop)
-                    else:  # segment rows: each call's send block is a contiguous copy, as queued
-                        rows = inp.view(p, numel)
+                    else:  # segment rows: each call's send block is a contiguous copy, as queued,
+                        rows = inp.view(p, numel)  # made in one reused buffer (no fresh pages per call)
+                        scratch = self._scratch_bytes(per * esz * p)
                         for a in range(0, numel, per):
                             b = min(numel, a + per)
-                            block = rows[:, a:b].contiguous()
                             n = b - a
+                            block = scratch[: n * esz * p].view(out.dtype).view(p, n)
+                            block.copy_(rows[:, a:b])
                             self._note_call(n * esz * p)
                             coll.Reduce_scatter_block([_fromaddress(block.data_ptr(), n * esz * p), n, dt],
                                                       [_fromaddress(dst + a * esz, n * esz), n, dt], mop)
@@ -373,6 +375,13 @@ class FastPathMixin:
                     bad = self._failed("reduce_scatter", out, exc)
         self._settle_now(finished)
         return bad
+
+    def _scratch_bytes(self: ProcessGroupACCL, nbytes: int) -> torch.Tensor:
+        """A reusable byte buffer of at least ``nbytes`` (at most one segment), kept by the group."""
+        buf = getattr(self, "_scratch", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return buf
 
     def _reduction_for(self: ProcessGroupACCL, dtype: torch.dtype, op_t: RedOp, what: str) -> _Reduction:
         red = self._reductions.get((dtype, op_t))

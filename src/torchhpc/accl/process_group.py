@@ -6,12 +6,16 @@ Responsibilities, in order of a call's life:
    op/dtype pairs) and raise ``ValueError``/``TypeError`` naming the problem.
 2. **Ordering**: collectives are queued and run one after another in issue order (so an op may
    safely consume the previous op's output, as on a CUDA stream); point-to-point ops start at once.
+   A synchronous call on an idle group skips the queue and runs in the caller's thread
+   (:mod:`.fastpath`), with the same MPI calls, so ranks taking either path still match.
 3. **Consistency**: unless ``AcclOptions.check`` is off, each collective first all-gathers a
-   fixed-size header (kind, call number, dtype, op, root, sizes); a mismatch raises the same clear
-   error on every rank and leaves the group usable.  Small all-reduces carry their payload inside
-   that header exchange and are reduced locally in rank order, so checking them costs nothing extra.
+   fixed-size header slot (kind, call number, dtype, op, root, sizes) with one persistent request;
+   a mismatch raises the same clear error on every rank and leaves the group usable.  Small
+   all-reduces carry their payload inside that header exchange and are reduced locally in rank
+   order, so checking them costs nothing extra.  After a header, data move by MPI's blocking
+   (tuned) collectives: the header proved that every rank is in the call.
 4. **Segmentation**: data move in segments of at most ``max_segment_bytes`` per buffer and per
-   engine call, all started at once (nonblocking), whatever the tensor's shape.
+   engine call, whatever the tensor's shape.
 5. **Completion**: ``Work.wait()`` polls with a deadline (the group timeout); async work nobody
    waits on is driven by a progress thread.  A timeout aborts the group (MPI cannot cancel a
    collective): later calls raise at once.
