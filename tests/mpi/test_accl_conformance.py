@@ -514,7 +514,7 @@ def test_sync_call_behind_async_work_keeps_issue_order(groups, monkeypatch) -> N
     for sync in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
         t = torch.ones(3000)
         if rank == p - 1:
-            time.sleep(0.05)  # the others' async work cannot finish before this rank joins it
+            time.sleep(0.02)  # the others' async work cannot finish before this rank joins it
         works = [dist.all_reduce(t, async_op=True, group=g) for _ in range(3)]
         spy = _Submits(g, monkeypatch)
         if sync == "all_reduce":
