@@ -627,7 +627,7 @@ class CollectivesMixin:
             if not self._hdr_agrees(4):
                 self._verify_rows(self._hdr_all, words=4)
             if in_slot:
-                state["rounds"] = self._matrix_rounds(kind, op.seq)
+                state["rounds"], state["uniform"] = self._matrix_rounds(kind)
 
         def start_matrix() -> list[Request]:
             mine = torch.tensor(sb + rb, dtype=torch.int64)
@@ -639,16 +639,7 @@ class CollectivesMixin:
             return [MpiRequest([self._ctl.Iallgather(sbuf, rbuf)], keep=(mine, allm))]
 
         def verify_matrix() -> None:
-            m = state["allm"].tolist()
-            send = [row[:p] for row in m]
-            recv = [row[p:] for row in m]
-            bad = [(i, j) for i in range(p) for j in range(p) if send[i][j] != recv[j][i]]
-            if bad:
-                i, j = bad[0]
-                raise AcclMismatchError(
-                    f"accl: {kind} split sizes do not match across ranks: rank {i} sends {send[i][j]} bytes "
-                    f"to rank {j}, which expects {recv[j][i]} bytes from it ({len(bad)} mismatched pairs)")
-            state["rounds"] = max(1, math.ceil(max(max(r) for r in send) / max(1, seg // p)))
+            state["rounds"], state["uniform"] = self._matrix_rounds(kind, state["allm"].tolist())
 
         op.check = (start_header, verify_header)
         per_pair = max(1, seg // p)
@@ -660,6 +651,10 @@ class CollectivesMixin:
             dst = _as_bytes(out) if out.is_contiguous() and out.device.type == "cpu" else torch.empty(
                 out.numel() * out.element_size(), dtype=torch.uint8)
             state["dst"] = dst
+            if state["uniform"] and state["rounds"] == 1 and eng is self._mpi:
+                # every rank sends the same to every rank, in one round: MPI's Alltoall (the fast path's
+                # choice too: both decide on the all-gathered matrix, so all ranks make the same call)
+                return [self._call(eng, "alltoall", sb[0] * p, src, dst)]
             sdis = [sum(sb[:j]) for j in range(p)]
             rdis = [sum(rb[:j]) for j in range(p)]
             reqs = []

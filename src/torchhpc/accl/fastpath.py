@@ -92,6 +92,7 @@ class FastPathMixin:
         except (NotImplementedError, MPI.Exception):
             self._hdr_preq = None
         self._reductions: dict[tuple[torch.dtype, RedOp], _Reduction] = {}
+        self._matrix_struct = struct.Struct(f"={2 * p}q")  # all_to_all's byte matrix row
         self._row_specs: dict[tuple[int, int], list] = {}
 
     def _hdr_start(self: ProcessGroupACCL) -> MPI.Request:
@@ -393,14 +394,16 @@ class FastPathMixin:
     # ----------------------------------------------------------------- all_to_all
     def _pack_matrix(self: ProcessGroupACCL, sb: list[int], rb: list[int]) -> None:
         """This rank's send and receive byte counts into the slot's payload (int64 words)."""
-        p = self._size
-        struct.pack_into(f"={2 * p}q", self._hdr_buf, _PAYLOAD, *sb, *rb)
+        self._matrix_struct.pack_into(self._hdr_buf, _PAYLOAD, *sb, *rb)
 
-    def _matrix_rounds(self: ProcessGroupACCL, kind: str, seq: int) -> int:
+    def _matrix_rounds(self: ProcessGroupACCL, kind: str, rows: list[list[int]] | None = None
+                       ) -> tuple[int, bool]:
         """Check the all-gathered byte matrices (send of i to j == recv of j from i) and return the
-        number of segment rounds; raises AcclMismatchError naming the first bad pair."""
+        number of segment rounds and whether every rank sends the same to every rank (then one
+        round is one MPI Alltoall); raises AcclMismatchError naming the first bad pair."""
         p = self._size
-        rows = self._hdr_all_np[:, _HDR_WORDS: _HDR_WORDS + 2 * p].tolist()
+        if rows is None:
+            rows = self._hdr_all_np[:, _HDR_WORDS: _HDR_WORDS + 2 * p].tolist()
         send = [row[:p] for row in rows]
         recv = [row[p:] for row in rows]
         bad = [(i, j) for i in range(p) for j in range(p) if send[i][j] != recv[j][i]]
@@ -409,7 +412,8 @@ class FastPathMixin:
             raise AcclMismatchError(
                 f"accl: {kind} split sizes do not match across ranks: rank {i} sends {send[i][j]} bytes "
                 f"to rank {j}, which expects {recv[j][i]} bytes from it ({len(bad)} mismatched pairs)")
-        return max(1, math.ceil(max(max(r) for r in send) / max(1, self._seg // p)))
+        rounds = max(1, math.ceil(max(max(r) for r in send) / max(1, self._seg // p)))
+        return rounds, len({c for r in send for c in r}) == 1
 
     def _all_to_all_now(self: ProcessGroupACCL, out: torch.Tensor, inp: torch.Tensor, sb: list[int],
                         rb: list[int]) -> AcclWork | None | object:
@@ -424,20 +428,27 @@ class FastPathMixin:
             self._seq = seq + 1
             HEADER.pack_into(self._hdr_buf, 0, _MAGIC, _K_A2A, seq, _DTYPE_CODE.get(inp.dtype, 99), 0, 0,
                              0, 0, p)
-            self._pack_matrix(sb, rb)
+            self._matrix_struct.pack_into(self._hdr_buf, _PAYLOAD, *sb, *rb)
             bad = self._exchange_now("all_to_all", inp, finished, words=4)
             if bad is None:
                 try:
                     mine = self._hdr_buf[_PAYLOAD: _PAYLOAD + 16 * p]
                     allb = self._hdr_all_buf
-                    if all(allb[o + _PAYLOAD: o + _PAYLOAD + 16 * p] == mine for o in self._peer_offsets):
-                        same = sb == rb and len(set(sb)) == 1  # every rank sends and expects the same
+                    same = (sb == rb and len(set(sb)) == 1  # every rank sends and expects the same
+                            and all(allb[o + _PAYLOAD: o + _PAYLOAD + 16 * p] == mine for o in self._peer_offsets))
+                    if same:
+                        rounds, uniform = max(1, math.ceil(sb[0] / max(1, self._seg // p))), True
                     else:
-                        same = False
-                    rounds = (max(1, math.ceil(max(sb) / max(1, self._seg // p))) if same
-                              else self._matrix_rounds("all_to_all", seq))
-                    self._alltoallv_blocking(inp.data_ptr(), inp.numel() * inp.element_size(), sb,
-                                             out.data_ptr(), out.numel() * out.element_size(), rb, rounds)
+                        rounds, uniform = self._matrix_rounds("all_to_all")
+                    src, dst = inp.data_ptr(), out.data_ptr()
+                    if uniform and rounds == 1:  # the queued path's choice too
+                        c = sb[0]
+                        self._note_call(c * p)
+                        self._mpi.coll.Alltoall([_fromaddress(src, c * p), c, MPI.BYTE],
+                                                [_fromaddress(dst, c * p), c, MPI.BYTE])
+                    else:
+                        self._alltoallv_blocking(src, inp.numel() * inp.element_size(), sb,
+                                                 dst, out.numel() * out.element_size(), rb, rounds)
                 except BaseException as exc:  # noqa: BLE001
                     bad = self._failed("all_to_all", inp, exc)
         self._settle_now(finished)
