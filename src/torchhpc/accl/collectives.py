@@ -541,6 +541,16 @@ class CollectivesMixin:
         if output.dtype != input.dtype:
             raise TypeError(f"accl: all_to_all_single dtypes differ: output {output.dtype}, "
                             f"input {input.dtype}")
+        if (not input_split_sizes and not output_split_sizes and not _async(opts) and self._engine is self._mpi
+                and input.dim() > 0 and output.dim() > 0 and input.shape[0] % p == 0 and output.shape[0] % p == 0
+                and input.shape[1:] == output.shape[1:] and input.dtype == output.dtype and input.is_cpu
+                and output.is_cpu and input.is_contiguous() and output.is_contiguous()):
+            # even splits (the common case): equal blocks, straight to the fast path
+            esz = input.element_size()
+            done = self._all_to_all_now(output, input, [input.numel() * esz // p] * p,
+                                        [output.numel() * esz // p] * p)
+            if done is not FALLBACK:
+                return done
         # elements per dim-0 row (shape arithmetic: indexing a tensor costs more than the whole call)
         row_in = math.prod(input.shape[1:]) if input.dim() > 0 and input.shape[0] else 0
         row_out = math.prod(output.shape[1:]) if output.dim() > 0 and output.shape[0] else 0
