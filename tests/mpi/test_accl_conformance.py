@@ -570,3 +570,16 @@ def test_sync_and_async_ranks_make_matching_calls(groups, n: int) -> None:
         got = torch.empty(p * n)
         done(dist.all_to_all_single(got, torch.full((p * n,), float(rank)), group=g, async_op=a))
         assert torch.equal(got, torch.arange(p, dtype=torch.float32).repeat_interleave(n)), name
+
+
+def test_fast_path_float_overflow_is_inf_without_warnings(groups) -> None:
+    """As torch: float overflow in the locally reduced header-slot payloads gives inf, silently."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype, big in ((torch.float32, 3e38), (torch.float64, 1.7e308), (torch.float16, 60000.0),
+                           (torch.bfloat16, 3e38)):
+            t = torch.full((4,), big, dtype=dtype)
+            dist.all_reduce(t, group=groups["world"])
+            assert torch.all(torch.isinf(t)), dtype
