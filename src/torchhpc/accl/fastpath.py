@@ -91,7 +91,7 @@ class FastPathMixin:
             self._hdr_preq: MPI.Prequest | None = self._ctl.Allgather_init(*self._hdr_specs)
         except (NotImplementedError, MPI.Exception):
             self._hdr_preq = None
-        self._reductions: dict[tuple[torch.dtype, RedOp], _Reduction] = {}
+        self._reductions: dict[tuple[torch.dtype, int], _Reduction] = {}
         self._matrix_struct = struct.Struct(f"={2 * p}q")  # all_to_all's byte matrix row
         self._row_specs: dict[tuple[int, int], list] = {}
 
@@ -114,9 +114,9 @@ class FastPathMixin:
         return True
 
     def _reduction(self: ProcessGroupACCL, dtype: torch.dtype, op_t: RedOp) -> _Reduction:
-        red = self._reductions.get((dtype, op_t))
+        red = self._reductions.get((dtype, op_t.value))
         if red is None:
-            red = self._reductions[(dtype, op_t)] = _Reduction(dtype, op_t)
+            red = self._reductions[(dtype, op_t.value)] = _Reduction(dtype, op_t)
         return red
 
     def _reduce_slots(self: ProcessGroupACCL, red: _Reduction, nbytes: int) -> None:
@@ -196,7 +196,8 @@ class FastPathMixin:
         ``_SMALL_BYTES``, reduced locally) or header + MPI's blocking all-reduce in segments.
         Unchecked groups skip the header for messages that fit one nonblocking call below
         ``threaded_min_bytes`` and poll that call itself instead (the queued path does the same)."""
-        red = self._reductions.get((t.dtype, op_t)) or self._reduction(t.dtype, op_t)
+        # keyed by the op's int value: hashing and comparing torch's enum objects costs ~0.5 us
+        red = self._reductions.get((t.dtype, op_t.value)) or self._reduction(t.dtype, op_t)
         numel = t.numel()
         nbytes = numel * red.esz
         check = self.options.check
@@ -385,7 +386,7 @@ class FastPathMixin:
         return buf
 
     def _reduction_for(self: ProcessGroupACCL, dtype: torch.dtype, op_t: RedOp, what: str) -> _Reduction:
-        red = self._reductions.get((dtype, op_t))
+        red = self._reductions.get((dtype, op_t.value))
         if red is None:
             check_reduction(dtype, op_t, what)
             red = self._reduction(dtype, op_t)
