@@ -27,7 +27,6 @@ from .common import (
     _poll_until,
     _ranges,
     _Tensorish,
-    backoff,
 )
 from .engine import Request
 from .fastpath import FALLBACK, HEADER, MATRIX_MAX_RANKS
@@ -141,32 +140,6 @@ class CollectivesMixin:
         op.stages = [stage0]
         op.finish = finish
         return self._submit(op, async_op)
-
-    def _poll_now(self, req, op: Op, finished: list[Op]) -> bool:
-        """Poll ``req`` (an mpi4py or engine request) until done or the group timeout (caller holds the
-        lock); on timeout abort the group, fail ``op`` and return False."""
-        test = req.Test if hasattr(req, "Test") else req.test
-        spins = 0
-        deadline = 0.0
-        t_spin = 0.0
-        while not test():
-            spins += 1
-            if spins < 64:
-                continue
-            if self._p2p:  # receives in flight may need their payload posted to let peers reach us
-                finished += self._progress_locked()
-            t_now = now()
-            if not deadline:
-                deadline = t_now + self._timeout_s
-                t_spin = t_now
-            elif t_now > deadline:
-                numel = op.outputs[0].numel()
-                op.describe = f"{op.name}({op.outputs[0].dtype}, {numel} elements) #{op.seq}"
-                self._abort_locked(op)
-                finished += self._drain_locked()
-                return False
-            backoff(t_spin, t_now)
-        return True
 
     def _header_needed(self, eng: object, total_bytes: int) -> bool:
         """Whether a collective moving ``total_bytes`` exchanges the header: always when checked; on an

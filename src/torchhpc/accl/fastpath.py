@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -144,29 +145,38 @@ class FastPathMixin:
         Returns None when every rank agrees, else the failed call's Work (timeout: group aborted)."""
         req = self._hdr_start()
         if not req.Test():
-            spins = 0
-            deadline = t_spin = 0.0
-            while not req.Test():
-                spins += 1
-                if spins < 64:
-                    continue
-                if self._p2p:  # receives in flight may need their payload posted to let peers reach us
-                    finished += self._progress_locked()
-                t_now = now()
-                if not deadline:
-                    deadline = t_now + self._timeout_s
-                    t_spin = t_now
-                elif t_now > deadline:
-                    op = self._failed_op(name, t)
-                    self._abort_locked(op)
-                    finished += self._drain_locked()
-                    return AcclWork(self, op)
-                backoff(t_spin, t_now)
+            timed_out = self._poll_now(req.Test, name, t, finished)
+            if timed_out is not None:
+                return AcclWork(self, timed_out)
         if not self._hdr_agrees(words):
             try:
                 self._verify_rows(self._hdr_all, words=words)
             except AcclMismatchError as exc:
                 return self._failed(name, t, exc)
+        return None
+
+    def _poll_now(self: ProcessGroupACCL, test: Callable[[], bool], name: str, t: torch.Tensor,
+                  finished: list[Op]) -> Op | None:
+        """Poll ``test`` until it is true or the group timeout passed (caller holds the lock): spin
+        first, then back off.  On timeout abort the group and return the failed call's op."""
+        spins = 0
+        deadline = t_spin = 0.0
+        while not test():
+            spins += 1
+            if spins < 64:
+                continue
+            if self._p2p:  # receives in flight may need their payload posted to let peers reach us
+                finished += self._progress_locked()
+            t_now = now()
+            if not deadline:
+                deadline = t_now + self._timeout_s
+                t_spin = t_now
+            elif t_now > deadline:
+                op = self._failed_op(name, t)
+                self._abort_locked(op)
+                finished += self._drain_locked()
+                return op
+            backoff(t_spin, t_now)
         return None
 
     def _failed_op(self: ProcessGroupACCL, name: str, t: torch.Tensor) -> Op:
@@ -238,18 +248,17 @@ class FastPathMixin:
     def _allreduce_unchecked_now(self: ProcessGroupACCL, t: torch.Tensor, op_t: RedOp, nbytes: int,
                                  finished: list[Op]) -> AcclWork | None:
         """Unchecked group, one nonblocking call (caller holds the lock): polled against the timeout."""
-        op = self._failed_op("all_reduce", t)
         if not nbytes:
             return None  # the queued path makes no data call either
         try:
             req = self._call(self._mpi, "allreduce", nbytes, t.view(-1), _R.SUM if op_t == _R.AVG else op_t)
-            if not self._poll_now(req, op, finished):
-                return AcclWork(self, op)
+            timed_out = self._poll_now(req.test, "all_reduce", t, finished)
+            if timed_out is not None:
+                return AcclWork(self, timed_out)
             if op_t == _R.AVG:
                 t.div_(self._size)
         except BaseException as exc:  # noqa: BLE001
-            op.fail(_wrap(exc, op))
-            return AcclWork(self, op)
+            return self._failed("all_reduce", t, exc)
         return None
 
     def _blocking_allreduce(self: ProcessGroupACCL, flat: torch.Tensor, red: _Reduction) -> None:
