@@ -106,6 +106,9 @@ class FastPathMixin:
 
     def _hdr_agrees(self: ProcessGroupACCL, words: int = 8) -> bool:
         """Whether every rank's leading header ``words`` equal this rank's (cheap byte compare)."""
+        if len(self._peer_offsets) > 8:  # many ranks: one vectorised compare
+            h = self._hdr_all_np[:, :words]
+            return bool((h == h[self._rank]).all())
         n = words * 8
         key = self._hdr_buf[:n]
         allb = self._hdr_all_buf
@@ -115,6 +118,7 @@ class FastPathMixin:
         return True
 
     def _reduction(self: ProcessGroupACCL, dtype: torch.dtype, op_t: RedOp) -> _Reduction:
+        """The cached hot-path facts of ``op_t`` on ``dtype`` (raises for an invalid pair)."""
         red = self._reductions.get((dtype, op_t.value))
         if red is None:
             red = self._reductions[(dtype, op_t.value)] = _Reduction(dtype, op_t)
@@ -125,6 +129,8 @@ class FastPathMixin:
         (the same op the large path uses, so results do not depend on the message size)."""
         specs = self._row_specs.get((red.dcode, nbytes))
         if specs is None:
+            if len(self._row_specs) >= 256:  # bounded: one entry per (dtype, size) seen
+                self._row_specs.clear()
             count = nbytes // red.esz
             addr = self._hdr_all_mb.address
             specs = [[_fromaddress(addr + r * _SLOT + _PAYLOAD, nbytes), count, red.mpi_type]
@@ -137,6 +143,7 @@ class FastPathMixin:
 
     # ----------------------------------------------------------------- the shared synchronous steps
     def _idle(self: ProcessGroupACCL) -> bool:
+        """Nothing queued or in flight and not aborted: a synchronous call may bypass the queue."""
         return not self._queue and not self._p2p and self._aborted is None
 
     def _exchange_now(self: ProcessGroupACCL, name: str, t: torch.Tensor, finished: list[Op],
@@ -180,23 +187,27 @@ class FastPathMixin:
         return None
 
     def _failed_op(self: ProcessGroupACCL, name: str, t: torch.Tensor) -> Op:
+        """An op standing for the fast-path call just numbered, to carry its error to torch."""
         op = Op(name, [t], self._timeout_s)
         op.seq = self._seq - 1
         op.describe = f"{name}({t.dtype}, {t.numel()} elements) #{op.seq}"
         return op
 
     def _failed(self: ProcessGroupACCL, name: str, t: torch.Tensor, exc: BaseException) -> AcclWork:
+        """The Work of a failed fast-path call: its ``wait()`` (torch calls it) raises ``exc``."""
         op = self._failed_op(name, t)
         op.fail(_wrap(exc, op))
         return AcclWork(self, op)
 
     def _note_call(self: ProcessGroupACCL, nbytes: int) -> None:
+        """Account one data call of ``nbytes`` per buffer in ``stats`` (as ``_call`` does)."""
         st = self.stats
         st["engine_calls"] += 1
         if nbytes > st["max_call_bytes"]:
             st["max_call_bytes"] = nbytes
 
     def _settle_now(self: ProcessGroupACCL, finished: list[Op]) -> None:
+        """Complete point-to-point ops that finished while polling (outside the lock)."""
         if finished:
             self._complete(finished)
 
