@@ -16,7 +16,6 @@ from mpi4py import MPI
 
 import torchhpc.accl as accl
 from torchhpc.accl import bench, rendezvous
-from torchhpc.accl.common import _local_reduce
 from torchhpc.accl.reduction import check_reduction, mpi_reduction, red_op_of
 
 R = dist.ReduceOp
@@ -77,10 +76,14 @@ def test_half_precision_mpi_user_ops(dtype, op) -> None:
 
 
 def test_bool_maps_to_logical_ops() -> None:
-    v = torch.tensor([[True, False, True, False], [True, True, False, False]])
-    assert _local_reduce(v, red_op_of(R.SUM), 2).tolist() == [True, True, True, False]
-    assert _local_reduce(v, red_op_of(R.PRODUCT), 2).tolist() == [True, False, False, False]
-    assert _local_reduce(v, red_op_of(R.BXOR), 2).tolist() == [False, True, True, False]
+    """bool reduces as 0/1 bytes with MPI's ops (what the header-slot path runs locally, too)."""
+    expect = {R.SUM: [True, True, True, False], R.PRODUCT: [True, False, False, False],
+              R.BXOR: [False, True, True, False], R.MIN: [True, False, False, False]}
+    for op, want in expect.items():
+        dt, mop = mpi_reduction(torch.bool, red_op_of(op))
+        acc = torch.tensor([True, False, True, False])
+        mop.Reduce_local([torch.tensor([True, True, False, False]).numpy(), dt], [acc.numpy(), dt])
+        assert acc.tolist() == want, op
     _, op = mpi_reduction(torch.bool, red_op_of(R.SUM))
     assert op == MPI.MAX  # OR on 0/1 bytes
 
@@ -122,6 +125,24 @@ def test_one_rank_group_runs_every_collective(solo) -> None:
     assert "AcclWork" in repr(w)
     with pytest.raises(ValueError, match="source_rank"):
         w.source_rank()
+
+
+def test_header_exchange_without_persistent_collectives(solo) -> None:
+    """MPIs without MPI-4 persistent collectives (Allgather_init raising NotImplementedError): every
+    header exchange, fast path and queued, falls back to a nonblocking all-gather."""
+    solo._hdr_preq.Free()
+    solo._hdr_preq = None
+    t = torch.arange(4.0)
+    dist.all_reduce(t)  # header slot carries the payload
+    big = torch.arange(600.0)
+    dist.all_reduce(big, op=R.MAX)  # header + blocking all-reduce
+    dist.broadcast(big, 0)
+    out = torch.empty(600)
+    dist.all_gather_into_tensor(out, big)
+    dist.reduce_scatter_tensor(out, big)
+    dist.all_to_all_single(out, big)
+    dist.all_reduce(t, async_op=True).wait()  # queued path
+    assert torch.equal(t, torch.arange(4.0)) and torch.equal(out, torch.arange(600.0))
 
 
 def test_one_rank_group_argument_errors(solo) -> None:
@@ -205,3 +226,4 @@ def test_bench_cli_quick_run_writes_table_and_plot(tmp_path) -> None:
 
 def test_bench_rejects_bad_np() -> None:
     assert bench.main(["allreduce", "--np", "0"]) == 2
+    assert bench.main(["allreduce", "--repeats", "0"]) == 2

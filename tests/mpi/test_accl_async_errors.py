@@ -189,3 +189,29 @@ def test_monitored_barrier_method() -> None:
             pg.monitored_barrier(timedelta(milliseconds=300))
     MPI.COMM_WORLD.Barrier()
     pg.monitored_barrier(timedelta(seconds=30))  # the cancelled receives did not swallow these tokens
+
+
+@pytest.mark.parametrize("what", ["all_reduce_fused_vs_not", "broadcast", "all_gather", "reduce_scatter",
+                                  "all_to_all"])
+def test_fast_path_size_mismatch_raises_on_every_rank(what: str) -> None:
+    """Synchronous calls with sizes that differ across ranks: AcclMismatchError on every rank from
+    the fast path's header check, and the group stays usable."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    n = 8 if rank == 0 else 600  # rank 0 in the header slot, the others above it
+    with pytest.raises(accl.AcclMismatchError, match="ranks disagree|split sizes do not match"):
+        if what == "all_reduce_fused_vs_not":
+            dist.all_reduce(torch.ones(n))
+        elif what == "broadcast":
+            dist.broadcast(torch.ones(n), src=0)
+        elif what == "all_gather":
+            dist.all_gather_into_tensor(torch.empty(p * n), torch.ones(n))
+        elif what == "reduce_scatter":
+            dist.reduce_scatter_tensor(torch.empty(n), torch.ones(p * n))
+        else:
+            dist.all_to_all_single(torch.empty(p * n), torch.ones(p * n))
+    t = torch.ones(5)
+    dist.all_reduce(t)
+    assert torch.all(t == p)
+    out = torch.empty(p * 700)
+    dist.all_gather_into_tensor(out, torch.full((700,), float(rank)))
+    assert torch.equal(out, torch.arange(p, dtype=torch.float32).repeat_interleave(700))

@@ -394,3 +394,192 @@ def test_segments_never_exceed_max_segment_bytes(groups) -> None:
     dist.all_to_all_single(torch.empty_like(inp), inp, group=g)
     assert g.stats["max_call_bytes"] <= 64
     assert g.stats["engine_calls"] - calls >= 1200 * 4 // 64
+
+
+# --------------------------------------------------------------------- synchronous fast paths
+
+AG = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13's names
+RS = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class _Submits:
+    """Counts calls that went through the queue (``_submit``): zero means the fast path ran."""
+
+    def __init__(self, g, monkeypatch) -> None:
+        self.n = 0
+        orig = g._submit
+
+        def counting(op, async_op=True):
+            self.n += 1
+            return orig(op, async_op)
+
+        monkeypatch.setattr(g, "_submit", counting)
+
+
+def _run_five(g, dtype: torch.dtype, n: int, seed: int, contiguous: bool = True) -> None:
+    """all_reduce, broadcast, all_gather, reduce_scatter and all_to_all of ``n`` elements per rank
+    block, each checked against values every rank rebuilds independently."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+
+    def lay(x: torch.Tensor) -> torch.Tensor:  # same values, contiguous or a strided view
+        if contiguous:
+            return x
+        holder = torch.zeros(x.numel(), 2, dtype=x.dtype)
+        holder[:, 0] = x
+        return holder[:, 0]
+
+    everyone = [rank_data(r, n, dtype, seed) for r in range(p)]
+    op = R.MAX if dtype == torch.bool else R.SUM
+    t = lay(everyone[rank].clone())
+    dist.all_reduce(t, op=op, group=g)
+    assert torch.equal(t, reference(everyone, op)), ("all_reduce", dtype, n)
+    root = (seed + 1) % p
+    t = lay(everyone[rank].clone())
+    dist.broadcast(t, src=root, group=g)
+    assert torch.equal(t, everyone[root]), ("broadcast", dtype, n)
+    out = lay(torch.empty(p * n, dtype=dtype))
+    AG(out, lay(everyone[rank].clone()), group=g)
+    assert torch.equal(out, torch.cat(everyone)), ("all_gather", dtype, n)
+    full = [rank_data(r + 10, p * n, dtype, seed) for r in range(p)]
+    red = lay(torch.empty(n, dtype=dtype))
+    RS(red, lay(full[rank].clone()), op=op, group=g)
+    assert torch.equal(red, reference(full, op).view(p, n)[rank]), ("reduce_scatter", dtype, n)
+    got = lay(torch.empty(p * n, dtype=dtype))
+    dist.all_to_all_single(got, lay(full[rank].clone()), group=g)
+    assert torch.equal(got, torch.cat([f.view(p, n)[rank] for f in full])), ("all_to_all", dtype, n)
+
+
+@pytest.mark.parametrize("group_name", ["world", "tiny", "unchecked"])
+def test_sync_fast_paths_every_dtype(groups, group_name: str, monkeypatch) -> None:
+    """Synchronous calls on contiguous CPU tensors skip the queue (checked groups; unchecked ones
+    too above one nonblocking call) and give the independently computed values for every dtype,
+    in one slot (fused), above it (header + blocking MPI) and, on "tiny", in many segments."""
+    g = groups[group_name]
+    g.stats["max_call_bytes"] = 0
+    for n in (3, 300):
+        spy = _Submits(g, monkeypatch)
+        for seed, dtype in enumerate(DTYPES):
+            _run_five(g, dtype, n, seed)
+        if group_name != "unchecked":
+            assert spy.n == 0, f"{spy.n} synchronous calls were queued on an idle group"
+        monkeypatch.undo()
+    if group_name == "tiny":
+        assert 0 < g.stats["max_call_bytes"] <= 64
+
+
+def test_non_contiguous_inputs_take_the_queue_and_are_right(groups, monkeypatch) -> None:
+    for name in ("world", "tiny"):
+        g = groups[name]
+        spy = _Submits(g, monkeypatch)
+        for seed, dtype in enumerate((torch.float32, torch.bfloat16, torch.int64, torch.bool)):
+            _run_five(g, dtype, 40, seed, contiguous=False)
+        assert spy.n == 5 * 4
+        monkeypatch.undo()
+
+
+def test_fast_path_segments_stay_within_max_segment_bytes(groups) -> None:
+    """Several segments per call on the fast path: results right, no engine call above 64 B."""
+    g = groups["tiny"]
+    rank, p = dist.get_rank(), dist.get_world_size()
+    g.stats["max_call_bytes"] = 0
+    calls = g.stats["engine_calls"]
+    t = torch.arange(500, dtype=torch.float64) + rank  # 4000 B: 63 segments of 8 doubles
+    dist.broadcast(t, src=p - 1, group=g)
+    assert torch.equal(t, torch.arange(500, dtype=torch.float64) + p - 1)
+    out = torch.empty(p * 500, dtype=torch.float64)
+    AG(out, t, group=g)
+    assert torch.equal(out, (torch.arange(500, dtype=torch.float64) + p - 1).repeat(p))
+    rows = torch.arange(p * 100, dtype=torch.int32) * (rank + 1)
+    part = torch.empty(100, dtype=torch.int32)
+    RS(part, rows, group=g)
+    assert torch.equal(part, torch.arange(rank * 100, rank * 100 + 100, dtype=torch.int32) * (p * (p + 1) // 2))
+    # uneven all_to_all: rank i sends 40 * (i + j + 1) bytes (int32) to rank j
+    send = torch.cat([torch.full((10 * (rank + j + 1),), 100 * rank + j, dtype=torch.int32) for j in range(p)])
+    recv = torch.empty(sum(10 * (i + rank + 1) for i in range(p)), dtype=torch.int32)
+    dist.all_to_all_single(recv, send, [10 * (i + rank + 1) for i in range(p)],
+                           [10 * (rank + j + 1) for j in range(p)], group=g)
+    assert torch.equal(recv, torch.cat([torch.full((10 * (i + rank + 1),), 100 * i + rank, dtype=torch.int32)
+                                        for i in range(p)]))
+    assert g.stats["max_call_bytes"] <= 64
+    assert g.stats["engine_calls"] - calls >= 4000 // 64
+
+
+def test_sync_call_behind_async_work_keeps_issue_order(groups, monkeypatch) -> None:
+    """A synchronous call while async collectives are pending is queued behind them and sees
+    their results (the fast path needs an idle group)."""
+    import time
+
+    g = groups["world"]
+    rank, p = dist.get_rank(), dist.get_world_size()
+    for sync in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all"):
+        t = torch.ones(3000)
+        if rank == p - 1:
+            time.sleep(0.02)  # the others' async work cannot finish before this rank joins it
+        works = [dist.all_reduce(t, async_op=True, group=g) for _ in range(3)]
+        spy = _Submits(g, monkeypatch)
+        if sync == "all_reduce":
+            dist.all_reduce(t, group=g)
+            assert torch.all(t == float(p) ** 4)
+        elif sync == "broadcast":
+            dist.broadcast(t, src=p - 1, group=g)
+            assert torch.all(t == float(p) ** 3)
+        elif sync == "all_gather":
+            out = torch.empty(p * 3000)
+            AG(out, t, group=g)
+            assert torch.all(out == float(p) ** 3)
+        elif sync == "reduce_scatter":
+            out = torch.empty(3000 // p)
+            RS(out, t[: (3000 // p) * p], group=g)
+            assert torch.all(out == float(p) ** 4)
+        else:
+            out = torch.empty(3000)
+            dist.all_to_all_single(out, t, group=g)
+            assert torch.all(out == float(p) ** 3)
+        assert spy.n == 1 or rank == p - 1, sync
+        monkeypatch.undo()
+        assert all(w.is_completed() for w in works)
+
+
+@pytest.mark.parametrize("n", [4, 600, 20_000])
+def test_sync_and_async_ranks_make_matching_calls(groups, n: int) -> None:
+    """Rank 0 issues every call async (queued path), the others synchronously (fast path): both
+    paths must make the same MPI calls, in the slot, above it, and above threaded_min_bytes."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    for name in ("world", "tiny", "unchecked"):
+        g = groups[name]
+        if name != "world" and n > 600:
+            continue  # hundreds of 64/256 B segments per call: the small groups are covered at 600
+        a = rank == 0
+
+        def done(w) -> None:
+            if w is not None:
+                w.wait()
+
+        t = torch.full((n,), float(rank + 1))
+        done(dist.all_reduce(t, group=g, async_op=a))
+        assert torch.all(t == p * (p + 1) / 2), name
+        t = torch.full((n,), float(rank))
+        done(dist.broadcast(t, src=p - 1, group=g, async_op=a))
+        assert torch.all(t == p - 1), name
+        out = torch.empty(p * n)
+        done(AG(out, torch.full((n,), float(rank)), group=g, async_op=a))
+        assert torch.equal(out, torch.arange(p, dtype=torch.float32).repeat_interleave(n)), name
+        part = torch.empty(n)
+        done(RS(part, torch.full((p * n,), 1.0), group=g, async_op=a))
+        assert torch.all(part == p), name
+        got = torch.empty(p * n)
+        done(dist.all_to_all_single(got, torch.full((p * n,), float(rank)), group=g, async_op=a))
+        assert torch.equal(got, torch.arange(p, dtype=torch.float32).repeat_interleave(n)), name
+
+
+def test_fast_path_float_overflow_is_inf_without_warnings(groups) -> None:
+    """As torch: float overflow in the locally reduced header-slot payloads gives inf, silently."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for dtype, big in ((torch.float32, 3e38), (torch.float64, 1.7e308), (torch.float16, 60000.0),
+                           (torch.bfloat16, 3e38)):
+            t = torch.full((4,), big, dtype=dtype)
+            dist.all_reduce(t, group=groups["world"])
+            assert torch.all(torch.isinf(t)), dtype

@@ -9,14 +9,22 @@ Usage::
 Outside an MPI job the command starts itself under ``mpiexec -n NP`` (oversubscribed, one thread per
 rank).  For every size it times the same float32 collective through ``torch.distributed`` with the
 ``accl`` backend, through ``torch.distributed`` with ``gloo``, and as the plain mpi4py call a user
-would write on numpy buffers (``comm.Allreduce(MPI.IN_PLACE, buf)``...).  Times are the slowest
-rank's mean; algbw = size / time, busbw = algbw x the nccl-tests factor of the collective.
+would write on numpy buffers (``comm.Allreduce(MPI.IN_PLACE, buf)``...).  all_gather and
+reduce_scatter go through ``all_gather_into_tensor``/``reduce_scatter_tensor`` (torch >= 2.13:
+their new names ``all_gather_single``/``reduce_scatter_single``), all_to_all through
+``all_to_all_single``.
+
+Timing is robust to a noisy, shared machine: each (size, implementation) is timed in ``--repeats``
+interleaved rounds (round 1 times accl, gloo, mpi4py, round 2 again...), each round's time is the
+slowest rank's mean over its iterations, and the table reports the median of the round means.
+algbw = size / time, busbw = algbw x the nccl-tests factor of the collective.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,7 +54,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="three sizes, few iterations (seconds)")
     ap.add_argument("--min-bytes", type=int, default=None)
     ap.add_argument("--max-bytes", type=int, default=None)
-    ap.add_argument("--time-per-point", type=float, default=0.25, help="seconds spent per size and impl")
+    ap.add_argument("--time-per-point", type=float, default=0.25,
+                    help="seconds spent per size and impl, all rounds together")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="interleaved timing rounds per size; the table shows the median round")
     ap.add_argument("--plot", default=None, help="write a PNG of busbw vs size here")
     ap.add_argument("--no-check", action="store_true", help="accl without the cross-rank header check")
     ap.add_argument("--impls", default=",".join(IMPLS), help="subset of accl,gloo,mpi4py")
@@ -87,6 +98,8 @@ def _runners(coll: str, nbytes: int, n: int, groups: dict, comm) -> dict[str, Ca
 
     numel = max(1, nbytes // 4)
     out: dict[str, Callable[[], None]] = {}
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13 name
+    reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     if coll == "allreduce":
         bufs = {k: torch.ones(numel) for k in IMPLS}
         a = bufs["mpi4py"].numpy()
@@ -103,16 +116,16 @@ def _runners(coll: str, nbytes: int, n: int, groups: dict, comm) -> dict[str, Ca
         per = max(1, numel // n)
         ins = {k: torch.ones(per) for k in IMPLS}
         outs = {k: torch.empty(per * n) for k in IMPLS}
-        out["accl"] = lambda: dist.all_gather_into_tensor(outs["accl"], ins["accl"], group=groups["accl"])
-        out["gloo"] = lambda: dist.all_gather_into_tensor(outs["gloo"], ins["gloo"], group=groups["gloo"])
+        out["accl"] = lambda: all_gather(outs["accl"], ins["accl"], group=groups["accl"])
+        out["gloo"] = lambda: all_gather(outs["gloo"], ins["gloo"], group=groups["gloo"])
         si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
         out["mpi4py"] = lambda: comm.Allgather(si, so)
     elif coll == "reduce_scatter":  # size = input buffer
         per = max(1, numel // n)
         ins = {k: torch.ones(per * n) for k in IMPLS}
         outs = {k: torch.empty(per) for k in IMPLS}
-        out["accl"] = lambda: dist.reduce_scatter_tensor(outs["accl"], ins["accl"], group=groups["accl"])
-        out["gloo"] = lambda: dist.reduce_scatter_tensor(outs["gloo"], ins["gloo"], group=groups["gloo"])
+        out["accl"] = lambda: reduce_scatter(outs["accl"], ins["accl"], group=groups["accl"])
+        out["gloo"] = lambda: reduce_scatter(outs["gloo"], ins["gloo"], group=groups["gloo"])
         si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
         out["mpi4py"] = lambda: comm.Reduce_scatter_block(si, so, MPI.SUM)
     elif coll == "alltoall":  # size = send buffer
@@ -169,10 +182,15 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, list[tuple[int, dict[str, float]]]] = {}
     for coll in colls:
         rows = []
+        repeats = 1 if args.quick else args.repeats
+        budget = args.time_per_point / repeats
         for size in _sizes(args):
             runners = _runners(coll, size, n, groups, comm)
-            times = {impl: _time(runners[impl], comm, args.time_per_point, args.quick) for impl in impls}
-            rows.append((size, times))
+            rounds: dict[str, list[float]] = {impl: [] for impl in impls}
+            for _ in range(repeats):  # interleaved: slow phases of a shared machine hit every impl
+                for impl in impls:
+                    rounds[impl].append(_time(runners[impl], comm, budget, args.quick))
+            rows.append((size, {impl: statistics.median(ts) for impl, ts in rounds.items()}))
         results[coll] = rows
         if rank == 0:
             _print_table(coll, rows, impls, n)
@@ -185,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_table(coll: str, rows: list, impls: list[str], n: int) -> None:
     fac = bus_factor(coll, n)
-    print(f"\n# {coll}, float32, {n} ranks; time in us, bandwidths in GB/s (busbw factor {fac:.3g})")
+    print(f"\n# {coll}, float32, {n} ranks; time in us (median of interleaved rounds' means), "
+          f"bandwidths in GB/s (busbw factor {fac:.3g})")
     head = f"{'size':>10}"
     for impl in impls:
         head += f" | {impl + ' time':>12} {'algbw':>7} {'busbw':>7}"
@@ -236,6 +255,9 @@ def main(argv: list[str]) -> int:
     args = _parse(list(argv))
     if args.np < 1:
         print("torchhpc bench: --np must be >= 1", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print("torchhpc bench: --repeats must be >= 1", file=sys.stderr)
         return 2
     if not _under_mpi():
         return _relaunch(list(argv), args.np)

@@ -8,9 +8,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from mpi4py import MPI
 
 from .common import (
@@ -19,34 +17,35 @@ from .common import (
     _HDR_WORDS,
     _KIND,
     _MAGIC,
-    _NP_REDUCE,
-    _NUMPY_DTYPE,
-    _OP_CODE,
     _R,
     _SMALL_BYTES,
     AcclMismatchError,
     _as_bytes,
     _async,
     _describe,
-    _local_reduce,
     _mpi_op,
     _poll_until,
     _ranges,
     _Tensorish,
-    backoff,
 )
 from .engine import Request
+from .fastpath import FALLBACK, HEADER, MATRIX_MAX_RANKS
 from .mpi_engine import MpiRequest
-from .reduction import RedOp, check_reduction, mpi_reduction, op_name, red_op_of
+from .reduction import RedOp, check_reduction, op_name, red_op_of
 from .work import AcclTimeoutError, AcclWork, Op, now
 
 
 class CollectivesMixin:
     """all_reduce ... barrier, as torch's c10d calls them on a Python process group."""
 
-    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
         t = _Tensorish.one(tensors, "all_reduce")
         op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
+        if (opts is not None and not opts.asyncOp and t.is_cpu and self._engine is self._mpi
+                and t.is_contiguous()):
+            done = self._allreduce_now(t, op_t)
+            if done is not FALLBACK:
+                return done
         return self._allreduce([t], op_t, "all_reduce", _async(opts))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
@@ -67,11 +66,6 @@ class CollectivesMixin:
         # payloads up to a header slot ride in the MPI header exchange (MPI engine only: with ACCL
         # the data always goes to the device, or is sidestepped by the rules of AcclOptions.sidestep)
         fuse = eng is self._mpi and self.options.check
-        t0 = ts[0]
-        if (not async_op and len(ts) == 1 and eng is self._mpi and not self._queue and t0.is_contiguous()
-                and t0.is_cpu
-                and (not self._p2p or (fuse and t0.numel() * t0.element_size() <= _SMALL_BYTES))):
-            return self._allreduce_now(t0, op_t)
         op = self._new_op(kind, ts)
         numel = sum(t.numel() for t in ts)
         esz = ts[0].element_size()
@@ -97,38 +91,37 @@ class CollectivesMixin:
                 off += t.numel()
 
         if fuse and nbytes <= _SMALL_BYTES:
-            # the payload rides in the header exchange; every rank reduces the p slots itself
-            single = len(ts) == 1 and ts[0].is_contiguous() and ts[0].device.type == "cpu"
-            npdt = _NUMPY_DTYPE.get(dtype) if single and op_t in _NP_REDUCE else None
+            # the payload rides in the header exchange; every rank reduces the p slots itself, exactly
+            # as the synchronous fast path does (so ranks taking either path agree bit for bit)
+            red = self._reduction(dtype, op_t)
 
             def start_check() -> Request:
-                flat = ts[0].view(-1) if single else gather_flat()
+                flat = gather_flat()
+                if flat.device.type != "cpu":
+                    flat = flat.cpu()
                 state["flat"] = flat
-                header = self._header(kind, dtype, numel, nbytes, op_t)
-                header[_F_SEQ] = op.seq
-                if npdt is not None:  # numpy: a few times cheaper than torch for tiny buffers
-                    return self._fused_start_np(header, flat.numpy().view(np.uint8))
-                return self._fused_start(header, flat, allh_holder=state)
+                HEADER.pack_into(self._hdr_buf, 0, _MAGIC, _KIND[kind], op.seq, red.dcode, red.ocode, 0,
+                                 nbytes, numel, 0)
+                if nbytes:
+                    self._hdr_bytes[:nbytes] = _as_bytes(flat)
+                return MpiRequest([self._hdr_start()])
 
             def verify() -> None:
                 self._verify_rows(self._hdr_all)
-                if npdt is not None:
-                    vals = self._hdr_all_u8[:, :nbytes].view(npdt)
-                    with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
-                        _NP_REDUCE[op_t](vals, axis=0, out=state["flat"].numpy())
-                    if op_t == _R.AVG:
-                        state["flat"].div_(p)
-                    return
-                vals = self._hdr_all_bytes[:, :nbytes].view(dtype) if nbytes else self._hdr_all_bytes[:, :0]
                 flat = state["flat"]
-                flat.copy_(_local_reduce(vals, op_t, p).view(-1))
-                if not single:
-                    scatter_back(flat)
+                if nbytes:
+                    self._reduce_slots(red, nbytes)
+                    _as_bytes(flat).copy_(self._hdr_all_bytes[0, :nbytes])
+                if red.avg:
+                    flat.div_(p)
+                scatter_back(flat)
 
             op.check = (start_check, verify)
             return self._submit(op, async_op)
 
-        if self.options.check:
+        # a header (always when checked; unchecked, for what does not fit one nonblocking call) makes
+        # the data phase blocking MPI calls: the same rule and calls as the synchronous fast path
+        if self.options.check or (eng is self._mpi and nbytes > self._unchecked_one_call):
             self._add_check_lazy(op, kind, dtype, numel, nbytes, op_t)
 
         def stage0() -> list[Request]:
@@ -148,118 +141,11 @@ class CollectivesMixin:
         op.finish = finish
         return self._submit(op, async_op)
 
-    def _allreduce_now(self, t: torch.Tensor, op_t: RedOp) -> AcclWork:
-        """Blocking all_reduce of one contiguous CPU tensor on an idle group, entirely in the caller's
-        thread: no queue, no closures, no copies (the latency-critical path of ``dist.all_reduce``).
-
-        Checked groups first all-gather the header (nonblocking, polled against the group timeout);
-        payloads up to ``_SMALL_BYTES`` ride in it and are reduced locally, bigger ones then run MPI's
-        blocking (tuned) all-reduce in segments directly on the tensor's memory: the header proved
-        every rank is in this very call, so the blocking call cannot wait on a missing peer.
-        Unchecked groups skip the header for messages that fit one nonblocking call below
-        ``threaded_min_bytes`` and poll that call itself instead."""
-        op = self._new_op("all_reduce", [t])
-        numel = t.numel()
-        esz = t.element_size()
-        nbytes = numel * esz
-        check = self.options.check
-        fused = check and nbytes <= _SMALL_BYTES and t.dtype in _NUMPY_DTYPE and op_t in _NP_REDUCE
-        arr = (t.numpy() if t.dim() == 1 else t.view(-1).numpy()) if fused else None
-        unchecked_one_call = min(self._seg, self._big - 1)
-        finished: list[Op] = []
-        with self._lock:
-            if self._aborted is not None:
-                raise dist.DistBackendError(f"accl: process group is aborted ({self._aborted})")
-            op.seq = seq = self._seq
-            self._seq += 1
-            try:
-                # unchecked groups skip the header only where it costs: for large messages it is the
-                # proof that every rank arrived before the blocking call, and costs well under 1%
-                header = check or nbytes > unchecked_one_call
-                if header:
-                    mine = self._hdr_np
-                    mine[:] = 0
-                    mine[:9] = (_MAGIC, _KIND["all_reduce"], seq, _DTYPE_CODE[t.dtype], _OP_CODE[op_t], 0,
-                                nbytes, numel, 0)
-                    if fused and nbytes:
-                        self._hdr_u8[:nbytes] = arr.view(np.uint8)
-                    req = self._ctl.Iallgather(*self._hdr_req_args)
-                else:  # small and unchecked: the data call itself, polled against the timeout
-                    req = self._call(self._mpi, "allreduce", nbytes, t.view(-1), _mpi_op(op_t))
-                if not self._poll_now(req, op, finished):
-                    pass  # timed out: the group is aborted and op failed
-                elif header:
-                    self._verify_rows(self._hdr_all)
-                if not op.done and fused:
-                    vals = self._hdr_all_u8[:, :nbytes].view(_NUMPY_DTYPE[t.dtype])
-                    with np.errstate(all="ignore"):  # overflow gives inf/wraps silently, as in torch
-                        _NP_REDUCE[op_t](vals, axis=0, out=arr)
-                elif not op.done and header:
-                    self._blocking_allreduce(t.view(-1), op_t)
-                if not op.done:
-                    if op_t == _R.AVG:
-                        t.div_(self._size)
-                    op.done = True
-            except BaseException as exc:  # noqa: BLE001 - reported through the Work
-                self._fail(op, exc)
-                if self._aborted is not None:
-                    finished += self._drain_locked()
-        if finished:
-            self._complete(finished)
-        op.release()
-        return AcclWork(self, op)
-
-    def _blocking_allreduce(self, flat: torch.Tensor, op_t: RedOp) -> None:
-        """MPI's blocking all-reduce on ``flat`` in place, in segments of at most ``max_segment_bytes``
-        (straight on the communicator: this is the bandwidth path, no per-segment Python layers)."""
-        esz = flat.element_size()
-        numel = flat.numel()
-        per = self._per(esz)
-        dt, mop = mpi_reduction(flat.dtype, _mpi_op(op_t))
-        allreduce = self._mpi.coll.Allreduce
-        base = flat.data_ptr()
-        st = self.stats
-        for a in range(0, numel, per):
-            n = min(numel - a, per)
-            st["engine_calls"] += 1
-            if n * esz > st["max_call_bytes"]:
-                st["max_call_bytes"] = n * esz
-            allreduce(MPI.IN_PLACE, [MPI.buffer.fromaddress(base + a * esz, n * esz), n, dt], mop)
-
-    def _poll_now(self, req, op: Op, finished: list[Op]) -> bool:
-        """Poll ``req`` (an mpi4py or engine request) until done or the group timeout (caller holds the
-        lock); on timeout abort the group, fail ``op`` and return False."""
-        test = req.Test if hasattr(req, "Test") else req.test
-        spins = 0
-        deadline = 0.0
-        t_spin = 0.0
-        while not test():
-            spins += 1
-            if spins < 64:
-                continue
-            if self._p2p:  # receives in flight may need their payload posted to let peers reach us
-                finished += self._progress_locked()
-            t_now = now()
-            if not deadline:
-                deadline = t_now + self._timeout_s
-                t_spin = t_now
-            elif t_now > deadline:
-                numel = op.outputs[0].numel()
-                op.describe = f"{op.name}({op.outputs[0].dtype}, {numel} elements) #{op.seq}"
-                self._abort_locked(op)
-                finished += self._drain_locked()
-                return False
-            backoff(t_spin, t_now)
-        return True
-
-    def _fused_start_np(self, header: list[int], payload: np.ndarray) -> Request:
-        mine = self._hdr_np
-        mine[:] = 0
-        mine[: len(header)] = header
-        if payload.size:
-            self._hdr_u8[: payload.size] = payload
-        sb, rb = self._hdr_req_args
-        return MpiRequest([self._ctl.Iallgather(sb, rb)])
+    def _header_needed(self, eng: object, total_bytes: int) -> bool:
+        """Whether a collective moving ``total_bytes`` exchanges the header: always when checked; on an
+        unchecked MPI group when it does not fit one nonblocking call (the header then proves that every
+        rank arrived before the blocking calls).  The fast paths follow the same rule."""
+        return self.options.check or (eng is self._mpi and total_bytes > self._unchecked_one_call)
 
     def _fused_start(self, header: list[int], flat: torch.Tensor, allh_holder: dict) -> Request:
         mine = self._hdr_np
@@ -269,12 +155,14 @@ class CollectivesMixin:
         if nbytes:
             self._hdr_bytes[:nbytes] = _as_bytes(flat if flat.device.type == "cpu" else flat.cpu())
         allh_holder["allh"] = self._hdr_all
-        sb, rb = self._hdr_req_args
-        return MpiRequest([self._ctl.Iallgather(sb, rb)])
+        return MpiRequest([self._hdr_start()])
 
-    def _verify_rows(self, allh: torch.Tensor, fused: bool = False, vary_bytes: bool = False) -> None:
+    def _verify_rows(self, allh: torch.Tensor, fused: bool = False, vary_bytes: bool = False,
+                     words: int = 8) -> None:
+        """Raise AcclMismatchError naming what each rank called unless every rank's leading header
+        ``words`` agree (magic, kind, seq, dtype, op, root, bytes, numel)."""
         h = (self._hdr_all_np if allh is self._hdr_all else allh.numpy())[:, :_HDR_WORDS]
-        sub = h[:, :3] if vary_bytes else h[:, :8]  # magic, kind, seq (+ dtype, op, root, bytes, numel)
+        sub = h[:, :3] if vary_bytes else h[:, :words]
         raw = sub.tobytes()  # every row equal <=> the rows' bytes are p copies of row 0's (cheap on the hot path)
         if raw != raw[: len(raw) // self._size] * self._size:
             groups: dict[str, list[int]] = {}
@@ -311,11 +199,15 @@ class CollectivesMixin:
         if opts is not None and opts.rootTensor != 0:
             raise ValueError(f"accl: broadcast rootTensor must be 0, got {opts.rootTensor}")
         eng = self._engine_for("broadcast", t.dtype)
+        if not _async(opts) and self._engine is self._mpi and t.is_cpu and t.is_contiguous():
+            done = self._broadcast_now(t, root)
+            if done is not FALLBACK:
+                return done
         op = self._new_op("broadcast", [t])
         esz, numel = t.element_size(), t.numel()
         op.big = numel * esz >= self._big
         op.describe = lambda: f"broadcast({t.dtype}, {numel} elements, root {root}) #{op.seq}"
-        if self.options.check:
+        if self._header_needed(eng, numel * esz):
             self._add_check_lazy(op, "broadcast", t.dtype, numel, numel * esz, None, root)
         state: dict[str, torch.Tensor] = {}
 
@@ -378,7 +270,7 @@ class CollectivesMixin:
         esz, numel, p = inp.element_size(), inp.numel(), self._size
         op.big = numel * esz * p >= self._big
         op.describe = lambda: f"{kind}({inp.dtype}, {numel} elements per rank) #{op.seq}"
-        if self.options.check:
+        if self.options.check or (kind == "all_gather" and self._header_needed(eng, numel * esz * p)):
             self._add_check_lazy(op, kind, inp.dtype, numel, numel * esz, None, root)
         state: dict = {}
 
@@ -442,6 +334,11 @@ class CollectivesMixin:
         if output.numel() != p * input.numel():
             raise ValueError(f"accl: all_gather_into_tensor output has {output.numel()} elements, needs "
                              f"world_size * input = {p} * {input.numel()} = {p * input.numel()}")
+        if (not _async(opts) and self._engine is self._mpi and input.is_cpu and output.is_cpu
+                and input.is_contiguous() and output.is_contiguous()):
+            done = self._all_gather_now(output, input)
+            if done is not FALLBACK:
+                return done
         numel = input.numel()
         direct = output.is_contiguous() and (output.device.type == "cpu" or self._mpi.accepts(output.device))
 
@@ -541,7 +438,7 @@ class CollectivesMixin:
         op.big = numel * esz * p >= self._big
         op.describe = lambda: (f"reduce_scatter({out.dtype}, {numel} elements per rank, {op_name(op_t)}) "
                                f"#{op.seq}")
-        if self.options.check:
+        if self._header_needed(eng, numel * esz * p):
             self._add_check_lazy(op, "reduce_scatter", out.dtype, numel, numel * esz, op_t)
         state: dict = {}
 
@@ -588,6 +485,11 @@ class CollectivesMixin:
             raise ValueError(f"accl: reduce_scatter_tensor input has {input.numel()} elements, needs "
                              f"world_size * output = {p} * {output.numel()} = {p * output.numel()}")
         op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
+        if (not _async(opts) and self._engine is self._mpi and input.is_cpu and output.is_cpu
+                and input.is_contiguous() and output.is_contiguous()):
+            done = self._reduce_scatter_now(output, input, op_t)
+            if done is not FALLBACK:
+                return done
 
         def rows() -> torch.Tensor:
             return input.reshape(p, output.numel()).contiguous().cpu()
@@ -612,8 +514,19 @@ class CollectivesMixin:
         if output.dtype != input.dtype:
             raise TypeError(f"accl: all_to_all_single dtypes differ: output {output.dtype}, "
                             f"input {input.dtype}")
-        row_in = input[0].numel() if input.dim() > 0 and input.shape[0] else 0
-        row_out = output[0].numel() if output.dim() > 0 and output.shape[0] else 0
+        if (not input_split_sizes and not output_split_sizes and not _async(opts) and self._engine is self._mpi
+                and input.dim() > 0 and output.dim() > 0 and input.shape[0] % p == 0 and output.shape[0] % p == 0
+                and input.shape[1:] == output.shape[1:] and input.dtype == output.dtype and input.is_cpu
+                and output.is_cpu and input.is_contiguous() and output.is_contiguous()):
+            # even splits (the common case): equal blocks, straight to the fast path
+            esz = input.element_size()
+            done = self._all_to_all_now(output, input, [input.numel() * esz // p] * p,
+                                        [output.numel() * esz // p] * p)
+            if done is not FALLBACK:
+                return done
+        # elements per dim-0 row (shape arithmetic: indexing a tensor costs more than the whole call)
+        row_in = math.prod(input.shape[1:]) if input.dim() > 0 and input.shape[0] else 0
+        row_out = math.prod(output.shape[1:]) if output.dim() > 0 and output.shape[0] else 0
         row = max(row_in, row_out, 1) if input.dim() > 1 or output.dim() > 1 else 1
 
         def splits(sizes: list[int], t: torch.Tensor, name: str) -> list[int]:
@@ -637,6 +550,11 @@ class CollectivesMixin:
         esz = input.element_size()
         sb = [s * row * esz for s in s_in]
         rb = [s * row * esz for s in s_out]
+        if (not _async(opts) and self._engine is self._mpi and input.is_cpu and output.is_cpu
+                and input.is_contiguous() and output.is_contiguous()):
+            done = self._all_to_all_now(output, input, sb, rb)
+            if done is not FALLBACK:
+                return done
         return self._alltoallv("all_to_all", input, output, sb, rb, [output], _async(opts))
 
     alltoall_base = all_to_all_single
@@ -676,41 +594,50 @@ class CollectivesMixin:
         seg = self._seg
 
         # the byte matrix (what every rank sends to every other) is always exchanged: it fixes the
-        # number of segment rounds, and lets every rank check that sends match receives.
-        def start_matrix() -> Request:
-            mine = torch.tensor([_MAGIC, _KIND[kind], op.seq] + sb + rb, dtype=torch.int64)
-            allm = torch.empty((p, 3 + 2 * p), dtype=torch.int64)
+        # number of segment rounds, and lets every rank check that sends match receives.  It rides in
+        # the header slot (the fast path's exchange) up to MATRIX_MAX_RANKS ranks; beyond, the slot
+        # exchange checks the call and a second all-gather (every rank now knows it) brings the matrix.
+        in_slot = p <= MATRIX_MAX_RANKS
+        dcode = _DTYPE_CODE.get(inp.dtype, 99)
+
+        def start_header() -> Request:
+            HEADER.pack_into(self._hdr_buf, 0, _MAGIC, _KIND[kind], op.seq, dcode, 0, 0, 0, 0, p)
+            if in_slot:
+                self._pack_matrix(sb, rb)
+            return MpiRequest([self._hdr_start()])
+
+        def verify_header() -> None:
+            if not self._hdr_agrees(4):
+                self._verify_rows(self._hdr_all, words=4)
+            if in_slot:
+                state["rounds"], state["uniform"] = self._matrix_rounds(kind)
+
+        def start_matrix() -> list[Request]:
+            mine = torch.tensor(sb + rb, dtype=torch.int64)
+            allm = torch.empty((p, 2 * p), dtype=torch.int64)
             state["allm"] = allm
             n = mine.numel() * 8
             sbuf = [MPI.buffer.fromaddress(mine.data_ptr(), n), n, MPI.BYTE]
             rbuf = [MPI.buffer.fromaddress(allm.data_ptr(), n * p), n, MPI.BYTE]
-            return MpiRequest([self._ctl.Iallgather(sbuf, rbuf)], keep=(mine, allm))
+            return [MpiRequest([self._ctl.Iallgather(sbuf, rbuf)], keep=(mine, allm))]
 
         def verify_matrix() -> None:
-            m = state["allm"].tolist()
-            heads = {tuple(row[:3]) for row in m}
-            if len(heads) != 1:
-                raise AcclMismatchError(f"accl: ranks disagree on a collective in group '{self._name}': "
-                                        f"rank {self._rank} called {kind} as call #{op.seq}, others "
-                                        f"called something else (headers {sorted(heads)})")
-            send = [row[3: 3 + p] for row in m]
-            recv = [row[3 + p:] for row in m]
-            bad = [(i, j) for i in range(p) for j in range(p) if send[i][j] != recv[j][i]]
-            if bad:
-                i, j = bad[0]
-                raise AcclMismatchError(
-                    f"accl: {kind} split sizes do not match across ranks: rank {i} sends {send[i][j]} bytes "
-                    f"to rank {j}, which expects {recv[j][i]} bytes from it ({len(bad)} mismatched pairs)")
-            state["rounds"] = max(1, math.ceil(max(max(r) for r in send) / max(1, seg // p)))
+            state["rounds"], state["uniform"] = self._matrix_rounds(kind, state["allm"].tolist())
 
-        op.check = (start_matrix, verify_matrix)
+        op.check = (start_header, verify_header)
         per_pair = max(1, seg // p)
 
         def stage0() -> list[Request]:
+            if not in_slot:
+                verify_matrix()
             src = _as_bytes(self._stage_in(inp, eng))
             dst = _as_bytes(out) if out.is_contiguous() and out.device.type == "cpu" else torch.empty(
                 out.numel() * out.element_size(), dtype=torch.uint8)
             state["dst"] = dst
+            if state["uniform"] and state["rounds"] == 1 and eng is self._mpi:
+                # every rank sends the same to every rank, in one round: MPI's Alltoall (the fast path's
+                # choice too: both decide on the all-gathered matrix, so all ranks make the same call)
+                return [self._call(eng, "alltoall", sb[0] * p, src, dst)]
             sdis = [sum(sb[:j]) for j in range(p)]
             rdis = [sum(rb[:j]) for j in range(p)]
             reqs = []
@@ -729,7 +656,8 @@ class CollectivesMixin:
             elif dst.data_ptr() != (out.data_ptr() if out.numel() else dst.data_ptr()):
                 out.copy_(dst.view(out.dtype).view(out.shape))
 
-        op.stages, op.finish = [stage0], finish
+        op.stages = [stage0] if in_slot else [start_matrix, stage0]
+        op.finish = finish
         return self._submit(op, async_op)
 
     # ----------------------------------------------------------------- barrier

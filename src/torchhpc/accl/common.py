@@ -7,7 +7,6 @@ import os
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -32,12 +31,6 @@ _OPS = (_R.SUM, _R.AVG, _R.PRODUCT, _R.MIN, _R.MAX, _R.BAND, _R.BOR, _R.BXOR)
 _OP_CODE = {o: i + 1 for i, o in enumerate(_OPS)}
 # header fields: 0 magic, 1 kind, 2 seq, 3 dtype, 4 op, 5 root, 6 bytes per rank, 7 numel, 8 extra
 _F_KIND, _F_SEQ, _F_DTYPE, _F_OP, _F_ROOT, _F_BYTES, _F_NUMEL = 1, 2, 3, 4, 5, 6, 7
-_NUMPY_DTYPE = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-                torch.uint8: np.uint8}
-_NP_REDUCE = {_R.SUM: np.add.reduce, _R.AVG: np.add.reduce, _R.PRODUCT: np.multiply.reduce,
-              _R.MIN: np.minimum.reduce, _R.MAX: np.maximum.reduce, _R.BAND: np.bitwise_and.reduce,
-              _R.BOR: np.bitwise_or.reduce, _R.BXOR: np.bitwise_xor.reduce}
 
 
 class AcclMismatchError(ValueError):
@@ -96,32 +89,6 @@ def _async(opts: object) -> bool:
 def _mpi_op(op_t: RedOp) -> RedOp:
     """AVG runs as SUM on the engine; the group divides afterwards."""
     return _R.SUM if op_t == _R.AVG else op_t
-
-
-def _local_reduce(vals: torch.Tensor, op_t: RedOp, p: int) -> torch.Tensor:
-    """Reduce a [p, n] block over ranks; every rank runs the same kernel on the same data, so all
-    ranks get the same bits."""
-    if vals.dtype == torch.bool:
-        if op_t in (_R.SUM, _R.MAX, _R.BOR):
-            return vals.any(0)
-        if op_t in (_R.PRODUCT, _R.MIN, _R.BAND):
-            return vals.all(0)
-        return vals.sum(0, dtype=torch.int64).remainder_(2).bool()
-    if op_t == _R.SUM:
-        return vals.sum(0, dtype=vals.dtype)
-    if op_t == _R.AVG:
-        return vals.sum(0, dtype=vals.dtype).div_(p)
-    if op_t == _R.PRODUCT:
-        return vals.prod(0, dtype=vals.dtype)
-    if op_t == _R.MIN:
-        return vals.amin(0)
-    if op_t == _R.MAX:
-        return vals.amax(0)
-    fn = {_R.BAND: torch.bitwise_and, _R.BOR: torch.bitwise_or}.get(op_t, torch.bitwise_xor)
-    acc = vals[0]
-    for r in range(1, p):
-        acc = fn(acc, vals[r])
-    return acc
 
 
 def _tag_ub() -> int:

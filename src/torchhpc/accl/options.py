@@ -64,8 +64,9 @@ class AcclOptions:
       (for the dtype/op at hand); the others raise instead.
     - ``check``: exchange a small header before each collective so that mismatched sizes,
       dtypes, ops, roots or call order across ranks raise a clear error instead of hanging
-      or corrupting memory (costs one small message per collective). Off, synchronous all-reduces
-      small enough for one nonblocking call skip it (the lowest latency); larger ones keep it.
+      or corrupting memory (costs one small message per collective). Off, collectives small enough
+      for one nonblocking call skip it (the lowest latency); larger ones keep it, as the proof that
+      every rank arrived before MPI's blocking calls.
     - ``threaded_min_bytes``: collectives moving at least this many bytes run MPI's blocking (tuned)
       algorithms on a worker thread instead of nonblocking ones (faster on Open MPI); still async.
     - ``progress_interval_us``: polling period of the background progress thread that drives

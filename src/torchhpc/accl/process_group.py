@@ -6,12 +6,16 @@ Responsibilities, in order of a call's life:
    op/dtype pairs) and raise ``ValueError``/``TypeError`` naming the problem.
 2. **Ordering**: collectives are queued and run one after another in issue order (so an op may
    safely consume the previous op's output, as on a CUDA stream); point-to-point ops start at once.
+   A synchronous call on an idle group skips the queue and runs in the caller's thread
+   (:mod:`.fastpath`), with the same MPI calls, so ranks taking either path still match.
 3. **Consistency**: unless ``AcclOptions.check`` is off, each collective first all-gathers a
-   fixed-size header (kind, call number, dtype, op, root, sizes); a mismatch raises the same clear
-   error on every rank and leaves the group usable.  Small all-reduces carry their payload inside
-   that header exchange and are reduced locally in rank order, so checking them costs nothing extra.
+   fixed-size header slot (kind, call number, dtype, op, root, sizes) with one persistent request;
+   a mismatch raises the same clear error on every rank and leaves the group usable.  Small
+   all-reduces carry their payload inside that header exchange and are reduced locally in rank
+   order, so checking them costs nothing extra.  After a header, data move by MPI's blocking
+   (tuned) collectives: the header proved that every rank is in the call.
 4. **Segmentation**: data move in segments of at most ``max_segment_bytes`` per buffer and per
-   engine call, all started at once (nonblocking), whatever the tensor's shape.
+   engine call, whatever the tensor's shape.
 5. **Completion**: ``Work.wait()`` polls with a deadline (the group timeout); async work nobody
    waits on is driven by a progress thread.  A timeout aborts the group (MPI cannot cancel a
    collective): later calls raise at once.
@@ -48,7 +52,8 @@ from .common import (
     backoff,
 )
 from .engine import CollectiveEngine, Request
-from .mpi_engine import MpiEngine, MpiRequest
+from .fastpath import FastPathMixin
+from .mpi_engine import MpiEngine
 from .options import AcclOptions
 from .p2p import PointToPointMixin
 from .reduction import RedOp, op_name
@@ -61,7 +66,7 @@ _PEER_FAILED = frozenset(getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_
                          if hasattr(MPI, n))
 
 
-class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
+class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
     """A process group whose collectives run on an MPI communicator (or an ACCL engine)."""
 
     def __init__(self, comm: MPI.Comm, rank: int, size: int, timeout: timedelta,
@@ -93,18 +98,15 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
         self._seg = self.options.max_segment_bytes
         self._big = self.options.threaded_min_bytes
         self.stats = {"engine_calls": 0, "sidestep_calls": 0, "max_call_bytes": 0}
+        self._unchecked_one_call = min(self._seg, self._big - 1)  # unchecked: no header up to this size
         # one header exchange runs at a time (collectives run in order), so two buffers serve all
-        self._hdr_mine = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
-        self._hdr_all = torch.zeros((size, _SLOT_WORDS), dtype=torch.int64)
-        self._hdr_np = self._hdr_mine.numpy()
+        self._init_header()
+        self._hdr_np = np.frombuffer(self._hdr_buf, dtype=np.int64)
+        self._hdr_all_np = np.frombuffer(self._hdr_all_buf, dtype=np.int64).reshape(size, _SLOT_WORDS)
+        self._hdr_mine = torch.frombuffer(self._hdr_buf, dtype=torch.int64)
+        self._hdr_all = torch.frombuffer(self._hdr_all_buf, dtype=torch.int64).view(size, _SLOT_WORDS)
         self._hdr_bytes = self._hdr_mine[_HDR_WORDS:].view(torch.uint8)
         self._hdr_all_bytes = self._hdr_all[:, _HDR_WORDS:].view(torch.uint8)
-        self._hdr_all_np = self._hdr_all.numpy()
-        self._hdr_u8 = self._hdr_np[_HDR_WORDS:].view(np.uint8)
-        self._hdr_all_u8 = self._hdr_all_np[:, _HDR_WORDS:].view(np.uint8)
-        n = _SLOT_WORDS * 8
-        self._hdr_req_args = ([MPI.buffer.fromaddress(self._hdr_mine.data_ptr(), n), n, MPI.BYTE],
-                              [MPI.buffer.fromaddress(self._hdr_all.data_ptr(), n * size), n, MPI.BYTE])
 
     # ----------------------------------------------------------------- identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -185,12 +187,6 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
         return [_MAGIC, _KIND[kind], self._seq, _DTYPE_CODE.get(dtype, 99) if dtype is not None else 0,
                 _OP_CODE.get(op, 0) if op is not None else 0, root, nbytes, numel, extra]
 
-    def _mpi_ctl_allgather(self, mine: torch.Tensor, allh: torch.Tensor) -> Request:
-        n = mine.numel() * 8
-        sb = [MPI.buffer.fromaddress(mine.data_ptr(), n), n, MPI.BYTE]
-        rb = [MPI.buffer.fromaddress(allh.data_ptr(), n * self._size), n, MPI.BYTE]
-        return MpiRequest([self._ctl.Iallgather(sb, rb)], keep=(mine, allh))
-
     def _submit(self, op: Op, async_op: bool = True) -> AcclWork:
         work = AcclWork(self, op)
         done: list[Op] = []
@@ -231,10 +227,14 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
     def _next_stage(self, op: Op, k: int) -> None:
         while k < len(op.stages):
             op.stage = k
-            # MPI's blocking (tuned) algorithms beat the nonblocking ones: a synchronous caller runs them
-            # itself once the header exchange proved every rank is here; big async ops use the worker
-            if op.check is not None and op.inline_in == threading.get_ident():
-                self._mpi.threaded = "inline"
+            # MPI's blocking (tuned) algorithms beat the nonblocking ones, and once the header exchange
+            # proved that every rank is in this call they cannot wait on a missing peer: after a header
+            # the data moves by blocking calls (big async ones on the worker thread, the rest by whoever
+            # advances the op), exactly as on the synchronous fast path, so that ranks taking either
+            # path make matching MPI calls. Without a header, small ops run nonblocking.
+            if op.check is not None:
+                self._mpi.threaded = ("worker" if op.big and op.inline_in != threading.get_ident()
+                                      else "inline")
             elif op.big:
                 self._mpi.threaded = "worker"
             try:
@@ -420,6 +420,9 @@ class ProcessGroupACCL(CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
                 self._drain_locked()
         self._wake.set()
         if self._aborted is None:
+            if self._hdr_preq is not None:
+                with contextlib.suppress(MPI.Exception):
+                    self._hdr_preq.Free()
             self._engine.close()
             if self._engine is not self._mpi:
                 self._mpi.close()
