@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -397,3 +399,32 @@ def test_spare_rows_collate_avoids_copying_new_samples() -> None:
         with pytest.raises(ValueError, match="cannot hold 7 rows"):
             small = AugmentedBatch(torch.zeros(5, 2, 3), torch.zeros(5, dtype=torch.int64), torch.zeros(5), None)
             buf.accumulate(torch.zeros(4, 2, 3), torch.zeros(4, dtype=torch.int64), out=small)
+
+
+def test_worker_thread_runs_at_the_requested_niceness() -> None:
+    import os
+    import sys
+
+    with pytest.raises(ValueError, match="worker_niceness"):
+        local_buffer(worker_niceness=20)
+    with pytest.raises(ValueError, match="worker_niceness"):
+        local_buffer(worker_niceness=-1)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if sys.platform.startswith("linux") else 0
+    with local_buffer(worker_niceness=7) as buf:
+        run_steps(buf, 0, 1)  # the worker has started and set its priority
+        if sys.platform.startswith("linux"):
+            assert os.getpriority(os.PRIO_PROCESS, buf._worker.native_id) == max(caller, 7)
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller keeps its own
+
+
+def test_new_samples_copied_in_pieces_arrive_whole(monkeypatch) -> None:
+    import torchhpc.rehearsal.buffer as buffer_module
+
+    monkeypatch.setattr(buffer_module, "_COPY_CHUNK", 2 * 2 * 3 * 4)  # two rows of (2, 3) float32 per piece
+    with local_buffer(num_representatives=2) as buf:
+        for step in range(4):
+            y = torch.arange(7) % 4
+            buf.accumulate(encoded_batch(y, torch.arange(7) + 7 * step), y)
+            out = buf.wait()
+            ids = check_encoded(out.samples, out.targets, 4)
+            assert torch.equal(ids[:7], torch.arange(7) + 7 * step)

@@ -12,7 +12,10 @@ batch is never rehearsed with itself.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -33,6 +36,9 @@ __all__ = ["AugmentedBatch", "RehearsalBuffer", "TASKS", "STAGES"]
 TASKS = ("rehearsal", "kd", "rehearsal+kd")
 STAGES = ("sampling", "remote_fetch", "copy", "update")
 _STATE_FORMAT = 1
+# The worker copies the new samples into the augmented batch in pieces of this size and offers
+# the core to other threads between them (see RehearsalBuffer's worker_niceness).
+_COPY_CHUNK = 4 << 20
 _POOL_SIZE = 4  # recycled output batches: one being filled, one in training, slack for a held reference
 
 
@@ -144,6 +150,10 @@ class RehearsalBuffer:
             polls every 2 ms only when ``comm`` spans several nodes, 0 never polls.
         timeout: seconds :meth:`wait` waits for the worker before raising ``TimeoutError``.
         max_pending: most ``accumulate`` calls allowed ahead of ``wait``.
+        worker_niceness: nice value (0-19, Linux) of the worker thread alone, so that the
+            training threads of all ranks on a node win the cores when they need them: the
+            worker's work is off the critical path, a training thread late to the gradient
+            all-reduce is on every rank's.  0 leaves the worker at the process's priority.
     """
 
     def __init__(
@@ -167,6 +177,7 @@ class RehearsalBuffer:
         progress_interval: float | None = None,
         timeout: float = 600.0,
         max_pending: int = 4,
+        worker_niceness: int = 10,
     ) -> None:
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -178,6 +189,7 @@ class RehearsalBuffer:
             ("num_candidates", num_candidates, 1),
             ("num_representatives", num_representatives, 0),
             ("max_pending", max_pending, 1),
+            ("worker_niceness", worker_niceness, 0),
         ):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -210,6 +222,9 @@ class RehearsalBuffer:
         self.rehearsal_weight = float(rehearsal_weight)
         self.timeout = float(timeout)
         self.max_pending = int(max_pending)
+        if worker_niceness > 19:
+            raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
+        self.worker_niceness = int(worker_niceness)
         self.global_sampling = bool(global_sampling)
 
         world = MPI.COMM_WORLD if comm is None else comm
@@ -507,6 +522,11 @@ class RehearsalBuffer:
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
+        if self.worker_niceness and sys.platform.startswith("linux"):
+            # On Linux a thread is a task with its own nice value: this lowers the worker only.
+            tid = threading.get_native_id()
+            with contextlib.suppress(OSError):  # raising one's nice value needs no privilege; if refused, run as is
+                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), self.worker_niceness))
         poll = self.progress_interval > 0 and self._comm is not None
         while True:
             try:
@@ -550,6 +570,22 @@ class RehearsalBuffer:
         if _storage_refs is not _no_refs and len(self._pool) < _POOL_SIZE:
             self._pool.append((block, [_storage_refs(t) for t in block.values()]))
         return block
+
+    def _copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` in pieces of about ``_COPY_CHUNK`` bytes, offering the core to other threads between them.
+
+        A multi-megabyte copy holds a core for milliseconds; on a node with more processes than
+        cores, a training thread waiting on the core (e.g. to finish its gradient all-reduce,
+        which every rank then waits for) would otherwise lose that long.
+        """
+        row_bytes = max(1, src[0].numel() * src.element_size()) if src.shape[0] else 1
+        step = max(1, _COPY_CHUNK // row_bytes)
+        if src.shape[0] <= step:
+            dst.copy_(src)
+            return
+        for lo in range(0, src.shape[0], step):
+            dst[lo : lo + step].copy_(src[lo : lo + step])
+            os.sched_yield()
 
     def _alloc_rows(self, rows: int, device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
         out = {"label": torch.empty(rows, dtype=torch.int64, device=device, pin_memory=pin)}
@@ -626,7 +662,7 @@ class RehearsalBuffer:
                 news.append(("activation", req.activations))
             for key, src in news:
                 if not _is_prefix(src, dest[key]):  # already in place: nothing to copy
-                    dest[key][:b].copy_(src)
+                    self._copy_rows(dest[key][:b], src)
         weights = torch.empty(first + m, dtype=torch.float32)
         weights[:first] = 1.0
         weights[first:] = 0.0 if self.task == "kd" else self.rehearsal_weight
