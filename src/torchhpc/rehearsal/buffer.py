@@ -623,20 +623,11 @@ class RehearsalBuffer:
 
         is_local = ranks == self.rank
         try:
-            remote_any = windowed and bool((~is_local).any())
-            if remote_any:
-                # uint8 (rows, bytes) views of the destination rows, made once: numpy slices are cheap
+            if windowed and not is_local.all():
+                # uint8 (rows, bytes) views of the destination rows: the Gets land in them directly
                 rows_bytes = {k: v.reshape(m, -1).view(torch.uint8).numpy() for k, v in rep_rows.items()}
-                peers, starts, counts = np.unique(ranks, return_index=True, return_counts=True)
-                for r, lo, cnt in zip(peers.tolist(), starts.tolist(), counts.tolist(), strict=True):
-                    if r == self.rank:
-                        continue
-                    hi = lo + cnt  # rows of a rank are contiguous (sorted by rank)
-                    self._remote_bytes += self.storage.remote_read(
-                        r, flat_slots[lo:hi], {k: v[lo:hi] for k, v in rows_bytes.items()}
-                    )
-                if remote_any:
-                    self.storage.flush()
+                self._remote_bytes += self.storage.remote_read(ranks, flat_slots, rows_bytes)
+                self.storage.flush()
         finally:
             if windowed:
                 self.storage.end_remote()
