@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import queue
 import sys
@@ -600,16 +601,11 @@ class RehearsalBuffer:
     def _process(self, req: _Request) -> AugmentedBatch:
         b = req.targets.shape[0]
         t0 = time.perf_counter()
-        ranks, flat_slots, windowed = self._draw()
-        m = len(flat_slots)
-        t1 = time.perf_counter()
-        self._add_time("sampling", t1 - t0)
-
-        # Destination rows: the caller's tensors, or recycled/new ones; representatives go after
-        # the new samples (standard) or from row 0 (flyweight).
+        # Destination rows, ready before the read epoch opens: the caller's tensors, or recycled
+        # or new ones; representatives go after the new samples (standard) or from row 0 (flyweight).
         first = b if self.mode == "standard" else 0
         if req.out is None:
-            dest = self._output_block(b + m, b + self.R)
+            dest = self._output_block(b + self.R, b + self.R)
         else:
             out = req.out
             dest = {"label": out.targets}
@@ -618,14 +614,24 @@ class RehearsalBuffer:
             if self.stores_activations:
                 dest["activation"] = out.activations
         # Representatives land in host rows first when the output lives on a GPU.
-        host = self._staging if self._staging is not None else {k: v[first:] for k, v in dest.items()}
+        host = self._staging if self._staging is not None else {k: v[first : first + self.R] for k, v in dest.items()}
+        # uint8 (rows, bytes) numpy views of those rows, for the one-sided Gets to land in directly
+        host_bytes = {
+            k: v.reshape(v.shape[0], math.prod(v.shape[1:])).view(torch.uint8).numpy() for k, v in host.items()
+        }
+        setup = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        ranks, flat_slots, windowed = self._draw()
+        m = len(flat_slots)
+        t1 = time.perf_counter()
+        self._add_time("sampling", t1 - t0)
         rep_rows = {k: v[:m] for k, v in host.items()}
 
         is_local = ranks == self.rank
         try:
             if windowed and not is_local.all():
-                # uint8 (rows, bytes) views of the destination rows: the Gets land in them directly
-                rows_bytes = {k: v.reshape(m, -1).view(torch.uint8).numpy() for k, v in rep_rows.items()}
+                rows_bytes = {k: v[:m] for k, v in host_bytes.items()}
                 self._remote_bytes += self.storage.remote_read(ranks, flat_slots, rows_bytes)
                 self.storage.flush()
         finally:
@@ -665,7 +671,7 @@ class RehearsalBuffer:
         if self._staging is not None:
             self._cuda_stream.synchronize()
         t3 = time.perf_counter()
-        self._add_time("copy", t3 - t2)
+        self._add_time("copy", setup + t3 - t2)
 
         self._update(req)
         self._add_time("update", time.perf_counter() - t3)
