@@ -30,6 +30,7 @@ class SlotStorage:
         self, layout: RecordLayout, comm: MPI.Comm | None, pin: bool
     ) -> None:
         self.layout = layout
+        self._field_spans = [(f.name, f.offset, f.nbytes) for f in layout.fields]  # plain ints, computed once
         self.comm = comm
         self.win: MPI.Win | None = None
         self._registered_ptr: int | None = None
@@ -144,7 +145,7 @@ class SlotStorage:
         """
         assert self.win is not None
         lay, get, me = self.layout, self.win.Get, self.rank
-        fields = [(out[f.name], f.offset, f.nbytes) for f in lay.fields if f.name in out]
+        fields = [(out[name], offset, nbytes) for name, offset, nbytes in self._field_spans if name in out]
         bases = (lay.header_bytes + flat_slots.astype(np.int64) * lay.record_bytes).tolist()
         total = 0
         for row, (rank, base) in enumerate(zip(ranks.tolist(), bases, strict=True)):
