@@ -428,3 +428,21 @@ def test_new_samples_copied_in_pieces_arrive_whole(monkeypatch) -> None:
             out = buf.wait()
             ids = check_encoded(out.samples, out.targets, 4)
             assert torch.equal(ids[:7], torch.arange(7) + 7 * step)
+
+
+def test_loader_batches_held_by_the_caller_are_never_overwritten() -> None:
+    """Output memory is recycled, but only once the caller has let go: batches kept across steps stay intact."""
+    data = []
+    for step in range(10):
+        y = torch.tensor([step % 4, (step + 1) % 4, 3])
+        data.append((encoded_batch(y, torch.arange(3) + 3 * step), y))
+    with local_buffer() as buf:
+        kept = list(RehearsalLoader(data, buf))  # every batch held while all later ones are built
+        for step, batch in enumerate(kept):
+            assert torch.equal(check_encoded(batch.samples, batch.targets, 4)[:3], torch.arange(3) + 3 * step)
+        del kept, batch
+        ptrs = set()
+        for batch in RehearsalLoader(data, buf):  # the usual loop: one batch in training, one being built
+            ptrs.add(batch.samples.data_ptr())
+        del batch
+        assert len(ptrs) <= 3, "released batches should be reused, not reallocated every step"
