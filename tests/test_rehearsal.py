@@ -446,3 +446,22 @@ def test_loader_batches_held_by_the_caller_are_never_overwritten() -> None:
             ptrs.add(batch.samples.data_ptr())
         del batch
         assert len(ptrs) <= 3, "released batches should be reused, not reallocated every step"
+
+
+def test_worker_holds_a_new_batch_back_only_until_it_is_waited_for() -> None:
+    import time
+
+    with pytest.raises(ValueError, match="start_delay"):
+        local_buffer(start_delay=-0.1)
+    with local_buffer(start_delay=5.0) as buf:
+        y = torch.tensor([0, 1, 2])
+        buf.accumulate(encoded_batch(y, torch.arange(3)), y)
+        time.sleep(0.1)
+        assert buf.stats()["iterations"] == 0, "the worker should still hold the batch back"
+        t0 = time.perf_counter()
+        out = buf.wait()  # asking for it ends the hold at once
+        assert time.perf_counter() - t0 < 2.5
+        assert torch.equal(check_encoded(out.samples, out.targets, 4)[:3], torch.arange(3))
+        t0 = time.perf_counter()
+        run_steps(buf, 1, 5)  # accumulate then wait straight away: never held back
+        assert time.perf_counter() - t0 < 2.5

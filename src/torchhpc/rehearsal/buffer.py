@@ -87,6 +87,7 @@ class _Request(NamedTuple):
     targets: torch.Tensor
     activations: torch.Tensor | None
     out: AugmentedBatch | None
+    seq: int  # 0 for the first accumulate() of the buffer, then 1, 2, ...
 
 
 def _as_shapes(sample_shapes: Any) -> list[tuple[int, ...]]:
@@ -155,6 +156,10 @@ class RehearsalBuffer:
             training threads of all ranks on a node win the cores when they need them: the
             worker's work is off the critical path, a training thread late to the gradient
             all-reduce is on every rank's.  0 leaves the worker at the process's priority.
+        start_delay: seconds the worker holds a new batch back before working on it, unless
+            :meth:`wait` asks for it sooner: the first moments after a hand-over are when the
+            training thread starts its step (and, with more ranks than cores, other ranks
+            finish their all-reduce); the rehearsal has the rest of the step.
     """
 
     def __init__(
@@ -179,6 +184,7 @@ class RehearsalBuffer:
         timeout: float = 600.0,
         max_pending: int = 4,
         worker_niceness: int = 10,
+        start_delay: float = 0.002,
     ) -> None:
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -226,6 +232,9 @@ class RehearsalBuffer:
         if worker_niceness > 19:
             raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
         self.worker_niceness = int(worker_niceness)
+        if not isinstance(start_delay, (int, float)) or not (math.isfinite(start_delay) and start_delay >= 0):
+            raise ValueError(f"start_delay must be a finite number of seconds >= 0, got {start_delay!r}")
+        self.start_delay = float(start_delay)
         self.global_sampling = bool(global_sampling)
 
         world = MPI.COMM_WORLD if comm is None else comm
@@ -272,6 +281,9 @@ class RehearsalBuffer:
         self._iterations = 0
         self.last_num_representatives = 0
         self._pending = 0
+        self._submitted = 0  # accumulate() calls so far
+        self._wanted = 0  # batches with seq < _wanted have been asked for by wait(): no holding back
+        self._hurry = threading.Condition()
         self._closed = False
         self._failed: BaseException | None = None
         self._requests: queue.Queue[_Request | None] = queue.Queue()
@@ -312,7 +324,8 @@ class RehearsalBuffer:
         if self.mode == "flyweight" or out is not None:
             self._check_out(out, self.R if self.mode == "flyweight" else b + self.R)
         self._pending += 1
-        self._requests.put(_Request(tensors, labels, acts, out))
+        self._requests.put(_Request(tensors, labels, acts, out, self._submitted))
+        self._submitted += 1
         self._add_time("accumulate", time.perf_counter() - t0)
 
     def wait(self, timeout: float | None = None) -> AugmentedBatch:
@@ -326,6 +339,10 @@ class RehearsalBuffer:
             raise RuntimeError("wait() called without a pending accumulate()")
         limit = self.timeout if timeout is None else float(timeout)
         t0 = time.perf_counter()
+        if self.start_delay:
+            with self._hurry:  # the oldest pending batch is wanted now: its worker need not hold back
+                self._wanted = max(self._wanted, self._submitted - self._pending + 1)
+                self._hurry.notify()
         try:
             result = self._results.get(timeout=limit)
         except queue.Empty:
@@ -537,6 +554,10 @@ class RehearsalBuffer:
                 continue
             if req is None:
                 return
+            if self.start_delay:
+                # Leave the first moments of the step to the training thread, unless it already waits for this batch.
+                with self._hurry:
+                    self._hurry.wait_for(lambda s=req.seq: self._wanted > s, timeout=self.start_delay)
             try:
                 result: AugmentedBatch | BaseException = self._process(req)
             except BaseException as exc:  # handed to wait(), which re-raises it in the caller
