@@ -647,7 +647,6 @@ class RehearsalBuffer:
         m = len(flat_slots)
         t1 = time.perf_counter()
         self._add_time("sampling", t1 - t0)
-        rep_rows = {k: v[:m] for k, v in host.items()}
 
         is_local = ranks == self.rank
         try:
@@ -660,6 +659,7 @@ class RehearsalBuffer:
                 self.storage.end_remote()
         t2 = time.perf_counter()
         self._add_time("remote_fetch", t2 - t1)
+        rep_rows = {k: v[:m] for k, v in host.items()}
 
         local = np.nonzero(is_local)[0]
         if len(local):
