@@ -137,10 +137,9 @@ class SlotStorage:
 
         ``out`` maps field names to C-contiguous ``(rows, field bytes)`` uint8 arrays (views of
         the output tensors).  One plain ``MPI_Get`` per record and field, straight into its
-        row: no staging copy, and no derived datatype, which Open MPI's ``osc/sm`` serves
-        through its datatype engine at a fraction of a plain Get's speed (even a per-peer
-        indexed datatype reading every wanted record at once measured 0.6-0.75x of plain Gets
-        here).  Must be called inside :meth:`begin_remote`; completion is left to the caller's
+        row: no staging copy, and no derived datatype (a per-peer indexed target datatype
+        reading every wanted record at once was markedly slower than plain Gets under Open
+        MPI's ``osc/sm``).  Must be called inside :meth:`begin_remote`; completion is left to the caller's
         :meth:`flush`.  Returns the bytes requested.
         """
         assert self.win is not None
