@@ -40,6 +40,7 @@ _STATE_FORMAT = 1
 # The worker copies the new samples into the augmented batch in pieces of this size and offers
 # the core to other threads between them (see RehearsalBuffer's worker_niceness).
 _COPY_CHUNK = 4 << 20
+_yield_core = getattr(os, "sched_yield", lambda: time.sleep(0))  # POSIX; elsewhere a bare GIL release
 _POOL_SIZE = 4  # recycled output batches: one being filled, one in training, slack for a held reference
 
 
@@ -607,7 +608,7 @@ class RehearsalBuffer:
             return
         for lo in range(0, src.shape[0], step):
             dst[lo : lo + step].copy_(src[lo : lo + step])
-            os.sched_yield()
+            _yield_core()
 
     def _alloc_rows(self, rows: int, device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
         out = {"label": torch.empty(rows, dtype=torch.int64, device=device, pin_memory=pin)}
