@@ -4,8 +4,8 @@
    fed through ``RehearsalLoader`` (b new + up to r representatives drawn from all ranks),
    against the same loop fed ready-made batches of b+r samples without rehearsal.
 2. Remote fetch: bytes of representatives read from other ranks per second of the worker's
-   ``remote_fetch`` stage, against a raw mpi4py one-sided ``Get`` of the same number of
-   bytes (record-sized contiguous Gets from random peers in one ``Lock_all`` epoch).
+   ``remote_fetch`` stage, against raw mpi4py one-sided ``Get`` s of the same bytes from the
+   same window, in alternating rounds (see ``fetch_rounds`` for what is made equal).
 
 The synthetic step sleeps: it costs wall time but no core, like a GPU step that leaves the
 host CPU to the data pipeline.  A compute-bound step on this 2-core machine shared by 4
@@ -60,20 +60,36 @@ def worker(args: argparse.Namespace) -> None:
         spare_batches.append((xs[:b], ys[:b], AugmentedBatch(xs, ys, torch.empty(b + r), None)))
     sync = np.zeros(256, dtype=np.float32)
 
-    def step() -> None:
-        time.sleep(args.step_ms / 1e3)  # the fixed-cost "training step"
-        comm.Allreduce(MPI.IN_PLACE, sync, op=MPI.SUM)  # gradient sync keeps ranks in lock-step
+    def step(split: dict[str, float]) -> None:
+        """The fixed-cost "training step", then the gradient sync that keeps ranks in lock-step."""
+        t0 = time.perf_counter()
+        time.sleep(args.step_ms / 1e3)
+        t1 = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, sync, op=MPI.SUM)
+        t2 = time.perf_counter()
+        split["sleep"] += t1 - t0
+        split["allreduce"] += t2 - t1
 
-    def baseline(iters: int) -> float:
+    def timed(batches, iters: int, split: dict[str, float]) -> float:
+        """Seconds per iteration of the loop over ``batches``; ``split`` gets where the time went."""
         comm.Barrier()
         t0 = time.perf_counter()
-        for i in range(iters):
-            x, y = full_batches[i % args.pool]
-            assert x.shape[0] == b + r
-            step()
+        it = iter(batches)
+        while True:
+            t_next = time.perf_counter()
+            batch = next(it, None)
+            split["next"] += time.perf_counter() - t_next
+            if batch is None:
+                break
+            assert batch[0].shape[0] == b + r
+            step(split)
+            del batch
         return (time.perf_counter() - t0) / iters
 
-    buf = RehearsalBuffer(k, n, args.candidates, r, shape, seed=1, comm=comm)
+    def baseline(iters: int, split: dict[str, float]) -> float:
+        return timed((full_batches[i % args.pool] for i in range(iters)), iters, split)
+
+    buf = RehearsalBuffer(k, n, args.candidates, r, shape, seed=1, comm=comm, worker_niceness=args.worker_niceness)
     # Fill every rank's buffer (outside the timings) so that every draw finds r representatives.
     for i in range(4 * k * n // args.candidates + 8):
         x, y = new_batches[i % args.pool]
@@ -83,69 +99,27 @@ def worker(args: argparse.Namespace) -> None:
             break
     comm.Barrier()
 
-    def rehearsal(iters: int, batches: list) -> float:
+    def rehearsal(iters: int, batches: list, split: dict[str, float]) -> float:
         stream = (batches[i % args.pool] for i in range(iters))
-        comm.Barrier()
-        t0 = time.perf_counter()
-        for batch in RehearsalLoader(stream, buf):
-            assert batch.samples.shape[0] == b + r
-            step()
-        return (time.perf_counter() - t0) / iters
+        return timed(RehearsalLoader(stream, buf), iters, split)
 
     base_t, reh_t, spare_t = [], [], []
+    splits = {mode: dict.fromkeys(("next", "sleep", "allreduce"), 0.0) for mode in ("base", "reh", "spare")}
     spare_stats = None
     for _ in range(args.repeats):  # alternate to spread the machine's noise over all three
-        base_t.append(baseline(args.iters))
+        base_t.append(baseline(args.iters, splits["base"]))
         buf.reset_timings()
-        reh_t.append(rehearsal(args.iters, new_batches))
+        reh_t.append(rehearsal(args.iters, new_batches, splits["reh"]))
         loop_stats = buf.stats()
         buf.reset_timings()
-        spare_t.append(rehearsal(args.iters, spare_batches))
+        spare_t.append(rehearsal(args.iters, spare_batches, splits["spare"]))
         spare_stats = buf.stats()
+    n_iters = args.iters * args.repeats
+    splits = {mode: {k: 1e3 * v / n_iters for k, v in split.items()} for mode, split in splits.items()}
 
-    # ---- remote fetch throughput, interleaved with the raw baseline so both see the same machine load.
-    # One-sample batches back to back on all ranks at once: the worker mostly fetches, and its
-    # remote_fetch stage (Gets, Flush_all, Unlock_all) is timed apart from sampling, copy and update.
-    # Each raw epoch then Gets the same bytes as contiguous sample-sized pieces from random peers.
-    one_x, one_y = new_batches[0][0][:1], new_batches[0][1][:1]
-    record = buf.layout.record_bytes
-    sample_bytes = buf.layout.samples[0].nbytes
-    ours_bytes = ours_s = raw_bytes = raw_s = 0.0
-    win = MPI.Win.Allocate(record * k * n, disp_unit=1, comm=comm) if size > 1 else None
-    if win is not None:
-        np.frombuffer(win.tomemory(), dtype=np.uint8)[:] = 1  # touched, like the filled buffer
-    dst = np.ones((r + 1) * sample_bytes, dtype=np.uint8)
-    rng = np.random.default_rng(rank)
-    peers = [p for p in range(size) if p != rank]
+    # ---- remote fetch throughput, round by round against a raw one-sided Get of the same bytes.
+    fetch = fetch_rounds(args, comm, buf, new_batches[0])
     comm.Barrier()
-    for it in range(args.fetch_iters + 2):  # 2 warm-up rounds, then timed ones
-        before = buf.stats()
-        comm.Barrier()  # all ranks fetch together, then all run the raw Gets together
-        buf.accumulate(one_x, one_y)
-        buf.wait()
-        after = buf.stats()
-        comm.Barrier()
-        got = after["remote_bytes"] - before["remote_bytes"]
-        took = after["timing_totals_s"]["remote_fetch"] - before["timing_totals_s"]["remote_fetch"]
-        nrec = round(got / (sample_bytes + 8))
-        t_raw = 0.0
-        if win is not None and nrec:
-            picks = [(int(rng.choice(peers)), int(rng.integers(0, k * n)) * record,
-                      dst[j * sample_bytes : (j + 1) * sample_bytes]) for j in range(nrec)]
-            win.Lock_all()
-            t0 = time.perf_counter()
-            for peer, disp, chunk in picks:
-                win.Get(chunk, peer, target=(disp, sample_bytes, MPI.BYTE))
-            win.Flush_all()
-            win.Unlock_all()
-            t_raw = time.perf_counter() - t0
-        if it >= 2:
-            ours_bytes, ours_s = ours_bytes + got, ours_s + took
-            raw_bytes, raw_s = raw_bytes + nrec * sample_bytes, raw_s + t_raw
-    per_iter = ours_bytes / args.fetch_iters
-    comm.Barrier()
-    if win is not None:
-        win.Free()
     buf.close()
 
     res = {
@@ -155,16 +129,113 @@ def worker(args: argparse.Namespace) -> None:
         "spare_ms": 1e3 * statistics.median(spare_t),
         "spare_stages_ms": spare_stats["timings_ms"],
         "stages_ms": loop_stats["timings_ms"],
-        "fetch_gbs": ours_bytes / ours_s / 1e9 if ours_s else 0.0,
-        "raw_gbs": raw_bytes / raw_s / 1e9 if raw_s else 0.0,
-        "fetch_bytes_per_iter": per_iter,
+        **fetch,
+        "splits_ms": splits,
     }
     allres = comm.gather(res, root=0)
     if rank == 0:
         agg = dict(res)
-        for key in ("baseline_ms", "rehearsal_ms", "spare_ms", "fetch_gbs", "raw_gbs"):
+        for key in ("baseline_ms", "rehearsal_ms", "spare_ms", "fetch_gbs", "raw_gbs", "raw_main_gbs"):
             agg[key] = statistics.mean(x[key] for x in allres)
+        rr = sorted(x for res_ in allres for x in res_["round_ratios"])
+        agg["round_ratio_quartiles"] = [rr[len(rr) // 4], rr[len(rr) // 2], rr[3 * len(rr) // 4]] if rr else []
+        agg["next_max_ms"] = {mode: max(x["splits_ms"][mode]["next"] for x in allres) for mode in splits}
         print("RESULT " + json.dumps(agg), flush=True)
+
+
+def fetch_rounds(args: argparse.Namespace, comm, buf, batch) -> dict:
+    """Throughput of the buffer's remote fetch against raw ``MPI_Get`` s of the same bytes, in alternating rounds.
+
+    Ours: the worker's ``remote_fetch`` stage (the Gets of the drawn records' label and sample
+    fields, ``Flush_all``, ``Unlock_all``) for one-sample batches submitted on all ranks at
+    once, so that the worker mostly fetches.  Raw: in the same round, on the same window (the
+    buffer's storage), as many records as ours fetched, from peers and slots drawn uniformly
+    (the distribution of our draws when every buffer is full), one contiguous ``Get`` of the
+    sample bytes per record into consecutive rows.  Same epoch structure: ``Lock_all``, the
+    peers' fill counts read and flushed (untimed, as in ours, where they are part of
+    sampling), then the timed Gets, ``Flush_all`` and ``Unlock_all``.  Same thread context: the
+    raw Gets run in a thread at the worker's niceness while the main thread waits, as ours do;
+    ``raw_main_gbs`` is the same raw read from the main thread, for reference.  Both count the
+    sample bytes only (ours reads the labels in that time too).  Every peer's window is read
+    once in full beforehand, so that both find its pages mapped, as in a long run.
+    """
+    import threading
+
+    import numpy as np
+    from mpi4py import MPI
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    lay, win = buf.layout, buf.storage.win
+    sample_bytes, sample_off = lay.samples[0].nbytes, lay.samples[0].offset
+    num_slots = lay.num_slots
+    peers = [p for p in range(size) if p != rank]
+    out = {"fetch_gbs": 0.0, "raw_gbs": 0.0, "raw_main_gbs": 0.0, "fetch_bytes_per_iter": 0.0, "round_ratios": []}
+    if not peers or win is None:
+        return out
+    dst = np.empty((buf.R + 1) * sample_bytes, dtype=np.uint8)
+    fills = np.empty((len(peers), lay.num_classes), dtype=np.int64)
+    chunk = 32
+    tmp = np.empty(chunk * lay.record_bytes, dtype=np.uint8)
+    win.Lock_all()  # map every page of every peer's storage once (steady state of a long run)
+    for p in peers:
+        for lo in range(0, num_slots, chunk):
+            span = lay.record_offset(min(num_slots, lo + chunk)) - lay.record_offset(lo)
+            win.Get(tmp[:span], p, target=(lay.record_offset(lo), span, MPI.BYTE))
+            win.Flush(p)
+    win.Unlock_all()
+    rng = np.random.default_rng(rank)
+    one_x, one_y = batch[0][:1], batch[1][:1]
+
+    def raw_read(nrec: int) -> float:
+        picks = [(int(rng.choice(peers)), lay.record_offset(int(rng.integers(0, num_slots))) + sample_off,
+                  dst[j * sample_bytes : (j + 1) * sample_bytes]) for j in range(nrec)]
+        win.Lock_all()
+        for i, p in enumerate(peers):
+            win.Get(fills[i], p, target=(0, fills[i].nbytes, MPI.BYTE))
+        win.Flush_all()
+        t0 = time.perf_counter()
+        for peer, disp, piece in picks:
+            win.Get(piece, peer, target=(disp, sample_bytes, MPI.BYTE))
+        win.Flush_all()
+        win.Unlock_all()
+        return time.perf_counter() - t0
+
+    def raw_in_thread(nrec: int) -> float:
+        took = []
+
+        def body() -> None:
+            if buf.worker_niceness and sys.platform.startswith("linux"):
+                tid = threading.get_native_id()
+                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), buf.worker_niceness))
+            took.append(raw_read(nrec))
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        return took[0]
+
+    ours_b = ours_s = raw_s = main_s = 0.0
+    comm.Barrier()
+    for it in range(args.fetch_iters + 2):  # 2 warm-up rounds, then timed ones
+        before = buf.stats()
+        comm.Barrier()  # all ranks fetch together, then all run the raw Gets together
+        buf.accumulate(one_x, one_y)
+        buf.wait()  # the worker is idle again: the window is free for the raw epochs below
+        after = buf.stats()
+        nrec = round((after["remote_bytes"] - before["remote_bytes"]) / (sample_bytes + 8))
+        took = after["timing_totals_s"]["remote_fetch"] - before["timing_totals_s"]["remote_fetch"]
+        nmax = comm.allreduce(nrec, op=MPI.MAX)
+        comm.Barrier()
+        t_raw = raw_in_thread(nrec) if nrec else 0.0
+        comm.Barrier()
+        t_main = raw_read(nrec) if nrec else 0.0
+        if it >= 2 and nmax:
+            ours_b, ours_s, raw_s, main_s = ours_b + nrec * sample_bytes, ours_s + took, raw_s + t_raw, main_s + t_main
+            if nrec:
+                out["round_ratios"].append(t_raw / took)
+    out.update(fetch_gbs=ours_b / ours_s / 1e9 if ours_s else 0.0, raw_gbs=ours_b / raw_s / 1e9 if raw_s else 0.0,
+               raw_main_gbs=ours_b / main_s / 1e9 if main_s else 0.0, fetch_bytes_per_iter=ours_b / args.fetch_iters)
+    return out
 
 
 def launch(args: argparse.Namespace) -> None:
@@ -191,6 +262,7 @@ def launch(args: argparse.Namespace) -> None:
           f"C={args.candidates}, "
           f"{args.slots_per_rank} slots/rank, step {args.step_ms} ms (sleep) + Allreduce, "
           f"{args.iters} iters x {args.repeats} repeats (median)"
+          + f", worker niceness {args.worker_niceness}"
           + (f", GIL switch interval {args.switch_interval * 1e3:g} ms" if args.switch_interval else ""))
     print()
     print("| ranks | baseline ms/iter | rehearsal ms/iter | overhead | with spare rows ms/iter | overhead "
@@ -204,11 +276,21 @@ def launch(args: argparse.Namespace) -> None:
         print(f"| {row['ranks']} | {row['baseline_ms']:.1f} | {row['rehearsal_ms']:.1f} | {100 * over:+.1f}% | "
               f"{row['spare_ms']:.1f} | {100 * spare:+.1f}% | {row['fetch_gbs']:.2f} | {raw} | {ratio:.2f} |")
     print()
+    for row in rows:
+        q = ", ".join(f"{x:.2f}" for x in row["round_ratio_quartiles"])
+        print(f"{row['ranks']} ranks: fetch ratio per rank and round, quartiles {q}; raw Get from the main "
+              f"thread {row['raw_main_gbs']:.2f} GB/s; {row['fetch_bytes_per_iter'] / 1e6:.1f} MB fetched per round")
     print("worker stages (rank 0, mean ms per iteration): ")
     for row in rows:
         for name, key in (("copied", "stages_ms"), ("spare rows", "spare_stages_ms")):
             stages = ", ".join(f"{k} {v:.2f}" for k, v in row[key].items())
             print(f"  {row['ranks']} ranks, {name}: {stages}")
+    print("training thread (rank 0, mean ms per iteration: next batch / sleep / Allreduce):")
+    for row in rows:
+        parts = ", ".join(f"{mode} {v['next']:.2f} / {v['sleep']:.2f} / {v['allreduce']:.2f}"
+                          for mode, v in row["splits_ms"].items())
+        print(f"  {row['ranks']} ranks: {parts}; next batch on the slowest rank: "
+              + ", ".join(f"{mode} {v:.2f}" for mode, v in row["next_max_ms"].items()))
 
 
 def worker_args(args: argparse.Namespace) -> list[str]:
@@ -217,7 +299,7 @@ def worker_args(args: argparse.Namespace) -> list[str]:
             "--slots-per-rank", str(args.slots_per_rank), "--shape", *map(str, args.shape),
             "--step-ms", str(args.step_ms), "--iters", str(args.iters), "--repeats", str(args.repeats),
             "--fetch-iters", str(args.fetch_iters), "--pool", str(args.pool),
-            "--switch-interval", str(args.switch_interval)]
+            "--switch-interval", str(args.switch_interval), "--worker-niceness", str(args.worker_niceness)]
 
 
 def main() -> None:
@@ -228,7 +310,7 @@ def main() -> None:
     p.add_argument("--representatives", type=int, default=7)
     p.add_argument("--candidates", type=int, default=14)
     p.add_argument("--classes", type=int, default=10)
-    p.add_argument("--slots-per-rank", type=int, default=1000)
+    p.add_argument("--slots-per-rank", type=int, default=3000)
     p.add_argument("--shape", type=int, nargs="+", default=[3, 224, 224])
     p.add_argument("--step-ms", type=float, default=50.0)
     p.add_argument("--iters", type=int, default=40)
@@ -237,6 +319,8 @@ def main() -> None:
     p.add_argument("--pool", type=int, default=2, help="distinct synthetic batches cycled through")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for every rank (0: Python's default, 5 ms)")
+    p.add_argument("--worker-niceness", type=int, default=10,
+                   help="RehearsalBuffer(worker_niceness=...): the default 10, or 0 for the process's own priority")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

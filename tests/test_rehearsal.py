@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -397,3 +399,69 @@ def test_spare_rows_collate_avoids_copying_new_samples() -> None:
         with pytest.raises(ValueError, match="cannot hold 7 rows"):
             small = AugmentedBatch(torch.zeros(5, 2, 3), torch.zeros(5, dtype=torch.int64), torch.zeros(5), None)
             buf.accumulate(torch.zeros(4, 2, 3), torch.zeros(4, dtype=torch.int64), out=small)
+
+
+def test_worker_thread_runs_at_the_requested_niceness() -> None:
+    import os
+    import sys
+
+    with pytest.raises(ValueError, match="worker_niceness"):
+        local_buffer(worker_niceness=20)
+    with pytest.raises(ValueError, match="worker_niceness"):
+        local_buffer(worker_niceness=-1)
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) if sys.platform.startswith("linux") else 0
+    with local_buffer(worker_niceness=7) as buf:
+        run_steps(buf, 0, 1)  # the worker has started and set its priority
+        if sys.platform.startswith("linux"):
+            assert os.getpriority(os.PRIO_PROCESS, buf._worker.native_id) == max(caller, 7)
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller keeps its own
+
+
+def test_new_samples_copied_in_pieces_arrive_whole(monkeypatch) -> None:
+    import torchhpc.rehearsal.buffer as buffer_module
+
+    monkeypatch.setattr(buffer_module, "_COPY_CHUNK", 2 * 2 * 3 * 4)  # two rows of (2, 3) float32 per piece
+    with local_buffer(num_representatives=2) as buf:
+        for step in range(4):
+            y = torch.arange(7) % 4
+            buf.accumulate(encoded_batch(y, torch.arange(7) + 7 * step), y)
+            out = buf.wait()
+            ids = check_encoded(out.samples, out.targets, 4)
+            assert torch.equal(ids[:7], torch.arange(7) + 7 * step)
+
+
+def test_loader_batches_held_by_the_caller_are_never_overwritten() -> None:
+    """Output memory is recycled, but only once the caller has let go: batches kept across steps stay intact."""
+    data = []
+    for step in range(10):
+        y = torch.tensor([step % 4, (step + 1) % 4, 3])
+        data.append((encoded_batch(y, torch.arange(3) + 3 * step), y))
+    with local_buffer() as buf:
+        kept = list(RehearsalLoader(data, buf))  # every batch held while all later ones are built
+        for step, batch in enumerate(kept):
+            assert torch.equal(check_encoded(batch.samples, batch.targets, 4)[:3], torch.arange(3) + 3 * step)
+        del kept, batch
+        ptrs = set()
+        for batch in RehearsalLoader(data, buf):  # the usual loop: one batch in training, one being built
+            ptrs.add(batch.samples.data_ptr())
+        del batch
+        assert len(ptrs) <= 3, "released batches should be reused, not reallocated every step"
+
+
+def test_worker_holds_a_new_batch_back_only_until_it_is_waited_for() -> None:
+    import time
+
+    with pytest.raises(ValueError, match="start_delay"):
+        local_buffer(start_delay=-0.1)
+    with local_buffer(start_delay=5.0) as buf:
+        y = torch.tensor([0, 1, 2])
+        buf.accumulate(encoded_batch(y, torch.arange(3)), y)
+        time.sleep(0.1)
+        assert buf.stats()["iterations"] == 0, "the worker should still hold the batch back"
+        t0 = time.perf_counter()
+        out = buf.wait()  # asking for it ends the hold at once
+        assert time.perf_counter() - t0 < 2.5
+        assert torch.equal(check_encoded(out.samples, out.targets, 4)[:3], torch.arange(3))
+        t0 = time.perf_counter()
+        run_steps(buf, 1, 5)  # accumulate then wait straight away: never held back
+        assert time.perf_counter() - t0 < 2.5

@@ -12,7 +12,11 @@ batch is never rehearsed with itself.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import math
+import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -33,6 +37,10 @@ __all__ = ["AugmentedBatch", "RehearsalBuffer", "TASKS", "STAGES"]
 TASKS = ("rehearsal", "kd", "rehearsal+kd")
 STAGES = ("sampling", "remote_fetch", "copy", "update")
 _STATE_FORMAT = 1
+# The worker copies the new samples into the augmented batch in pieces of this size and offers
+# the core to other threads between them (see RehearsalBuffer's worker_niceness).
+_COPY_CHUNK = 4 << 20
+_yield_core = getattr(os, "sched_yield", lambda: time.sleep(0))  # POSIX; elsewhere a bare GIL release
 _POOL_SIZE = 4  # recycled output batches: one being filled, one in training, slack for a held reference
 
 
@@ -80,6 +88,7 @@ class _Request(NamedTuple):
     targets: torch.Tensor
     activations: torch.Tensor | None
     out: AugmentedBatch | None
+    seq: int  # 0 for the first accumulate() of the buffer, then 1, 2, ...
 
 
 def _as_shapes(sample_shapes: Any) -> list[tuple[int, ...]]:
@@ -144,6 +153,14 @@ class RehearsalBuffer:
             polls every 2 ms only when ``comm`` spans several nodes, 0 never polls.
         timeout: seconds :meth:`wait` waits for the worker before raising ``TimeoutError``.
         max_pending: most ``accumulate`` calls allowed ahead of ``wait``.
+        worker_niceness: nice value (0-19, Linux) of the worker thread alone, so that the
+            training threads of all ranks on a node win the cores when they need them: the
+            worker's work is off the critical path, a training thread late to the gradient
+            all-reduce is on every rank's.  0 leaves the worker at the process's priority.
+        start_delay: seconds the worker holds a new batch back before working on it, unless
+            :meth:`wait` asks for it sooner: the first moments after a hand-over are when the
+            training thread starts its step (and, with more ranks than cores, other ranks
+            finish their all-reduce); the rehearsal has the rest of the step.
     """
 
     def __init__(
@@ -167,6 +184,8 @@ class RehearsalBuffer:
         progress_interval: float | None = None,
         timeout: float = 600.0,
         max_pending: int = 4,
+        worker_niceness: int = 10,
+        start_delay: float = 0.002,
     ) -> None:
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {task!r}")
@@ -178,6 +197,7 @@ class RehearsalBuffer:
             ("num_candidates", num_candidates, 1),
             ("num_representatives", num_representatives, 0),
             ("max_pending", max_pending, 1),
+            ("worker_niceness", worker_niceness, 0),
         ):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -210,6 +230,12 @@ class RehearsalBuffer:
         self.rehearsal_weight = float(rehearsal_weight)
         self.timeout = float(timeout)
         self.max_pending = int(max_pending)
+        if worker_niceness > 19:
+            raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
+        self.worker_niceness = int(worker_niceness)
+        if not isinstance(start_delay, (int, float)) or not (math.isfinite(start_delay) and start_delay >= 0):
+            raise ValueError(f"start_delay must be a finite number of seconds >= 0, got {start_delay!r}")
+        self.start_delay = float(start_delay)
         self.global_sampling = bool(global_sampling)
 
         world = MPI.COMM_WORLD if comm is None else comm
@@ -256,6 +282,9 @@ class RehearsalBuffer:
         self._iterations = 0
         self.last_num_representatives = 0
         self._pending = 0
+        self._submitted = 0  # accumulate() calls so far
+        self._wanted = 0  # batches with seq < _wanted have been asked for by wait(): no holding back
+        self._hurry = threading.Condition()
         self._closed = False
         self._failed: BaseException | None = None
         self._requests: queue.Queue[_Request | None] = queue.Queue()
@@ -296,7 +325,8 @@ class RehearsalBuffer:
         if self.mode == "flyweight" or out is not None:
             self._check_out(out, self.R if self.mode == "flyweight" else b + self.R)
         self._pending += 1
-        self._requests.put(_Request(tensors, labels, acts, out))
+        self._requests.put(_Request(tensors, labels, acts, out, self._submitted))
+        self._submitted += 1
         self._add_time("accumulate", time.perf_counter() - t0)
 
     def wait(self, timeout: float | None = None) -> AugmentedBatch:
@@ -310,6 +340,10 @@ class RehearsalBuffer:
             raise RuntimeError("wait() called without a pending accumulate()")
         limit = self.timeout if timeout is None else float(timeout)
         t0 = time.perf_counter()
+        if self.start_delay:
+            with self._hurry:  # the oldest pending batch is wanted now: its worker need not hold back
+                self._wanted = max(self._wanted, self._submitted - self._pending + 1)
+                self._hurry.notify()
         try:
             result = self._results.get(timeout=limit)
         except queue.Empty:
@@ -507,6 +541,11 @@ class RehearsalBuffer:
 
     # ------------------------------------------------------------------ worker
     def _run(self) -> None:
+        if self.worker_niceness and sys.platform.startswith("linux"):
+            # On Linux a thread is a task with its own nice value: this lowers the worker only.
+            tid = threading.get_native_id()
+            with contextlib.suppress(OSError):  # raising one's nice value needs no privilege; if refused, run as is
+                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), self.worker_niceness))
         poll = self.progress_interval > 0 and self._comm is not None
         while True:
             try:
@@ -516,6 +555,10 @@ class RehearsalBuffer:
                 continue
             if req is None:
                 return
+            if self.start_delay:
+                # Leave the first moments of the step to the training thread, unless it already waits for this batch.
+                with self._hurry:
+                    self._hurry.wait_for(lambda s=req.seq: self._wanted > s, timeout=self.start_delay)
             try:
                 result: AugmentedBatch | BaseException = self._process(req)
             except BaseException as exc:  # handed to wait(), which re-raises it in the caller
@@ -551,6 +594,22 @@ class RehearsalBuffer:
             self._pool.append((block, [_storage_refs(t) for t in block.values()]))
         return block
 
+    def _copy_rows(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` in pieces of about ``_COPY_CHUNK`` bytes, offering the core to other threads between them.
+
+        A multi-megabyte copy holds a core for milliseconds; on a node with more processes than
+        cores, a training thread waiting on the core (e.g. to finish its gradient all-reduce,
+        which every rank then waits for) would otherwise lose that long.
+        """
+        row_bytes = max(1, src[0].numel() * src.element_size()) if src.shape[0] else 1
+        step = max(1, _COPY_CHUNK // row_bytes)
+        if src.shape[0] <= step:
+            dst.copy_(src)
+            return
+        for lo in range(0, src.shape[0], step):
+            dst[lo : lo + step].copy_(src[lo : lo + step])
+            _yield_core()
+
     def _alloc_rows(self, rows: int, device: torch.device, pin: bool = False) -> dict[str, torch.Tensor]:
         out = {"label": torch.empty(rows, dtype=torch.int64, device=device, pin_memory=pin)}
         for i, (shape, dtype) in enumerate(zip(self.sample_shapes, self.sample_dtypes, strict=True)):
@@ -564,16 +623,11 @@ class RehearsalBuffer:
     def _process(self, req: _Request) -> AugmentedBatch:
         b = req.targets.shape[0]
         t0 = time.perf_counter()
-        ranks, flat_slots, windowed = self._draw()
-        m = len(flat_slots)
-        t1 = time.perf_counter()
-        self._add_time("sampling", t1 - t0)
-
-        # Destination rows: the caller's tensors, or recycled/new ones; representatives go after
-        # the new samples (standard) or from row 0 (flyweight).
+        # Destination rows, ready before the read epoch opens: the caller's tensors, or recycled
+        # or new ones; representatives go after the new samples (standard) or from row 0 (flyweight).
         first = b if self.mode == "standard" else 0
         if req.out is None:
-            dest = self._output_block(b + m, b + self.R)
+            dest = self._output_block(b + self.R, b + self.R)
         else:
             out = req.out
             dest = {"label": out.targets}
@@ -582,30 +636,31 @@ class RehearsalBuffer:
             if self.stores_activations:
                 dest["activation"] = out.activations
         # Representatives land in host rows first when the output lives on a GPU.
-        host = self._staging if self._staging is not None else {k: v[first:] for k, v in dest.items()}
-        rep_rows = {k: v[:m] for k, v in host.items()}
+        host = self._staging if self._staging is not None else {k: v[first : first + self.R] for k, v in dest.items()}
+        # uint8 (rows, bytes) numpy views of those rows, for the one-sided Gets to land in directly
+        host_bytes = {
+            k: v.reshape(v.shape[0], math.prod(v.shape[1:])).view(torch.uint8).numpy() for k, v in host.items()
+        }
+        setup = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        ranks, flat_slots, windowed = self._draw()
+        m = len(flat_slots)
+        t1 = time.perf_counter()
+        self._add_time("sampling", t1 - t0)
 
         is_local = ranks == self.rank
         try:
-            remote_any = windowed and bool((~is_local).any())
-            if remote_any:
-                # uint8 (rows, bytes) views of the destination rows, made once: numpy slices are cheap
-                rows_bytes = {k: v.reshape(m, -1).view(torch.uint8).numpy() for k, v in rep_rows.items()}
-                peers, starts, counts = np.unique(ranks, return_index=True, return_counts=True)
-                for r, lo, cnt in zip(peers.tolist(), starts.tolist(), counts.tolist(), strict=True):
-                    if r == self.rank:
-                        continue
-                    hi = lo + cnt  # rows of a rank are contiguous (sorted by rank)
-                    self._remote_bytes += self.storage.remote_read(
-                        r, flat_slots[lo:hi], {k: v[lo:hi] for k, v in rows_bytes.items()}
-                    )
-                if remote_any:
-                    self.storage.flush()
+            if windowed and not is_local.all():
+                rows_bytes = {k: v[:m] for k, v in host_bytes.items()}
+                self._remote_bytes += self.storage.remote_read(ranks, flat_slots, rows_bytes)
+                self.storage.flush()
         finally:
             if windowed:
                 self.storage.end_remote()
         t2 = time.perf_counter()
         self._add_time("remote_fetch", t2 - t1)
+        rep_rows = {k: v[:m] for k, v in host.items()}
 
         local = np.nonzero(is_local)[0]
         if len(local):
@@ -626,7 +681,7 @@ class RehearsalBuffer:
                 news.append(("activation", req.activations))
             for key, src in news:
                 if not _is_prefix(src, dest[key]):  # already in place: nothing to copy
-                    dest[key][:b].copy_(src)
+                    self._copy_rows(dest[key][:b], src)
         weights = torch.empty(first + m, dtype=torch.float32)
         weights[:first] = 1.0
         weights[first:] = 0.0 if self.task == "kd" else self.rehearsal_weight
@@ -638,7 +693,7 @@ class RehearsalBuffer:
         if self._staging is not None:
             self._cuda_stream.synchronize()
         t3 = time.perf_counter()
-        self._add_time("copy", t3 - t2)
+        self._add_time("copy", setup + t3 - t2)
 
         self._update(req)
         self._add_time("update", time.perf_counter() - t3)

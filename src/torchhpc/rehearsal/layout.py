@@ -38,7 +38,7 @@ class Field:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.dtype.itemsize  # no tensor made: this sits on the fetch path
 
 
 class RecordLayout:

@@ -30,6 +30,7 @@ class SlotStorage:
         self, layout: RecordLayout, comm: MPI.Comm | None, pin: bool
     ) -> None:
         self.layout = layout
+        self._field_spans = [(f.name, f.offset, f.nbytes) for f in layout.fields]  # plain ints, computed once
         self.comm = comm
         self.win: MPI.Win | None = None
         self._registered_ptr: int | None = None
@@ -131,28 +132,27 @@ class SlotStorage:
         self.win.Flush_all()
         return out
 
-    def remote_read(self, rank: int, flat_slots: np.ndarray, out: dict[str, np.ndarray]) -> int:
-        """Fetch records ``flat_slots`` of ``rank`` straight into the rows of ``out`` (no staging).
+    def remote_read(self, ranks: np.ndarray, flat_slots: np.ndarray, out: dict[str, np.ndarray]) -> int:
+        """Fetch record ``flat_slots[i]`` of rank ``ranks[i]`` into row ``i`` of ``out``, for every ``i`` not ours.
 
         ``out`` maps field names to C-contiguous ``(rows, field bytes)`` uint8 arrays (views of
-        the output tensors).  One ``MPI_Get`` per field, whose target datatype picks that field
-        out of every wanted record.  Completion is left to the caller's ``Flush_all``.
-        Returns the bytes requested.
+        the output tensors).  One plain ``MPI_Get`` per record and field, straight into its
+        row: no staging copy, and no derived datatype (a per-peer indexed target datatype
+        reading every wanted record at once was markedly slower than plain Gets under Open
+        MPI's ``osc/sm``).  Must be called inside :meth:`begin_remote`; completion is left to the caller's
+        :meth:`flush`.  Returns the bytes requested.
         """
         assert self.win is not None
-        lay = self.layout
-        base = lay.header_bytes + flat_slots.astype(np.int64) * lay.record_bytes
+        lay, get, me = self.layout, self.win.Get, self.rank
+        fields = [(out[name], offset, nbytes) for name, offset, nbytes in self._field_spans if name in out]
+        bases = (lay.header_bytes + flat_slots.astype(np.int64) * lay.record_bytes).tolist()
         total = 0
-        for field in lay.fields:
-            dst = out.get(field.name)
-            if dst is None:
+        for row, (rank, base) in enumerate(zip(ranks.tolist(), bases, strict=True)):
+            if rank == me:
                 continue
-            ttype = MPI.BYTE.Create_hindexed_block(field.nbytes, (base + field.offset).tolist()).Commit()
-            try:
-                self.win.Get(dst, rank, target=(0, 1, ttype))
-            finally:
-                ttype.Free()
-            total += dst.nbytes
+            for dst, offset, nbytes in fields:
+                get(dst[row], rank, target=(base + offset, nbytes, MPI.BYTE))
+                total += nbytes
         return total
 
     def flush(self) -> None:
