@@ -2,12 +2,12 @@
 """One rank of an ``accl`` job dies mid-run; the survivors must fail fast with ``AcclPeerFailedError``.
 
 Run under a fault-tolerant mpiexec (``torchhpc.mpirun.mpiexec_argv(..., fault_tolerant=True)``:
-Open MPI's ULFM with its failure detector), otherwise the launcher kills the whole job when the rank
+Open MPI's ULFM), otherwise the launcher kills the whole job when the rank
 dies.  Every survivor prints one ``SURVIVOR`` line that ``tests/test_accl_peer_death.py`` checks:
 the error class, the rank it names, how long detection took (well under the group timeout), and
 that the aborted group then refuses calls at once.
 
-    mpiexec --with-ft ulfm --mca mpi_ft_detector true ... -n 3 python tests/accl_peer_death.py --mode sync
+    mpiexec --with-ft ulfm -n 3 python tests/accl_peer_death.py --mode sync
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ def test_survivors_fail_fast_naming_the_dead_rank(mode: str, nprocs: int) -> Non
 
 
 def test_fault_tolerant_launch_options() -> None:
-    ompi = fault_tolerant_args("openmpi", detect_s=2.0)
+    assert fault_tolerant_args("openmpi") == ["--with-ft", "ulfm"]
+    ompi = fault_tolerant_args("openmpi", detector_s=2.0)
     assert ompi[:2] == ["--with-ft", "ulfm"]
     mca = dict(zip(ompi[3::3], ompi[4::3], strict=True))
     # Open MPI requires the detector timeout to exceed three heartbeat periods

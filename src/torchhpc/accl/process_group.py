@@ -283,8 +283,8 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
         for comm in comms:
             with contextlib.suppress(MPI.Exception, NotImplementedError):
                 comm.Revoke()
-        # A rank told only by a revocation learns who died from its own failure detector shortly after.
-        limit = now() + (1.0 if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None) else 0.0)
+        # A rank told only by a revocation may learn who died from the runtime's notice a moment later.
+        limit = now() + (0.25 if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None) else 0.0)
         while not (ranks := _failed_ranks(comms)) and now() < limit:
             time.sleep(0.01)
         # MPI_Finalize would wait for the dead rank forever: end this process with MPI_Abort at exit instead.
