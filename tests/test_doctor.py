@@ -110,11 +110,11 @@ def test_fault_tolerance_follows_the_launch(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
     capable, enabled = mpi_info.fault_tolerance()
     assert not enabled
-    check = doctor._fault_tolerance(mpi_info)
+    check = doctor._fault_tolerance()
     if capable:  # e.g. the PyPI Open MPI, built with ULFM: the hint gives the launch options
         assert "off for this job" in check.value and "--with-ft ulfm" in check.hint
         monkeypatch.setenv("OMPI_MCA_mpi_ft_enable", "1")  # what `mpiexec --with-ft ulfm` sets in its ranks
         assert mpi_info.fault_tolerance() == (True, True)
-        assert "ULFM on" in doctor._fault_tolerance(mpi_info).value
+        assert "ULFM on" in doctor._fault_tolerance().value
     else:
         assert "no ULFM" in check.value

@@ -112,7 +112,7 @@ def _mpi(probe: bool) -> list[Check]:
     checks.append(Check("mpi threads", OK if level == "multiple" else WARN, level,
                         "" if level == "multiple" else "accl's asynchronous ops and rehearsal's background worker "
                         "need MPI_THREAD_MULTIPLE; use an MPI built with thread support"))
-    checks.append(_fault_tolerance(mpi_info))
+    checks.append(_fault_tolerance())
     import torch
 
     query = mpi_info.cuda_aware_query()
@@ -135,7 +135,8 @@ def _mpi(probe: bool) -> list[Check]:
     return checks
 
 
-def _fault_tolerance(mpi_info) -> Check:
+def _fault_tolerance() -> Check:
+    from torchhpc import mpi_info
     from torchhpc.mpirun import fault_tolerant_args, mpi_flavor
 
     capable, enabled = mpi_info.fault_tolerance()

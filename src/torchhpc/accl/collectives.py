@@ -41,8 +41,7 @@ class CollectivesMixin:
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
         t = _Tensorish.one(tensors, "all_reduce")
         op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
-        if (opts is not None and not opts.asyncOp and t.is_cpu and self._engine is self._mpi
-                and t.is_contiguous()):
+        if self._sync_fast(opts, t):
             done = self._allreduce_now(t, op_t)
             if done is not FALLBACK:
                 return done
@@ -121,7 +120,7 @@ class CollectivesMixin:
 
         # a header (always when checked; unchecked, for what does not fit one nonblocking call) makes
         # the data phase blocking MPI calls: the same rule and calls as the synchronous fast path
-        if self.options.check or (eng is self._mpi and nbytes > self._unchecked_one_call):
+        if self._header_needed(eng, nbytes):
             self._add_check_lazy(op, kind, dtype, numel, nbytes, op_t)
 
         def stage0() -> list[Request]:
@@ -140,6 +139,12 @@ class CollectivesMixin:
         op.stages = [stage0]
         op.finish = finish
         return self._submit(op, async_op)
+
+    def _sync_fast(self, opts: object, a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
+        """Whether a call may try its synchronous fast path: not async, on the MPI engine, contiguous
+        CPU tensors (the fast path itself then falls back when the group is busy)."""
+        return (not _async(opts) and self._engine is self._mpi and a.is_cpu and a.is_contiguous()
+                and (b is None or (b.is_cpu and b.is_contiguous())))
 
     def _header_needed(self, eng: object, total_bytes: int) -> bool:
         """Whether a collective moving ``total_bytes`` exchanges the header: always when checked; on an
@@ -199,7 +204,7 @@ class CollectivesMixin:
         if opts is not None and opts.rootTensor != 0:
             raise ValueError(f"accl: broadcast rootTensor must be 0, got {opts.rootTensor}")
         eng = self._engine_for("broadcast", t.dtype)
-        if not _async(opts) and self._engine is self._mpi and t.is_cpu and t.is_contiguous():
+        if self._sync_fast(opts, t):
             done = self._broadcast_now(t, root)
             if done is not FALLBACK:
                 return done
@@ -334,8 +339,7 @@ class CollectivesMixin:
         if output.numel() != p * input.numel():
             raise ValueError(f"accl: all_gather_into_tensor output has {output.numel()} elements, needs "
                              f"world_size * input = {p} * {input.numel()} = {p * input.numel()}")
-        if (not _async(opts) and self._engine is self._mpi and input.is_cpu and output.is_cpu
-                and input.is_contiguous() and output.is_contiguous()):
+        if self._sync_fast(opts, input, output):
             done = self._all_gather_now(output, input)
             if done is not FALLBACK:
                 return done
@@ -357,10 +361,7 @@ class CollectivesMixin:
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                     opts=None) -> AcclWork:
-        if len(outputs) != len(inputs) or not inputs:
-            raise ValueError("accl: all_gather_into_tensor_coalesced needs matching, non-empty lists")
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1]
+        return self._coalesced(self.all_gather_single, "all_gather_into_tensor", outputs, inputs, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -485,8 +486,7 @@ class CollectivesMixin:
             raise ValueError(f"accl: reduce_scatter_tensor input has {input.numel()} elements, needs "
                              f"world_size * output = {p} * {output.numel()} = {p * output.numel()}")
         op_t = red_op_of(opts.reduceOp) if opts is not None else _R.SUM
-        if (not _async(opts) and self._engine is self._mpi and input.is_cpu and output.is_cpu
-                and input.is_contiguous() and output.is_contiguous()):
+        if self._sync_fast(opts, input, output):
             done = self._reduce_scatter_now(output, input, op_t)
             if done is not FALLBACK:
                 return done
@@ -500,9 +500,16 @@ class CollectivesMixin:
 
     def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts=None) -> AcclWork:
+        return self._coalesced(self.reduce_scatter_single, "reduce_scatter_tensor", outputs, inputs, opts)
+
+    @staticmethod
+    def _coalesced(one: Callable, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                   opts: object) -> AcclWork | None:
+        """A ``*_coalesced`` call as one call of ``one`` per (output, input) pair, in order: collectives
+        complete in issue order, so the last one's Work covers them all."""
         if len(outputs) != len(inputs) or not inputs:
-            raise ValueError("accl: reduce_scatter_tensor_coalesced needs matching, non-empty lists")
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+            raise ValueError(f"accl: {name}_coalesced needs matching, non-empty lists")
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return works[-1]
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
@@ -514,16 +521,16 @@ class CollectivesMixin:
         if output.dtype != input.dtype:
             raise TypeError(f"accl: all_to_all_single dtypes differ: output {output.dtype}, "
                             f"input {input.dtype}")
-        if (not input_split_sizes and not output_split_sizes and not _async(opts) and self._engine is self._mpi
-                and input.dim() > 0 and output.dim() > 0 and input.shape[0] % p == 0 and output.shape[0] % p == 0
-                and input.shape[1:] == output.shape[1:] and input.dtype == output.dtype and input.is_cpu
-                and output.is_cpu and input.is_contiguous() and output.is_contiguous()):
-            # even splits (the common case): equal blocks, straight to the fast path
+        if (not input_split_sizes and not output_split_sizes and input.dim() > 0 and output.dim() > 0
+                and input.shape[0] % p == 0 and output.shape[0] % p == 0 and input.shape[1:] == output.shape[1:]
+                and self._sync_fast(opts, input, output)):
+            # even splits (the common case): equal blocks, straight to the fast path, else the queue
             esz = input.element_size()
-            done = self._all_to_all_now(output, input, [input.numel() * esz // p] * p,
-                                        [output.numel() * esz // p] * p)
+            sb, rb = [input.numel() * esz // p] * p, [output.numel() * esz // p] * p
+            done = self._all_to_all_now(output, input, sb, rb)
             if done is not FALLBACK:
                 return done
+            return self._alltoallv("all_to_all", input, output, sb, rb, [output], False)
         # elements per dim-0 row (shape arithmetic: indexing a tensor costs more than the whole call)
         row_in = math.prod(input.shape[1:]) if input.dim() > 0 and input.shape[0] else 0
         row_out = math.prod(output.shape[1:]) if output.dim() > 0 and output.shape[0] else 0
@@ -550,8 +557,7 @@ class CollectivesMixin:
         esz = input.element_size()
         sb = [s * row * esz for s in s_in]
         rb = [s * row * esz for s in s_out]
-        if (not _async(opts) and self._engine is self._mpi and input.is_cpu and output.is_cpu
-                and input.is_contiguous() and output.is_contiguous()):
+        if self._sync_fast(opts, input, output):
             done = self._all_to_all_now(output, input, sb, rb)
             if done is not FALLBACK:
                 return done

@@ -233,7 +233,7 @@ class FastPathMixin:
                 return FALLBACK
             seq = self._seq
             self._seq = seq + 1
-            if not (check or nbytes > self._unchecked_one_call):
+            if not self._header_needed(self._mpi, nbytes):
                 return self._allreduce_unchecked_now(t, op_t, nbytes, finished)
             HEADER.pack_into(self._hdr_buf, 0, _MAGIC, _K_AR, seq, red.dcode, red.ocode, 0, nbytes, numel, 0)
             if fused and nbytes:
@@ -293,9 +293,7 @@ class FastPathMixin:
                    nbytes: int, numel: int, total: int) -> int | None:
         """Claim a call number for a fast-path call (caller holds the lock) and pack its header;
         None when the call must be queued (group busy, or unchecked and too small for a header)."""
-        if self._queue or self._p2p or self._aborted is not None:
-            return None
-        if not self.options.check and total <= self._unchecked_one_call:
+        if not self._idle() or not self._header_needed(self._mpi, total):
             return None
         seq = self._seq
         self._seq = seq + 1
