@@ -25,15 +25,15 @@ import os
 import re
 import socket
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+
+from .errors import LauncherError
+from .waiting import wait_requests
 
 __all__ = ["LauncherError", "WorldInfo", "world_info", "init_distributed", "agree_on_master"]
 
 
-class LauncherError(RuntimeError):
-    """The job's environment is missing, malformed or contradictory."""
 
 
 @dataclass(frozen=True)
@@ -252,8 +252,8 @@ def _free_port() -> int:
 def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
     """Rank 0's address and a free port, broadcast to every rank through MPI (``COMM_WORLD``).
 
-    A job on one node uses 127.0.0.1; otherwise rank 0's host name.  Fails with :class:`LauncherError`
-    if some rank does not join within ``timeout`` seconds, rather than waiting forever.
+    A job on one node uses 127.0.0.1; otherwise rank 0's host name.  Fails with
+    :class:`~torchhpc.errors.PeerTimeoutError` if some rank does not join within ``timeout`` seconds.
     """
     from mpi4py import MPI
 
@@ -267,15 +267,9 @@ def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
         host = "127.0.0.1" if info.local_size == info.world_size else socket.gethostname()
         text = f"{host} {_free_port()}".encode()
         buf[: len(text)] = text
-    request = world.Ibcast([buf, MPI.BYTE], root=0)
-    deadline = time.monotonic() + timeout
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise LauncherError(
-                f"rank {world.Get_rank()}: no master address from rank 0 after {timeout:.0f}s; "
-                "did every rank call init_distributed()?"
-            )
-        time.sleep(0.001)
+    wait_requests([world.Ibcast([buf, MPI.BYTE], root=0)], timeout, "", keep=buf, message=lambda: (
+        f"rank {world.Get_rank()}: no master address from rank 0 after {timeout:.0f}s; "
+        "did every rank call init_distributed()?"))
     host, port = bytes(buf).rstrip(b"\0").decode().split()
     return host, int(port)
 

@@ -357,7 +357,7 @@ def test_a_gather_peers_never_join_times_out(comm):
                 ChunkTensor((40, 2), torch.float32, 0, timeout=0.5)
         side.Barrier()
         if comm.rank == 0:
-            waiting.ABANDONED.pop().Wait()
+            waiting.ABANDONED.pop()[0][0].Wait()  # (requests, buffers) given up at the deadline
         else:
             comm.Ibarrier().Wait()  # what the late peers' constructors would have started with
     finally:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..errors import PeerTimeoutError
 from .layout import RecordLayout
 from .reservoir import ClassReservoir
 from .sampler import draw_representatives
@@ -347,7 +348,7 @@ class RehearsalBuffer:
         try:
             result = self._results.get(timeout=limit)
         except queue.Empty:
-            raise TimeoutError(
+            raise PeerTimeoutError(
                 f"rehearsal worker did not finish a batch in {limit:.0f}s (a peer rank stuck or dead?)"
             ) from None
         self._pending -= 1
