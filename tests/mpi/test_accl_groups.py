@@ -147,7 +147,7 @@ def test_missing_member_times_out_instead_of_hanging() -> None:
     skipper = n - 1  # never the group's first member, so nothing is left sent and unreceived
     t0 = time.monotonic()
     if me != skipper:
-        with pytest.raises(errors.PeerTimeoutError, match=rf"did not join within 2 s|no answer from the group's"):
+        with pytest.raises(errors.PeerTimeoutError, match=r"did not join within 2 s|no answer from the group's"):
             dist.new_group(timeout=timedelta(seconds=2))
         assert time.monotonic() - t0 < 15
     MPI.COMM_WORLD.Barrier()

@@ -30,8 +30,9 @@ from torchhpc import errors
 from torchhpc.mpi_info import cuda_aware_query
 from torchhpc.waiting import wait_requests
 
-__all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "cuda_aware_mpi", "wait_all",
-           "dup", "barrier", "allreduce", "allgather_int", "bcast_tensor", "bcast_object", "gather_object"]
+__all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "agreement_timeout",
+           "cuda_aware_mpi", "wait_all", "dup", "barrier", "allreduce", "allgather_int", "bcast_tensor",
+           "bcast_object", "gather_object"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds any braid operation waits for peer ranks before raising :class:`PeerTimeoutError`."""
@@ -63,6 +64,15 @@ def check_timeout(timeout: float | None) -> float:
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     return float(timeout)
+
+
+def agreement_timeout(timeout: float | None) -> float:
+    """Deadline for agreeing on errors at an entry point: ``timeout`` if valid, else the default
+    (an invalid ``timeout`` is itself the error the ranks agree on)."""
+    try:
+        return check_timeout(timeout)
+    except ValueError:
+        return default_timeout()
 
 
 def cuda_aware_mpi() -> bool:
