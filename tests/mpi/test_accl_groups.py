@@ -20,6 +20,7 @@ from torchhpc import errors
 
 MPI_RANKS = (2, 3, 4)
 MPI_TIMEOUT = 150
+MPI_VARIANTS = ("rank-order", "mpich")
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -19,6 +19,7 @@ from torch import nn
 from torchhpc import errors
 
 MPI_RANKS = (2, 3)
+MPI_VARIANTS = ("mpich",)
 
 
 def one_rank_fails(comm: MPI.Comm, make: Callable[[bool], object], own: type[BaseException], text: str) -> None:
