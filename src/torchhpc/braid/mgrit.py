@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ..waiting import agreed
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
-from .transport import Channel, agreement_timeout, allreduce, check_timeout, dup
+from .transport import Channel, agreement_timeout, allreduce, check_timeout, dup, timeout_message
 
 __all__ = ["MGRIT", "MGRITResult", "solve"]
 
@@ -353,7 +353,9 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
     past it, :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
     """
     base = MPI.COMM_WORLD if comm is None else comm
-    with agreed(base, agreement_timeout(timeout), "torchhpc.braid.mgrit.solve()"):  # an error on one rank: on all
+    agree_s = agreement_timeout(timeout)
+    with agreed(base, agree_s, "torchhpc.braid.mgrit.solve()", lambda: timeout_message(  # error on one rank: on all
+            "MGRIT solve start (error agreement, MPI_Iallgather)", base, agree_s)):
         times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
         if len(times) < 2:
             raise ValueError(f"need at least two time points, got {len(times)}")
