@@ -23,6 +23,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -42,6 +43,12 @@ struct PeerTimeout : std::runtime_error {
 };
 
 struct PeerError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// A peer that cannot be reached at all (its engine is gone: closed, or its process died).  Messages
+// start with "rank <r> " so callers can name the failed rank.
+struct PeerUnreachable : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
@@ -108,7 +115,10 @@ class Transport {
                     got[i] = pending[i].wait().as<std::vector<std::int64_t>>();
                 } catch (const tl::timeout&) {
                     throw PeerTimeout("rank " + std::to_string(ranks[i]) + " did not answer a fill-count request within " +
-                                      std::to_string(timeout_s) + " s (stuck or dead?)");
+                                      seconds(timeout_s) + " s (stuck or dead?)");
+                } catch (const tl::exception& e) {
+                    throw PeerUnreachable("rank " + std::to_string(ranks[i]) + " is unreachable (" + e.what() +
+                                          "): its buffer is closed or its process died");
                 }
                 if (got[i].size() != m_num_classes)
                     throw PeerError("rank " + std::to_string(ranks[i]) + " answered " + std::to_string(got[i].size()) +
@@ -180,7 +190,10 @@ class Transport {
                     status = pending[j].wait().as<int>();
                 } catch (const tl::timeout&) {
                     throw PeerTimeout("rank " + std::to_string(round[j].first) + " did not serve a record read within " +
-                                      std::to_string(timeout_s) + " s (stuck or dead?)");
+                                      seconds(timeout_s) + " s (stuck or dead?)");
+                } catch (const tl::exception& e) {
+                    throw PeerUnreachable("rank " + std::to_string(round[j].first) + " is unreachable (" + e.what() +
+                                          "): its buffer is closed or its process died");
                 }
                 if (status != kOk)
                     throw PeerError("rank " + std::to_string(round[j].first) + " refused a record read (" + status_text(status) + ")");
@@ -218,6 +231,12 @@ class Transport {
     static std::chrono::milliseconds to_duration(double s) {
         if (!(s > 0)) throw std::invalid_argument("timeout must be > 0 seconds");
         return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
+    }
+
+    static std::string seconds(double s) {
+        char text[32];
+        std::snprintf(text, sizeof text, "%.3g", s);
+        return text;
     }
 
     static std::string status_text(int status) {
@@ -298,6 +317,7 @@ PYBIND11_MODULE(_torchhpc_thallium, m) {
     m.doc() = "Thallium (Mochi) transport of torchhpc.rehearsal: records served by RPC + bulk push under the owner's lock";
     py::register_exception<PeerTimeout>(m, "PeerTimeout", PyExc_TimeoutError);
     py::register_exception<PeerError>(m, "PeerError", PyExc_RuntimeError);
+    py::register_exception<PeerUnreachable>(m, "PeerUnreachable", PyExc_ConnectionError);
     m.attr("THALLIUM_VERSION") = THALLIUM_VERSION;
     py::class_<Transport>(m, "Transport")
         .def(py::init<const std::string&, std::uintptr_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t>(),
