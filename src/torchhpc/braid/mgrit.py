@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
+from ..waiting import agreed
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
-from .transport import Channel, allreduce, check_timeout, dup
+from .transport import Channel, agreement_timeout, allreduce, check_timeout, dup
 
 __all__ = ["MGRIT", "MGRITResult", "solve"]
 
@@ -351,21 +352,23 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
     lasts longer than ``timeout`` seconds (default :func:`~torchhpc.braid.transport.default_timeout`):
     past it, :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
     """
-    times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
-    if len(times) < 2:
-        raise ValueError(f"need at least two time points, got {len(times)}")
-    if any(b <= a for a, b in zip(times, times[1:], strict=False)):
-        raise ValueError("time points must be strictly increasing")
-    opts = MGRITOptions.build(max_levels=max_levels, cfactor=cfactor, relax=relax, cycle=cycle, tol=tol,
-                              rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
-                              skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
-                              print_level=print_level)
-    timeout = check_timeout(timeout)
     base = MPI.COMM_WORLD if comm is None else comm
+    with agreed(base, agreement_timeout(timeout), "torchhpc.braid.mgrit.solve()"):  # an error on one rank: on all
+        times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+        if len(times) < 2:
+            raise ValueError(f"need at least two time points, got {len(times)}")
+        if any(b <= a for a, b in zip(times, times[1:], strict=False)):
+            raise ValueError("time points must be strictly increasing")
+        opts = MGRITOptions.build(max_levels=max_levels, cfactor=cfactor, relax=relax, cycle=cycle, tol=tol,
+                                  rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
+                                  skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
+                                  print_level=print_level)
+        timeout = check_timeout(timeout)
     work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
-        solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
-                       counts=partition, init=init, timeout=timeout, norm=norm)
+        with agreed(work, timeout, "torchhpc.braid.mgrit.solve()"):
+            solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
+                           counts=partition, init=init, timeout=timeout, norm=norm)
         res = solver.run()
     finally:
         work.Free()
