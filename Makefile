@@ -64,8 +64,8 @@ CLUSTER_VARS       = SITE="$(SITE)" DRY_RUN="$(DRY_RUN)" TORCHHPC_PREFIX="$(TORC
 .PHONY: cluster-versions nccl-ofi spack-env spack-install install-packages test-pbs clean-pytorch \
         clean-nccl-ofi clean-cluster-envs clean-cluster
 
-cluster-versions: ## Show the supported PyTorch source builds (utils/pytorch_versions.tsv)
-	@awk -F'\t' '!/^#/ && NF { printf "%-8s %-12s %-6s %-6s %-8s %-7s %s\n", $$1, $$2, $$3, $$4, $$5, $$6, $$7 }' utils/pytorch_versions.tsv
+cluster-versions: ## Show the supported PyTorch source builds and where each figure comes from (utils/pytorch_versions*.tsv)
+	@utils/pytorch_version.sh --table
 
 build-pytorch-v%-pbs: ## build-pytorch-vX.Y.Z as a PBS job on a compute node; waits, returns its exit status
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/pbs_submit.sh --name "torchhpc-build-v$*" --shape build \

@@ -127,7 +127,9 @@ def test_derecho_build_dry_run_shows_modules_variables_and_patch_order(tmp_path:
     assert "--with-libfabric=/opt/cray/libfabric/1.15.2.0" in configure and f"--with-cuda={cuda}" in configure
     assert "-Wl\\,-rpath\\,/opt/cray/libfabric/1.15.2.0/lib64" in configure
     # Then PyTorch: clone at the tag, every patch in file-name order (checked, then applied), submodules.
-    patches = sorted((ROOT / "patches/pytorch/v2.5.1").glob("*.patch"))
+    patch_dir = subprocess.run(["utils/pytorch_version.sh", "2.5.1", "patches"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30, check=True).stdout.strip()
+    patches = sorted((ROOT / "patches/pytorch" / patch_dir).glob("*.patch"))
     torch_clone = next(i for i, c in enumerate(commands) if "pytorch.git" in c)
     assert torch_clone > nccl_clone and "--branch v2.5.1" in commands[torch_clone]
     applied = [c.split()[-1] for c in commands if "git apply" in c]
