@@ -10,10 +10,13 @@ with `spack install --fake`. One concretization per site per session, cached in 
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -307,3 +310,141 @@ def test_py_torchhpc_recipe_declares_what_pyproject_needs(spack_standin: types.M
     assert recipe.import_modules == ["torchhpc"]
 
 
+
+
+# --- the pinned Spack, for real --------------------------------------------------------------------------------
+
+VENDOR = ROOT.parent / "shared" / "vendor"
+SPACK_INPUTS = ["spack.yaml", "repo.yaml", "utils/pytorch_versions.tsv", "utils/native_versions.tsv",
+                "utils/spack_pins.tsv", "utils/spack_env.sh"]
+
+
+def pins() -> dict[str, dict[str, str]]:
+    lines = [ln.split("\t") for ln in (ROOT / "utils/spack_pins.tsv").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    return {r[0]: dict(zip(lines[0], r, strict=True)) for r in lines[1:]}
+
+
+def spack_env(tmp: Path) -> dict[str, str]:
+    """A clean environment: the venv and the system tools only (no `spack` on PATH), the vendor archives."""
+    return {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp), "LANG": "C",
+            "SPACK_ARCHIVES": str(VENDOR)}
+
+
+def need_spack_inputs() -> None:
+    missing = [p["archive"] for p in pins().values() if not (VENDOR / p["archive"]).is_file()]
+    if missing:
+        pytest.skip(f"vendor archives absent ({', '.join(missing)} in {VENDOR}): real Spack checks skipped")
+    if shutil.which("gfortran") is None:
+        pytest.skip("no gfortran (Debian package gfortran, listed in .ci/debian-packages): Spack needs it")
+
+
+def inputs_key(site: str) -> str:
+    digest = hashlib.sha256()
+    files = [ROOT / p for p in SPACK_INPUTS] + [ROOT / f"utils/sites/{site}.spack.yaml"]
+    files += sorted((ROOT / "packages").rglob("*.py")) + sorted((ROOT / "patches").rglob("*"))
+    for path in files:
+        if path.is_file():
+            digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def concretize(site: str, tmp: Path) -> dict[str, Any]:
+    """The concretized graph of spack.yaml for `site` (spack.lock as JSON), from build/ when its inputs are
+    unchanged, else by running `utils/spack_env.sh concretize` with the pinned Spack."""
+    need_spack_inputs()
+    build = ROOT / "build"
+    lock, key_file = build / f"spack-{site}.lock", build / f"spack-{site}.key"
+    key = inputs_key(site)
+    if not (lock.is_file() and key_file.is_file() and key_file.read_text().strip() == key):
+        start = time.monotonic()
+        proc = subprocess.run(["bash", "utils/spack_env.sh", "concretize"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=2400, env={**spack_env(tmp), "SITE": site})
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        (build / f"spack-{site}.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
+        key_file.write_text(key + "\n")
+    return json.loads(lock.read_text())
+
+
+@pytest.fixture(scope="session")
+def generic_graph(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return concretize("generic", tmp_path_factory.mktemp("spack-generic"))
+
+
+@pytest.fixture(scope="session")
+def derecho_graph(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return concretize("derecho", tmp_path_factory.mktemp("spack-derecho"))
+
+
+def nodes(graph: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return graph["concrete_specs"]
+
+
+def only(graph: dict[str, Any], name: str) -> dict[str, Any]:
+    found = [n for n in nodes(graph).values() if n["name"] == name]
+    assert len(found) == 1, f"{len(found)} nodes named {name} in the graph"
+    return found[0]
+
+
+def check_graph(graph: dict[str, Any], mpi_provider: str) -> None:
+    """Versions from the tables, the variants we need, our patch applied, one MPI for everything."""
+    names = spack_yaml_specs()
+    row = table_row(pinned(names["py-torch"]))
+    torch = only(graph, "py-torch")
+    assert torch["version"] == row["torch"] and torch["namespace"] == "torchhpc"
+    params = torch["parameters"]
+    for variant in ("cuda", "cudnn", "mpi", "nccl", "gloo", "distributed"):
+        assert params[variant] is True, f"py-torch concretized with ~{variant}"
+    (patch_dir,) = {row["patches"]}
+    ours = [hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((ROOT / "patches/pytorch" / patch_dir)
+                                                                        .glob("*.patch"))]
+    assert ours and set(ours) <= set(params.get("patches", [])), "our patch is not among py-torch's patches"
+    assert only(graph, "nccl")["version"].split("-")[0] == row["nccl"]
+    assert only(graph, "aws-ofi-nccl")["version"] == row["aws_ofi_nccl"]
+    assert only(graph, "cuda")["version"].startswith(row["cuda"] + ".")
+    assert only(graph, "cudnn")["version"].startswith(row["cudnn"] + ".")
+    assert only(graph, "python")["version"].startswith(row["python"] + ".")
+    assert only(graph, "gloo")
+    for name, version in native_versions().items():
+        assert only(graph, name)["version"] == version, name
+    assert only(graph, "py-torchhpc")["parameters"]["cuda"] is True
+    # One MPI: every edge that satisfies `mpi` points at the same node, the site's provider.
+    targets = {dep["hash"] for node in nodes(graph).values() for dep in node.get("dependencies", [])
+               if "mpi" in dep.get("parameters", {}).get("virtuals", [])}
+    assert len(targets) == 1, f"{len(targets)} MPI providers in the graph"
+    assert nodes(graph)[targets.pop()]["name"] == mpi_provider
+    users = {n["name"] for n in nodes(graph).values() for d in n.get("dependencies", [])
+             if "mpi" in d.get("parameters", {}).get("virtuals", [])}
+    assert {"py-torch", "py-mpi4py", "xbraid", "aws-ofi-nccl"} <= users
+
+
+def test_pinned_spack_concretizes_the_generic_site(generic_graph: dict[str, Any]) -> None:
+    check_graph(generic_graph, "openmpi")
+
+
+def test_pinned_spack_concretizes_derecho_with_its_cray_externals(derecho_graph: dict[str, Any]) -> None:
+    check_graph(derecho_graph, "cray-mpich")
+    mpich = only(derecho_graph, "cray-mpich")
+    assert mpich["version"] == "8.1.27" and mpich.get("external", {}).get("path", "").startswith("/opt/cray")
+    fabric = only(derecho_graph, "libfabric")
+    assert fabric.get("external") and "cxi" in fabric["parameters"]["fabrics"]
+
+
+def test_fake_install_walks_the_whole_generic_graph(generic_graph: dict[str, Any], tmp_path: Path) -> None:
+    """`spack install --fake` of the concretized generic graph: every package's install step runs (faked,
+    nothing is downloaded or built), so the graph is installable as a whole."""
+    build = ROOT / "build"
+    shutil.copy(build / "spack-generic.lock", ROOT / "spack.lock")
+    proc = subprocess.run(["bash", "utils/spack_env.sh", "fake-install"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=2400, env={**spack_env(tmp_path), "SITE": "generic"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    spack = build / "spack/spack/bin/spack"
+    env = {**spack_env(tmp_path), "SPACK_DISABLE_LOCAL_CONFIG": "1",
+           "SPACK_USER_CACHE_PATH": str(build / "spack-cache"), "SPACK_PYTHON": sys.executable}
+    found = subprocess.run([str(spack), "-e", str(ROOT), "find", "--format", "{name}@{version}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert found.returncode == 0, found.stderr
+    installed = set(found.stdout.split())
+    assert len(installed) == len(nodes(generic_graph)) - sum(1 for n in nodes(generic_graph).values()
+                                                            if n.get("external"))
+    assert "py-torch@2.13.0" in installed and "py-torchhpc@0.1.0" in installed
