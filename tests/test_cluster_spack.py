@@ -316,7 +316,7 @@ def test_py_torchhpc_recipe_declares_what_pyproject_needs(spack_standin: types.M
 
 VENDOR = ROOT.parent / "shared" / "vendor"
 SPACK_INPUTS = ["spack.yaml", "repo.yaml", "utils/pytorch_versions.tsv", "utils/native_versions.tsv",
-                "utils/spack_pins.tsv", "utils/spack_env.sh"]
+                "utils/spack_pins.tsv"]
 
 
 def pins() -> dict[str, dict[str, str]]:

@@ -45,7 +45,7 @@ fetch_pinned() {
   fi
   run rm -rf "$dest"
   if [[ -n "${SPACK_ARCHIVES:-}" ]]; then
-    [[ -f "$SPACK_ARCHIVES/$archive" ]] || die "SPACK_ARCHIVES=$SPACK_ARCHIVES has no $archive ($name $commit)"
+    [[ "$DRY_RUN" == 1 || -f "$SPACK_ARCHIVES/$archive" ]] || die "SPACK_ARCHIVES=$SPACK_ARCHIVES has no $archive ($name $commit)"
     run mkdir -p "$dest"
     run tar xzf "$SPACK_ARCHIVES/$archive" -C "$dest" --strip-components=1
   else

@@ -1,6 +1,6 @@
 # Spack recipes import their directives with `from spack.package import *` (Spack's convention).
 # ruff: noqa: F403, F405
-# torchhpc's PyTorch recipe: Spack's builtin py-torch, plus the patches in patches/pytorch/vX.Y.Z/.
+# torchhpc's PyTorch recipe: Spack's builtin py-torch, plus the patches in patches/pytorch/<patches column>/.
 #
 # The supported versions and their patch directories are read from utils/pytorch_versions.tsv, the same
 # table the Makefile route uses, so both routes always apply the same patches to the same releases.
