@@ -81,11 +81,11 @@ ALL_REDUCE_TEST   ?= tests/all_reduce_test.py
 BACKENDS          ?= nccl,mpi,accl
 CLUSTER_VARS       = SITE="$(SITE)" DRY_RUN="$(DRY_RUN)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
 
-.PHONY: cluster-versions nccl-ofi spack-env spack-install install-packages test-pbs clean-pytorch \
+.PHONY: cluster-versions nccl-ofi spack-env spack-fake-install spack-install install-packages test-pbs clean-pytorch \
         clean-nccl-ofi clean-cluster-envs clean-cluster
 
-cluster-versions: ## Show the supported PyTorch source builds (utils/pytorch_versions.tsv)
-	@awk -F'\t' '!/^#/ && NF { printf "%-8s %-12s %-6s %-6s %-8s %-7s %s\n", $$1, $$2, $$3, $$4, $$5, $$6, $$7 }' utils/pytorch_versions.tsv
+cluster-versions: ## Show the supported PyTorch source builds and where each figure comes from (utils/pytorch_versions*.tsv)
+	@utils/pytorch_version.sh --table
 
 build-pytorch-v%-pbs: ## build-pytorch-vX.Y.Z as a PBS job on a compute node; waits, returns its exit status
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/pbs_submit.sh --name "torchhpc-build-v$*" --shape build \
@@ -98,8 +98,11 @@ build-pytorch-v%: ## Build PyTorch vX.Y.Z (X.Y.Z from `make cluster-versions`) +
 nccl-ofi: ## Build NCCL + the AWS OFI libfabric plugin (pinned; NCCL_VERSION_OVERRIDE, AWS_OFI_NCCL_VERSION)
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/build_nccl-ofi-plugin.sh
 
-spack-env: ## Spack route: concretize spack.yaml with the site's externals (needs `spack` on PATH)
+spack-env: ## Spack route: concretize spack.yaml (spack on PATH, else the pinned Spack of utils/spack_pins.tsv in build/; SPACK_ARCHIVES=dir offline)
 	@$(CLUSTER_VARS) bash utils/spack_env.sh concretize
+
+spack-fake-install: spack-env ## Spack route: walk the whole install graph with `spack install --fake` (no downloads)
+	@$(CLUSTER_VARS) bash utils/spack_env.sh fake-install
 
 spack-install: spack-env ## Spack route: build and install the whole stack of spack.yaml into its view
 	@$(CLUSTER_VARS) bash utils/spack_env.sh install
