@@ -116,7 +116,9 @@ job_directives() {
 # JOB_SCRIPT_TEXT: the whole job script; the body is the same for every scheduler.
 job_write_script() {
   JOB_SCRIPT_TEXT=$(
-    printf '#!/bin/bash -l\n'
+    # PBS starts jobs in a fresh login environment (hence -l: the module command); sbatch passes the
+    # submitting shell's environment on, which a login shell would reset (Debian's /etc/profile sets PATH).
+    if [[ "$JOB_SCHEDULER" == pbs ]]; then printf '#!/bin/bash -l\n'; else printf '#!/bin/bash\n'; fi
     job_directives
     cat <<JOB
 # Written by utils/submit_job.sh ($JOB_SCHEDULER) for site $TORCHHPC_SITE; runs from the repository root.
