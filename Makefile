@@ -62,7 +62,7 @@ ALL_REDUCE_TEST   ?= tests/all_reduce_test.py
 BACKENDS          ?= nccl,mpi,accl
 CLUSTER_VARS       = SITE="$(SITE)" DRY_RUN="$(DRY_RUN)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
 
-.PHONY: cluster-versions nccl-ofi spack-env spack-install install-packages test-pbs test-slurm clean-pytorch \
+.PHONY: cluster-versions nccl-ofi nccl-ofi-inputs spack-env spack-install install-packages test-pbs test-slurm clean-pytorch \
         clean-nccl-ofi clean-cluster-envs clean-cluster
 
 cluster-versions: ## Show the supported PyTorch source builds (utils/pytorch_versions.tsv)
@@ -80,8 +80,11 @@ build-pytorch-v%: ## Build PyTorch vX.Y.Z (X.Y.Z from `make cluster-versions`) +
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/build_nccl-ofi-plugin.sh
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/build_pytorch.sh
 
-nccl-ofi: ## Build NCCL + the AWS OFI libfabric plugin (pinned; NCCL_VERSION_OVERRIDE, AWS_OFI_NCCL_VERSION)
+nccl-ofi: ## Build NCCL (or use NCCL_HOME) + the AWS OFI libfabric plugin (pinned; AWS_OFI_NCCL_VERSION, AWS_OFI_NCCL_SOURCES)
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/build_nccl-ofi-plugin.sh
+
+nccl-ofi-inputs: $(PY) ## CI: pinned CUDA-header/cudart/NCCL wheels unpacked into $(VENV)/nccl-ofi-inputs (for nccl-ofi)
+	@PYTHON="$(PY)" NCCL_OFI_INPUTS="$(VENV)/nccl-ofi-inputs" bash utils/nccl_ofi_inputs.sh
 
 spack-env: ## Spack route: concretize spack.yaml with the site's externals (needs `spack` on PATH)
 	@$(CLUSTER_VARS) bash utils/spack_env.sh concretize
