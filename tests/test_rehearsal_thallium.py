@@ -17,6 +17,7 @@ from torchhpc import native
 from torchhpc.doctor import run_checks
 from torchhpc.errors import EngineUnavailableError
 from torchhpc.rehearsal import RehearsalBuffer
+from torchhpc.rehearsal.thallium import MARGO_CONFIG
 
 
 def _extension():
@@ -39,7 +40,7 @@ def pair():
         b[: 8 * K].view(torch.int64).copy_(torch.tensor([3 + r, 5 + r]))
         b[HEADER:].view(SLOTS, RECORD).copy_((torch.arange(SLOTS) + 10 * r + 1).view(SLOTS, 1).to(torch.uint8))
         blocks.append(b)
-    trs = [ext.Transport("na+sm", b.data_ptr(), b.numel(), HEADER, RECORD, K, 4) for b in blocks]
+    trs = [ext.Transport("na+sm", b.data_ptr(), b.numel(), HEADER, RECORD, K, 4, MARGO_CONFIG) for b in blocks]
     addresses = [t.address() for t in trs]
     for r, t in enumerate(trs):
         t.connect(addresses, r)

@@ -1,11 +1,13 @@
 // _torchhpc_thallium: the Thallium transport of torchhpc.rehearsal (built by `make native-mochi`).
 //
-// Each rank runs one Thallium engine (server mode, a progress execution stream and one RPC execution
-// stream of Argobots) and exposes its record block -- the same memory SlotStorage reads and writes --
+// Each rank runs one Thallium engine (server mode, with its own Argobots progress execution stream, in
+// which RPCs are also served; the Margo JSON configuration comes from Python) and exposes its record block -- the same memory SlotStorage reads and writes --
 // as a read-only bulk region.  A reader asks an owner for records with one RPC per owner, carrying a
 // bulk handle of the reader's staging rows; the owner's RPC stream takes the block's lock in shared mode
 // and pushes each requested record with a bulk transfer from the exposed block into the reader's rows,
 // then releases the lock and answers.  The owner's Python threads take no part: Argobots serves the RPC.
+// (While the owner's writer holds the lock, handlers wait for it by yielding; an update is a few
+// record copies long.)
 //
 // No torn records: the owner's writer (SlotStorage.write/load) holds the same lock exclusively while it
 // rewrites records and fill counts, and a push reads a record only while holding it shared, so a record
@@ -59,17 +61,33 @@ constexpr int kTooLarge = 2;
 constexpr int kClosed = 3;
 constexpr int kTransfer = 4;
 
+// The block lock taken shared inside an RPC handler: it never blocks the execution stream (which also
+// drives progress, and may be running another handler that holds the lock while its transfers complete);
+// while the owner's writer holds it, the handler yields to the other work of its stream and retries.
+class SharedHold {
+  public:
+    explicit SharedHold(std::shared_mutex& m) : m_m(m) {
+        while (!m_m.try_lock_shared()) tl::thread::yield();
+    }
+    ~SharedHold() { m_m.unlock_shared(); }
+    SharedHold(const SharedHold&) = delete;
+    SharedHold& operator=(const SharedHold&) = delete;
+
+  private:
+    std::shared_mutex& m_m;
+};
+
 class Transport {
   public:
     Transport(const std::string& protocol, std::uintptr_t base, std::size_t nbytes, std::size_t header_bytes,
-              std::size_t record_bytes, std::size_t num_classes, std::size_t max_records)
+              std::size_t record_bytes, std::size_t num_classes, std::size_t max_records, const std::string& config)
     : m_base(reinterpret_cast<char*>(base)), m_nbytes(nbytes), m_header_bytes(header_bytes),
       m_record_bytes(record_bytes), m_num_classes(num_classes), m_max_records(std::max<std::size_t>(max_records, 1)),
       m_staging(m_max_records * record_bytes) {
         if (m_base == nullptr || record_bytes == 0 || header_bytes < 8 * num_classes || nbytes < header_bytes)
             throw std::invalid_argument("Transport: inconsistent storage layout");
         m_num_slots = (nbytes - header_bytes) / record_bytes;
-        m_engine = std::make_unique<tl::engine>(protocol, THALLIUM_SERVER_MODE, true, 1);
+        m_engine = std::make_unique<tl::engine>(protocol, THALLIUM_SERVER_MODE, config);
         std::vector<std::pair<void*, std::size_t>> block{{m_base, m_nbytes}};
         m_block = m_engine->expose(block, tl::bulk_mode::read_only);
         std::vector<std::pair<void*, std::size_t>> staging{{m_staging.data(), m_staging.size()}};
@@ -262,7 +280,7 @@ class Transport {
         }
         std::vector<std::int64_t> out(m_num_classes);
         {
-            std::shared_lock<std::shared_mutex> hold(m_lock);
+            SharedHold hold(m_lock);
             std::memcpy(out.data(), m_base, 8 * m_num_classes);
         }
         req.respond(out);
@@ -286,7 +304,7 @@ class Transport {
         int status = kOk;
         try {
             tl::remote_bulk remote = dest.on(req.get_endpoint());
-            std::shared_lock<std::shared_mutex> hold(m_lock);  // no writer while records leave
+            SharedHold hold(m_lock);  // no writer while records leave
             std::vector<tl::async_bulk_op> ops;
             ops.reserve(slots.size());
             for (std::size_t q = 0; q < slots.size(); ++q)
@@ -320,9 +338,10 @@ PYBIND11_MODULE(_torchhpc_thallium, m) {
     py::register_exception<PeerUnreachable>(m, "PeerUnreachable", PyExc_ConnectionError);
     m.attr("THALLIUM_VERSION") = THALLIUM_VERSION;
     py::class_<Transport>(m, "Transport")
-        .def(py::init<const std::string&, std::uintptr_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t>(),
+        .def(py::init<const std::string&, std::uintptr_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t,
+                      const std::string&>(),
              py::arg("protocol"), py::arg("base"), py::arg("nbytes"), py::arg("header_bytes"), py::arg("record_bytes"),
-             py::arg("num_classes"), py::arg("max_records"), py::call_guard<py::gil_scoped_release>())
+             py::arg("num_classes"), py::arg("max_records"), py::arg("config"), py::call_guard<py::gil_scoped_release>())
         .def("address", &Transport::address)
         .def("connect", &Transport::connect, py::arg("addresses"), py::arg("me"))
         .def("lock_exclusive", &Transport::lock_exclusive)
