@@ -3,8 +3,8 @@
 The record block is the same host tensor :class:`SlotStorage` uses; the ``_torchhpc_thallium``
 extension (``make native-mochi``) exposes it as a bulk region of a Thallium engine whose Argobots
 progress stream serves peers without this rank's Python threads.  A draw sends each owner one
-RPC naming the wanted records; the owner pushes them (bulk transfers from the exposed block) into the
-reader's staging rows while holding its block lock shared.  The owner's updates hold the same lock
+RPC naming the wanted records; the owner pushes their fields (bulk transfers from the exposed block)
+straight into the reader's output rows while holding its block lock shared.  The owner's updates hold the same lock
 exclusively, so a record is never read half-written: the guarantee the MPI transport gets from its
 exclusive/shared window locks.  Engine addresses are exchanged through MPI at construction.
 """
@@ -64,7 +64,7 @@ class ThalliumSlotStorage(SlotStorage):
     """One rank's slot storage, served to and read from the other ranks of ``comm`` over Thallium."""
 
     def __init__(
-        self, layout: RecordLayout, comm: MPI.Comm, pin: bool, protocol: str, timeout: float, max_records: int
+        self, layout: RecordLayout, comm: MPI.Comm, pin: bool, protocol: str, timeout: float
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
@@ -79,7 +79,7 @@ class ThalliumSlotStorage(SlotStorage):
             self._errors = (ext.PeerTimeout, ext.PeerError, ext.PeerUnreachable)
             self.transport = ext.Transport(
                 protocol, self.bytes.data_ptr(), layout.total_bytes, layout.header_bytes, layout.record_bytes,
-                layout.num_classes, max(int(max_records), 1), margo_config(),
+                layout.num_classes, margo_config(),
             )
             mine = self.transport.address().encode()
             if len(mine) >= _ADDR_BYTES:
