@@ -298,7 +298,7 @@ class RehearsalBuffer:
         if self._comm is not None and transport == "thallium":
             try:
                 self.storage: SlotStorage = ThalliumSlotStorage(
-                    self.layout, self._comm, pin, protocol, self.timeout, max_records=self.R
+                    self.layout, self._comm, pin, protocol, self.timeout
                 )
             except BaseException:
                 self._comm.Free()
