@@ -12,6 +12,7 @@
 // XBraid reduces over all ranks is NaN on every rank and XBraid stops at the end of the cycle ("diverged").
 // run() returns the exception to the Python side, which agrees on errors over the ranks and raises.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <mpi.h>
 
