@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
-from test_braid import dahlquist, heat  # the pymgrit problems and their torch steps (same directory)
-
 from pymgrit.core.mgrit import Mgrit  # noqa: I001 - test_braid installs the light pymgrit package first
 from pymgrit.core.simple_setup_problem import simple_setup_problem
+from test_braid import dahlquist, heat  # the pymgrit problems and their torch steps (same directory)
+
 from torchhpc.braid import LayerParallel, solve, xbraid
 
 MPI_RANKS = (1, 2, 4)
@@ -42,7 +42,7 @@ def test_engine_loads_or_says_what_is_missing(comm: MPI.Comm) -> None:
         return
     table = Path(__file__).resolve().parents[2] / "utils" / "native_versions.tsv"
     row = next(ln.split("\t") for ln in table.read_text().splitlines() if ln.startswith("xbraid\t"))
-    assert xbraid.load().XBRAID_VERSION == row[1]
+    assert row[1] == xbraid.load().XBRAID_VERSION
     assert xbraid.location() is not None
 
 

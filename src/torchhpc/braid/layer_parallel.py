@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from . import xbraid
 from .grid import Hierarchy, even_split
 from .layers import (
     LayerSpec,
@@ -36,7 +37,6 @@ from .layers import (
     takes_dt,
     vjp,
 )
-from . import xbraid
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions, relax_sweeps
 from .transport import Channel, allreduce, bcast_object, bcast_tensor, check_timeout, dup, gather_object
