@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
-from pymgrit.core.mgrit import Mgrit  # noqa: I001 - test_braid installs the light pymgrit package first
-from pymgrit.core.simple_setup_problem import simple_setup_problem
-from test_braid import dahlquist, heat  # the pymgrit problems and their torch steps (same directory)
+# the pymgrit problems, their torch steps and pymgrit itself, as test_braid (same directory) loads them
+from test_braid import Mgrit, dahlquist, heat, simple_setup_problem
 
 from torchhpc.braid import LayerParallel, solve, xbraid
 
