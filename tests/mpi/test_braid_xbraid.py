@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
+
 # the pymgrit problems, their torch steps and pymgrit itself, as test_braid (same directory) loads them
 from test_braid import Mgrit, dahlquist, heat, simple_setup_problem
 
