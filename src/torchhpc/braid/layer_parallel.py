@@ -75,8 +75,8 @@ class LayerParallel(nn.Module):
     must then call backward on a loss built from it.  ``parameters()`` are this rank's layers.
     With one level (``max_fwd_levels = max_bwd_levels = 1``) forward and backward are exact.
     ``engine="xbraid"`` runs both solves on XBraid's C library (``make native``): layers are then split as
-    XBraid splits the ``N + 1`` points (rank 0 holds the input and one layer fewer), the adjoint runs on XBraid's
-    reverted ranks, and the first cycle-relative residual semantics of :mod:`torchhpc.braid.xbraid` apply.
+    XBraid splits the ``N + 1`` points (the owner of point ``k + 1`` owns layer ``k``), the adjoint runs on
+    XBraid's reverted ranks, and residual histories follow XBraid (see :mod:`torchhpc.braid.xbraid`).
     No wait on other ranks lasts longer than ``timeout`` seconds (default
     :func:`~torchhpc.braid.transport.default_timeout`); past it a
     :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
