@@ -227,6 +227,7 @@ def engine_worker(args: argparse.Namespace) -> None:
     opts = dict(max_levels=args.levels, cfactor=args.cfactor, relax="FCF", tol=0.0, max_iter=args.iters,
                 nested_iteration=False)
     per_iter: dict[str, list[float]] = {"python": [], "xbraid": []}
+    steps: dict[str, float] = {}
     with torch.no_grad():
         for rnd in range(args.rounds + 1):  # round 0 warms up
             order = ["python", "xbraid"] if rnd % 2 else ["xbraid", "python"]
@@ -237,9 +238,11 @@ def engine_worker(args: argparse.Namespace) -> None:
                 wall = allreduce(comm, time.perf_counter() - t0, "max", tmo)
                 if rnd:
                     per_iter[engine].append(wall / res.iterations)
+                    steps[engine] = allreduce(comm, res.steps, "sum", tmo) / res.iterations
     if comm.Get_rank() == 0:
         print(RESULT + json.dumps(dict(problem=args.problem, steps=args.steps, ranks=comm.Get_size(),
-                                       levels=res.levels, iters=res.iterations, **per_iter)), flush=True)
+                                       levels=res.levels, iters=res.iterations, steps_per_iter=steps,
+                                       **per_iter)), flush=True)
 
 
 def engines_main(args: argparse.Namespace, env: dict) -> None:
@@ -248,8 +251,9 @@ def engines_main(args: argparse.Namespace, env: dict) -> None:
 
     print(f"mgrit.solve wall time per MGRIT iteration: {args.steps} steps, {args.levels} levels, cfactor "
           f"{args.cfactor}, FCF, {args.iters} cycles per solve, {args.rounds} rounds (median, range over rounds)")
-    print("| problem | ranks | levels | python ms/iter | xbraid ms/iter | xbraid / python (range) |")
-    print("|---|---|---|---|---|---|")
+    print("| problem | ranks | levels | steps/iter python, xbraid | python ms/iter | xbraid ms/iter | "
+          "xbraid / python (range) |")
+    print("|---|---|---|---|---|---|---|")
     from torchhpc.mpirun import mpiexec_argv
 
     for problem in args.problems:
@@ -264,7 +268,9 @@ def engines_main(args: argparse.Namespace, env: dict) -> None:
                 sys.exit(f"worker failed ({' '.join(cmd)}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
             r = json.loads(line[len(RESULT):])
             ratios = [x / y for x, y in zip(r["xbraid"], r["python"], strict=True)]
-            print(f"| {problem} | {p} | {r['levels']} | {statistics.median(r['python']) * 1e3:.2f} | "
+            spi = r["steps_per_iter"]
+            print(f"| {problem} | {p} | {r['levels']} | {spi['python']:.0f}, {spi['xbraid']:.0f} | "
+                  f"{statistics.median(r['python']) * 1e3:.2f} | "
                   f"{statistics.median(r['xbraid']) * 1e3:.2f} | {statistics.median(ratios):.2f} "
                   f"({min(ratios):.2f}-{max(ratios):.2f}) |", flush=True)
 
