@@ -65,16 +65,6 @@ lint: $(PY) ## ruff over the Python sources; shellcheck over the shell scripts (
 doctor: $(PY) ## Check this environment for distributed training (torchhpc doctor)
 	@$(VENV)/bin/torchhpc doctor
 
-# ---- native engines (utils/native_versions.tsv): NATIVE_PREFIX (default $(VENV)/native), NATIVE_SOURCES (a
-# directory of the archives named in the table; else the upstream tags are downloaded) ---------------------------
-NATIVE_PREFIX  ?= $(VENV)/native
-NATIVE_SOURCES ?=
-
-.PHONY: native-xbraid
-
-native-xbraid: $(PY) ## Build XBraid (pinned) and the torchhpc_xbraid extension into NATIVE_PREFIX
-	@VENV="$(VENV)" NATIVE_PREFIX="$(NATIVE_PREFIX)" NATIVE_SOURCES="$(NATIVE_SOURCES)" bash utils/native/build_xbraid.sh
-
 clean-env: ## Remove the local venv
 	rm -rf "$(VENV)"
 
