@@ -51,11 +51,14 @@ def test_versions_come_from_the_table(tmp_path: Path) -> None:
     assert any(line.split()[:2] == ["2.5.1", "0.20.1"] for line in out[1:] if line)
 
 
-def test_make_n_pbs_build_shows_submission(tmp_path: Path) -> None:
-    out = make(tmp_path, "-n", "build-pytorch-v2.5.1-pbs", "SITE=derecho").stdout
-    submit = 'PYTORCH_VERSION="2.5.1" bash utils/pbs_submit.sh --name "torchhpc-build-v2.5.1" --shape build'
-    assert submit in out
-    assert "-- make build-pytorch-v2.5.1 SITE=\"derecho\"" in out
+def test_make_n_pbs_and_slurm_builds_show_submission(tmp_path: Path) -> None:
+    for scheduler in ("pbs", "slurm"):
+        out = make(tmp_path, "-n", f"build-pytorch-v2.5.1-{scheduler}", "SITE=derecho").stdout
+        flat = re.sub(r"\\\n\s*", "", out)
+        submit = (f'PYTORCH_VERSION="2.5.1" bash utils/submit_job.sh --scheduler {scheduler} '
+                  '--name "torchhpc-build-v2.5.1" --shape build')
+        assert submit in flat
+        assert "-- make build-pytorch-v2.5.1 SITE=\"derecho\"" in flat
 
 
 def test_make_n_local_build_builds_nccl_then_pytorch(tmp_path: Path) -> None:
@@ -79,7 +82,7 @@ def test_derecho_pbs_build_dry_run_prints_job_script_and_qcmd(tmp_path: Path) ->
                       "#PBS -l select=1:ncpus=64:mpiprocs=1:ngpus=4", "#PBS -l walltime=04:00:00"):
         assert directive in script
     assert "set -euo pipefail" in script
-    assert f"export SITE=derecho PYTORCH_VERSION=2.5.1 TORCHHPC_PREFIX={tmp_path}/build" in script
+    assert f"export SITE=derecho PYTORCH_VERSION=2.5.1 TORCHHPC_PREFIX={tmp_path}/build SCHEDULER=pbs" in script
     assert script[-1] == f"make build-pytorch-v2.5.1 SITE=derecho TORCHHPC_PREFIX={tmp_path}/build"
     job = f"{tmp_path}/build/jobs/torchhpc-build-v2.5.1.pbs"
     assert submit == ("qcmd -N torchhpc-build-v2.5.1 -q main -l select=1:ncpus=64:mpiprocs=1:ngpus=4 "

@@ -17,6 +17,7 @@ from torchhpc import native
 from torchhpc.doctor import run_checks
 from torchhpc.errors import EngineUnavailableError
 from torchhpc.rehearsal import RehearsalBuffer
+from torchhpc.rehearsal.thallium import MARGO_CONFIG
 
 
 def _extension():
@@ -39,7 +40,7 @@ def pair():
         b[: 8 * K].view(torch.int64).copy_(torch.tensor([3 + r, 5 + r]))
         b[HEADER:].view(SLOTS, RECORD).copy_((torch.arange(SLOTS) + 10 * r + 1).view(SLOTS, 1).to(torch.uint8))
         blocks.append(b)
-    trs = [ext.Transport("na+sm", b.data_ptr(), b.numel(), HEADER, RECORD, K, 4) for b in blocks]
+    trs = [ext.Transport("na+sm", b.data_ptr(), b.numel(), HEADER, RECORD, K, MARGO_CONFIG) for b in blocks]
     addresses = [t.address() for t in trs]
     for r, t in enumerate(trs):
         t.connect(addresses, r)
@@ -53,7 +54,7 @@ def test_reads_return_the_owners_records_and_skip_our_own(pair) -> None:
     assert t0.fills([1], 10.0).tolist() == [[4, 6]]
     label = np.zeros((6, 8), dtype=np.uint8)
     body = np.zeros((6, 100), dtype=np.uint8)
-    ranks = np.array([1, 0, 1, 1, 1, 1])  # 5 remote records: more than the 4 staging rows, so two rounds
+    ranks = np.array([1, 0, 1, 1, 1, 1])  # one own row (left alone), 5 remote records, a slot twice
     slots = np.array([4, 0, 0, 2, 2, 3])
     got = t0.read(ranks, slots, [(label, 0), (body, 64)], 10.0)
     assert got == 5 * (8 + 100)

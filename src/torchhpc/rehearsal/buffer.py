@@ -27,6 +27,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..errors import PeerTimeoutError
+from ..waiting import agreed
 from .layout import RecordLayout
 from .reservoir import ClassReservoir
 from .sampler import draw_representatives
@@ -198,83 +200,90 @@ class RehearsalBuffer:
         transport: str = "mpi",
         protocol: str | None = None,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if protocol is not None and transport != "thallium":
-            raise ValueError(f"protocol={protocol!r} applies to transport='thallium' only")
-        if protocol is not None and protocol not in PROTOCOLS:
-            raise ValueError(f"protocol must be one of {PROTOCOLS} (or None), got {protocol!r}")
-        if task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        if mode not in ("standard", "flyweight"):
-            raise ValueError(f"mode must be 'standard' or 'flyweight', got {mode!r}")
-        for name, value, low in (
-            ("num_classes", num_classes, 1),
-            ("slots_per_class", slots_per_class, 1),
-            ("num_candidates", num_candidates, 1),
-            ("num_representatives", num_representatives, 0),
-            ("max_pending", max_pending, 1),
-            ("worker_niceness", worker_niceness, 0),
-        ):
-            if not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.task = task
-        self.mode = mode
-        self.K, self.N = int(num_classes), int(slots_per_class)
-        self.C, self.R = int(num_candidates), int(num_representatives)
-        self.stores_activations = task != "rehearsal"
-        if self.stores_activations and activation_shape is None:
-            raise ValueError(f"task {task!r} stores activations: give activation_shape")
-        if not self.stores_activations and activation_shape is not None:
-            raise ValueError("activation_shape given but task 'rehearsal' stores no activations")
-        self.sample_shapes = _as_shapes(sample_shapes)
-        self.multi = not (
-            isinstance(sample_shapes, torch.Size)
-            or all(isinstance(s, (int, np.integer)) for s in sample_shapes)
-        )
-        dtypes = [sample_dtypes] * len(self.sample_shapes) if isinstance(sample_dtypes, torch.dtype) \
-            else list(sample_dtypes)
-        if len(dtypes) != len(self.sample_shapes):
-            raise ValueError(f"{len(dtypes)} sample_dtypes for {len(self.sample_shapes)} sample tensors")
-        self.sample_dtypes = dtypes
-        self.activation_shape = None if activation_shape is None else tuple(int(s) for s in activation_shape)
-        self.activation_dtype = activation_dtype
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {device!r}")
-        self.rehearsal_weight = float(rehearsal_weight)
-        self.timeout = float(timeout)
-        self.max_pending = int(max_pending)
-        if worker_niceness > 19:
-            raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
-        self.worker_niceness = int(worker_niceness)
-        if not isinstance(start_delay, (int, float)) or not (math.isfinite(start_delay) and start_delay >= 0):
-            raise ValueError(f"start_delay must be a finite number of seconds >= 0, got {start_delay!r}")
-        self.start_delay = float(start_delay)
-        self.global_sampling = bool(global_sampling)
-
+        # Every rank checks its arguments and launch first, then the ranks agree: an error on one rank is
+        # an error on all (RemoteError naming it), never a hang of the others in the collectives below.
         world = MPI.COMM_WORLD if comm is None else comm
-        self.rank, self.world_size = world.Get_rank(), world.Get_size()
-        if comm is None and self.global_sampling:
-            _check_launcher(self.rank, self.world_size)
-        self._comm: MPI.Comm | None = None
-        self.transport = transport
-        if self.global_sampling and transport == "thallium":
-            self._comm = world.Dup()  # the constructor and close() only: reads go over Thallium
-            if protocol is None:
-                protocol = default_protocol(self._comm)
-            if progress_interval is None:
-                progress_interval = 0.0  # Argobots serves peers: no MPI progress to drive
-        elif self.global_sampling:
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        agree_s = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 600.0
+        with agreed(world if global_sampling else MPI.COMM_SELF, agree_s, "RehearsalBuffer()"):
+            if transport not in TRANSPORTS:
+                raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+            if protocol is not None and transport != "thallium":
+                raise ValueError(f"protocol={protocol!r} applies to transport='thallium' only")
+            if protocol is not None and protocol not in PROTOCOLS:
+                raise ValueError(f"protocol must be one of {PROTOCOLS} (or None), got {protocol!r}")
+            if task not in TASKS:
+                raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+            if mode not in ("standard", "flyweight"):
+                raise ValueError(f"mode must be 'standard' or 'flyweight', got {mode!r}")
+            for name, value, low in (
+                ("num_classes", num_classes, 1),
+                ("slots_per_class", slots_per_class, 1),
+                ("num_candidates", num_candidates, 1),
+                ("num_representatives", num_representatives, 0),
+                ("max_pending", max_pending, 1),
+                ("worker_niceness", worker_niceness, 0),
+            ):
+                if not isinstance(value, (int, np.integer)) or value < low:
+                    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            self.task = task
+            self.mode = mode
+            self.K, self.N = int(num_classes), int(slots_per_class)
+            self.C, self.R = int(num_candidates), int(num_representatives)
+            self.stores_activations = task != "rehearsal"
+            if self.stores_activations and activation_shape is None:
+                raise ValueError(f"task {task!r} stores activations: give activation_shape")
+            if not self.stores_activations and activation_shape is not None:
+                raise ValueError("activation_shape given but task 'rehearsal' stores no activations")
+            self.sample_shapes = _as_shapes(sample_shapes)
+            self.multi = not (
+                isinstance(sample_shapes, torch.Size)
+                or all(isinstance(s, (int, np.integer)) for s in sample_shapes)
+            )
+            dtypes = [sample_dtypes] * len(self.sample_shapes) if isinstance(sample_dtypes, torch.dtype) \
+                else list(sample_dtypes)
+            if len(dtypes) != len(self.sample_shapes):
+                raise ValueError(f"{len(dtypes)} sample_dtypes for {len(self.sample_shapes)} sample tensors")
+            self.sample_dtypes = dtypes
+            self.activation_shape = None if activation_shape is None else tuple(int(s) for s in activation_shape)
+            self.activation_dtype = activation_dtype
+            self.device = torch.device(device)
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
+            if self.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be cpu or cuda, got {device!r}")
+            self.rehearsal_weight = float(rehearsal_weight)
+            self.timeout = float(timeout)
+            self.max_pending = int(max_pending)
+            if worker_niceness > 19:
+                raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
+            self.worker_niceness = int(worker_niceness)
+            if not isinstance(start_delay, (int, float)) or not (math.isfinite(start_delay) and start_delay >= 0):
+                raise ValueError(f"start_delay must be a finite number of seconds >= 0, got {start_delay!r}")
+            self.start_delay = float(start_delay)
+            self.global_sampling = bool(global_sampling)
+
+            self.rank, self.world_size = world.Get_rank(), world.Get_size()
+            if comm is None and self.global_sampling:
+                _check_launcher(self.rank, self.world_size)
+            self.transport = transport
+            # Thallium reads go through Argobots, not MPI: only the MPI transport needs THREAD_MULTIPLE.
+            if self.global_sampling and transport == "mpi" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError(
                     "global_sampling needs MPI initialised with MPI_THREAD_MULTIPLE (the worker thread "
                     "reads peers' buffers while the training thread may call MPI); set "
                     "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI"
                 )
+            self.layout = RecordLayout(
+                self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, activation_dtype
+            )
+        self._comm: MPI.Comm | None = None
+        if self.global_sampling:
             self._comm = world.Dup()
+        if self._comm is not None and transport == "thallium":
+            if protocol is None:
+                protocol = default_protocol(self._comm)
+            if progress_interval is None:
+                progress_interval = 0.0  # Argobots serves peers: no MPI progress to drive
         if progress_interval is None:
             progress_interval = 0.0
             if self._comm is not None:
@@ -284,15 +293,12 @@ class RehearsalBuffer:
                 progress_interval = 0.002 if multi_node else 0.0
         self.progress_interval = float(progress_interval)
 
-        self.layout = RecordLayout(
-            self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, activation_dtype
-        )
         pin = self.device.type == "cuda"
         self.protocol = protocol
         if self._comm is not None and transport == "thallium":
             try:
                 self.storage: SlotStorage = ThalliumSlotStorage(
-                    self.layout, self._comm, pin, protocol, self.timeout, max_records=self.R
+                    self.layout, self._comm, pin, protocol, self.timeout
                 )
             except BaseException:
                 self._comm.Free()
@@ -381,7 +387,7 @@ class RehearsalBuffer:
         try:
             result = self._results.get(timeout=limit)
         except queue.Empty:
-            raise TimeoutError(
+            raise PeerTimeoutError(
                 f"rehearsal worker did not finish a batch in {limit:.0f}s (a peer rank stuck or dead?)"
             ) from None
         self._pending -= 1

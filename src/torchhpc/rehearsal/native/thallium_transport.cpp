@@ -1,11 +1,13 @@
 // _torchhpc_thallium: the Thallium transport of torchhpc.rehearsal (built by `make native-mochi`).
 //
-// Each rank runs one Thallium engine (server mode, a progress execution stream and one RPC execution
-// stream of Argobots) and exposes its record block -- the same memory SlotStorage reads and writes --
-// as a read-only bulk region.  A reader asks an owner for records with one RPC per owner, carrying a
-// bulk handle of the reader's staging rows; the owner's RPC stream takes the block's lock in shared mode
-// and pushes each requested record with a bulk transfer from the exposed block into the reader's rows,
-// then releases the lock and answers.  The owner's Python threads take no part: Argobots serves the RPC.
+// Each rank runs one Thallium engine (server mode, with its own Argobots progress execution stream, in
+// which RPCs are also served; the Margo JSON configuration comes from Python) and exposes its record block
+// -- the same memory SlotStorage reads and writes -- as a read-only bulk region.  A reader asks an owner for
+// records with one RPC per owner, carrying a bulk handle of its output rows (exposed for that draw); the
+// owner's progress stream takes the block's lock in shared mode, pushes each requested record's fields with
+// bulk transfers from the exposed block straight into the reader's rows, releases the lock and answers.
+// The owner's Python threads take no part.  (While the owner's writer holds the lock, handlers wait for it
+// by yielding; an update is a few record copies long.)
 //
 // No torn records: the owner's writer (SlotStorage.write/load) holds the same lock exclusively while it
 // rewrites records and fill counts, and a push reads a record only while holding it shared, so a record
@@ -59,26 +61,41 @@ constexpr int kTooLarge = 2;
 constexpr int kClosed = 3;
 constexpr int kTransfer = 4;
 
+// The block lock taken shared inside an RPC handler: it never blocks the execution stream (which also
+// drives progress, and may be running another handler that holds the lock while its transfers complete);
+// while the owner's writer holds it, the handler yields to the other work of its stream and retries.
+class SharedHold {
+  public:
+    explicit SharedHold(std::shared_mutex& m) : m_m(m) {
+        while (!m_m.try_lock_shared()) tl::thread::yield();
+    }
+    ~SharedHold() { m_m.unlock_shared(); }
+    SharedHold(const SharedHold&) = delete;
+    SharedHold& operator=(const SharedHold&) = delete;
+
+  private:
+    std::shared_mutex& m_m;
+};
+
 class Transport {
   public:
     Transport(const std::string& protocol, std::uintptr_t base, std::size_t nbytes, std::size_t header_bytes,
-              std::size_t record_bytes, std::size_t num_classes, std::size_t max_records)
+              std::size_t record_bytes, std::size_t num_classes, const std::string& config)
     : m_base(reinterpret_cast<char*>(base)), m_nbytes(nbytes), m_header_bytes(header_bytes),
-      m_record_bytes(record_bytes), m_num_classes(num_classes), m_max_records(std::max<std::size_t>(max_records, 1)),
-      m_staging(m_max_records * record_bytes) {
+      m_record_bytes(record_bytes), m_num_classes(num_classes) {
         if (m_base == nullptr || record_bytes == 0 || header_bytes < 8 * num_classes || nbytes < header_bytes)
             throw std::invalid_argument("Transport: inconsistent storage layout");
         m_num_slots = (nbytes - header_bytes) / record_bytes;
-        m_engine = std::make_unique<tl::engine>(protocol, THALLIUM_SERVER_MODE, true, 1);
+        m_engine = std::make_unique<tl::engine>(protocol, THALLIUM_SERVER_MODE, config);
         std::vector<std::pair<void*, std::size_t>> block{{m_base, m_nbytes}};
         m_block = m_engine->expose(block, tl::bulk_mode::read_only);
-        std::vector<std::pair<void*, std::size_t>> staging{{m_staging.data(), m_staging.size()}};
-        m_staging_bulk = m_engine->expose(staging, tl::bulk_mode::write_only);
         m_fills_rpc_ = m_engine->define("torchhpc_rehearsal_fills", [this](const tl::request& req) { serve_fills(req); });
         m_read_rpc_ = m_engine->define(
             "torchhpc_rehearsal_read",
-            [this](const tl::request& req, const std::vector<std::uint64_t>& slots, tl::bulk& dest, std::uint64_t start) {
-                serve_read(req, slots, dest, start);
+            [this](const tl::request& req, const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
+                   const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
+                   const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+                serve_read(req, slots, rows, offsets, nbytes, bases, dest);
             });
     }
 
@@ -132,84 +149,84 @@ class Transport {
     }
 
     // Fetch record slots[i] of rank ranks[i] into row i of every output field, for every i not ours.
-    // fields: (array of shape (rows, nbytes) uint8 C-contiguous, byte offset of the field in a record).
-    std::size_t read(py::array_t<std::int64_t, py::array::c_style> ranks, py::array_t<std::int64_t, py::array::c_style> slots,
-                     const std::vector<std::pair<py::array_t<std::uint8_t, py::array::c_style>, std::size_t>>& fields,
-                     double timeout_s) {
+    // fields: (uint8 array of shape (rows >= n, nbytes), C-contiguous and writable; byte offset of the field in a
+    // record).  The output rows are exposed as one bulk region (a segment per field) for this call, and each owner
+    // pushes its records' fields straight into their rows: one copy, no staging.
+    std::size_t read(py::array_t<std::int64_t, py::array::c_style | py::array::forcecast> ranks,
+                     py::array_t<std::int64_t, py::array::c_style | py::array::forcecast> slots,
+                     const std::vector<std::pair<py::array, std::size_t>>& fields, double timeout_s) {
         const std::size_t n = static_cast<std::size_t>(ranks.size());
         if (static_cast<std::size_t>(slots.size()) != n) throw std::invalid_argument("ranks and slots differ in length");
-        struct Dest { char* data; std::size_t row_stride; std::size_t offset; std::size_t nbytes; };
-        std::vector<Dest> dests;
+        std::vector<std::pair<void*, std::size_t>> segments;
+        std::vector<std::uint64_t> offsets, nbytes, bases;
+        std::uint64_t base = 0;
         for (const auto& [arr, offset] : fields) {
-            if (arr.ndim() != 2 || static_cast<std::size_t>(arr.shape(0)) < n)
-                throw std::invalid_argument("each output field must be a (rows >= draws, bytes) uint8 array");
-            auto nbytes = static_cast<std::size_t>(arr.shape(1));
-            if (offset + nbytes > m_record_bytes) throw std::invalid_argument("output field lies outside the record");
-            dests.push_back({static_cast<char*>(const_cast<void*>(static_cast<const void*>(arr.data()))),
-                             static_cast<std::size_t>(arr.strides(0)), offset, nbytes});
+            if (arr.dtype().kind() != 'u' || arr.itemsize() != 1 || arr.ndim() != 2 ||
+                !(arr.flags() & py::array::c_style) || !arr.writeable() || static_cast<std::size_t>(arr.shape(0)) < n)
+                throw std::invalid_argument("each output field must be a writable C-contiguous (rows >= draws, bytes) uint8 array");
+            auto nb = static_cast<std::size_t>(arr.shape(1));
+            if (offset + nb > m_record_bytes) throw std::invalid_argument("output field lies outside the record");
+            if (n == 0 || nb == 0) continue;
+            segments.emplace_back(const_cast<void*>(arr.data()), n * nb);
+            offsets.push_back(offset);
+            nbytes.push_back(nb);
+            bases.push_back(base);
+            base += n * nb;
         }
         const std::int64_t* rk = ranks.data();
         const std::int64_t* sl = slots.data();
-        std::size_t total = 0;
         py::gil_scoped_release nogil;
         auto limit = to_duration(timeout_s);
-        // Group the wanted rows by owner; each owner's records land in a contiguous run of staging rows.
-        std::vector<std::vector<std::size_t>> rows(m_peers.size());
+        std::vector<std::vector<std::uint64_t>> want_slots(m_peers.size()), want_rows(m_peers.size());
+        std::size_t count = 0;
         for (std::size_t i = 0; i < n; ++i) {
             if (rk[i] == m_me) continue;
             if (rk[i] < 0 || static_cast<std::size_t>(rk[i]) >= m_peers.size())
                 throw std::invalid_argument("rank " + std::to_string(rk[i]) + " out of range");
-            rows[rk[i]].push_back(i);
+            want_slots[rk[i]].push_back(static_cast<std::uint64_t>(sl[i]));
+            want_rows[rk[i]].push_back(i);
+            ++count;
         }
-        for (std::size_t start = 0; start < n;) {  // staging holds max_records: go in rounds if more are wanted
-            std::vector<std::pair<int, std::vector<std::size_t>>> round;
-            std::size_t used = 0;
-            for (std::size_t r = 0; r < rows.size() && used < m_max_records; ++r) {
-                if (rows[r].empty()) continue;
-                std::size_t take = std::min(rows[r].size(), m_max_records - used);
-                std::vector<std::size_t> mine(rows[r].begin(), rows[r].begin() + take);
-                rows[r].erase(rows[r].begin(), rows[r].begin() + take);
-                used += take;
-                round.emplace_back(static_cast<int>(r), std::move(mine));
-            }
-            if (round.empty()) break;
-            std::vector<tl::async_response> pending;
-            std::size_t at = 0;
-            for (auto& [r, idx] : round) {
-                std::vector<std::uint64_t> wanted;
-                wanted.reserve(idx.size());
-                for (auto i : idx) wanted.push_back(static_cast<std::uint64_t>(sl[i]));
-                tl::bulk seg = m_staging_bulk;  // the owner pushes into rows [at, at + len) of our staging
-                pending.push_back(m_read_rpc_->on(peer(r)).timed_async(limit, wanted, seg, static_cast<std::uint64_t>(at)));
-                at += idx.size();
-            }
-            at = 0;
-            for (std::size_t j = 0; j < round.size(); ++j) {
-                int status;
-                try {
-                    status = pending[j].wait().as<int>();
-                } catch (const tl::timeout&) {
-                    throw PeerTimeout("rank " + std::to_string(round[j].first) + " did not serve a record read within " +
-                                      seconds(timeout_s) + " s (stuck or dead?)");
-                } catch (const tl::exception& e) {
-                    throw PeerUnreachable("rank " + std::to_string(round[j].first) + " is unreachable (" + e.what() +
-                                          "): its buffer is closed or its process died");
+        if (count == 0 || segments.empty()) return 0;
+        tl::bulk dest = m_engine->expose(segments, tl::bulk_mode::write_only);
+        std::vector<std::pair<int, tl::async_response>> pending;
+        for (std::size_t r = 0; r < m_peers.size(); ++r)
+            if (!want_slots[r].empty())
+                pending.emplace_back(static_cast<int>(r), m_read_rpc_->on(peer(static_cast<int>(r)))
+                                                              .timed_async(limit, want_slots[r], want_rows[r], offsets,
+                                                                           nbytes, bases, dest));
+        // Wait for every answer before `dest` may go, even after a failure; report the first failure.
+        enum class Failure { none, timeout, unreachable, refused } failed = Failure::none;
+        std::string text;
+        for (auto& [r, resp] : pending) {
+            Failure now = Failure::none;
+            std::string what;
+            try {
+                int status = resp.wait().as<int>();
+                if (status != kOk) {
+                    now = Failure::refused;
+                    what = "rank " + std::to_string(r) + " refused a record read (" + status_text(status) + ")";
                 }
-                if (status != kOk)
-                    throw PeerError("rank " + std::to_string(round[j].first) + " refused a record read (" + status_text(status) + ")");
-                for (std::size_t q = 0; q < round[j].second.size(); ++q) {
-                    const char* rec = m_staging.data() + (at + q) * m_record_bytes;
-                    std::size_t row = round[j].second[q];
-                    for (const auto& d : dests) {
-                        std::memcpy(d.data + row * d.row_stride, rec + d.offset, d.nbytes);
-                        total += d.nbytes;
-                    }
-                }
-                at += round[j].second.size();
+            } catch (const tl::timeout&) {
+                now = Failure::timeout;
+                what = "rank " + std::to_string(r) + " did not serve a record read within " + seconds(timeout_s) +
+                       " s (stuck or dead?)";
+            } catch (const tl::exception& e) {
+                now = Failure::unreachable;
+                what = "rank " + std::to_string(r) + " is unreachable (" + e.what() +
+                       "): its buffer is closed or its process died";
             }
-            start += used;
+            if (failed == Failure::none && now != Failure::none) {
+                failed = now;
+                text = what;
+            }
         }
-        return total;
+        if (failed == Failure::timeout) throw PeerTimeout(text);
+        if (failed == Failure::unreachable) throw PeerUnreachable(text);
+        if (failed == Failure::refused) throw PeerError(text);
+        std::size_t per_record = 0;
+        for (auto nb : nbytes) per_record += nb;
+        return count * per_record;
     }
 
     void close() {
@@ -222,7 +239,6 @@ class Transport {
         m_fills_rpc_.reset();
         m_read_rpc_.reset();
         m_block = tl::bulk();
-        m_staging_bulk = tl::bulk();
         m_engine->finalize();
         m_engine.reset();
     }
@@ -242,7 +258,7 @@ class Transport {
     static std::string status_text(int status) {
         switch (status) {
             case kBadSlot: return "slot out of range: the ranks disagree on the buffer layout";
-            case kTooLarge: return "more records than the reader's staging rows";
+            case kTooLarge: return "a field or row outside the reader's output region";
             case kClosed: return "its buffer is closed";
             case kTransfer: return "a bulk transfer failed";
             default: return "status " + std::to_string(status);
@@ -262,36 +278,43 @@ class Transport {
         }
         std::vector<std::int64_t> out(m_num_classes);
         {
-            std::shared_lock<std::shared_mutex> hold(m_lock);
+            SharedHold hold(m_lock);
             std::memcpy(out.data(), m_base, 8 * m_num_classes);
         }
         req.respond(out);
     }
 
-    void serve_read(const tl::request& req, const std::vector<std::uint64_t>& slots, tl::bulk& dest,
-                    std::uint64_t start) {
+    void serve_read(const tl::request& req, const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
+                    const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
+                    const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
         if (m_closed.load()) {
             req.respond(kClosed);
             return;
         }
-        for (auto s : slots)
-            if (s >= m_num_slots) {
-                req.respond(kBadSlot);
-                return;
-            }
-        if ((start + slots.size()) * m_record_bytes > dest.size()) {
-            req.respond(kTooLarge);
+        bool ok = rows.size() == slots.size() && offsets.size() == nbytes.size() && bases.size() == nbytes.size();
+        for (auto s : slots) ok = ok && s < m_num_slots;
+        if (!ok) {
+            req.respond(kBadSlot);
             return;
         }
+        for (std::size_t f = 0; f < nbytes.size(); ++f)
+            for (auto row : rows)
+                if (offsets[f] + nbytes[f] > m_record_bytes || bases[f] + (row + 1) * nbytes[f] > dest.size()) {
+                    req.respond(kTooLarge);
+                    return;
+                }
         int status = kOk;
         try {
             tl::remote_bulk remote = dest.on(req.get_endpoint());
-            std::shared_lock<std::shared_mutex> hold(m_lock);  // no writer while records leave
+            SharedHold hold(m_lock);  // no writer while records leave
             std::vector<tl::async_bulk_op> ops;
-            ops.reserve(slots.size());
-            for (std::size_t q = 0; q < slots.size(); ++q)
-                ops.push_back(m_block.select(m_header_bytes + slots[q] * m_record_bytes, m_record_bytes)
-                                  .push_to(remote.select((start + q) * m_record_bytes, m_record_bytes)));
+            ops.reserve(slots.size() * nbytes.size());
+            for (std::size_t q = 0; q < slots.size(); ++q) {
+                std::size_t record = m_header_bytes + slots[q] * m_record_bytes;
+                for (std::size_t f = 0; f < nbytes.size(); ++f)
+                    ops.push_back(m_block.select(record + offsets[f], nbytes[f])
+                                      .push_to(remote.select(bases[f] + rows[q] * nbytes[f], nbytes[f])));
+            }
             for (auto& op : ops) op.wait();
         } catch (const std::exception&) {
             status = kTransfer;
@@ -300,10 +323,9 @@ class Transport {
     }
 
     char* m_base;
-    std::size_t m_nbytes, m_header_bytes, m_record_bytes, m_num_classes, m_max_records, m_num_slots = 0;
-    std::vector<char> m_staging;
+    std::size_t m_nbytes, m_header_bytes, m_record_bytes, m_num_classes, m_num_slots = 0;
     std::unique_ptr<tl::engine> m_engine;
-    tl::bulk m_block, m_staging_bulk;
+    tl::bulk m_block;
     std::optional<tl::remote_procedure> m_fills_rpc_, m_read_rpc_;
     std::vector<tl::endpoint> m_peers;
     int m_me = -1;
@@ -320,9 +342,10 @@ PYBIND11_MODULE(_torchhpc_thallium, m) {
     py::register_exception<PeerUnreachable>(m, "PeerUnreachable", PyExc_ConnectionError);
     m.attr("THALLIUM_VERSION") = THALLIUM_VERSION;
     py::class_<Transport>(m, "Transport")
-        .def(py::init<const std::string&, std::uintptr_t, std::size_t, std::size_t, std::size_t, std::size_t, std::size_t>(),
+        .def(py::init<const std::string&, std::uintptr_t, std::size_t, std::size_t, std::size_t, std::size_t,
+                      const std::string&>(),
              py::arg("protocol"), py::arg("base"), py::arg("nbytes"), py::arg("header_bytes"), py::arg("record_bytes"),
-             py::arg("num_classes"), py::arg("max_records"), py::call_guard<py::gil_scoped_release>())
+             py::arg("num_classes"), py::arg("config"), py::call_guard<py::gil_scoped_release>())
         .def("address", &Transport::address)
         .def("connect", &Transport::connect, py::arg("addresses"), py::arg("me"))
         .def("lock_exclusive", &Transport::lock_exclusive)
