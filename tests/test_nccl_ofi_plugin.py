@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VENDOR = ROOT.parent / "shared" / "vendor"
 INPUTS = Path(sys.executable).parents[1] / "nccl-ofi-inputs"
 FABRIC_H = Path("/usr/include/rdma/fabric.h")
+STAND_IN_ROW = "2.6.0"  # the utils/pytorch_versions.tsv row whose NCCL (2.21.5) the pinned wheel provides
 
 pytestmark = [
     pytest.mark.skipif(not (INPUTS / "cuda/include/cuda_runtime.h").exists(),
@@ -42,7 +43,8 @@ def archive(version: str) -> Path:
 
 def make_nccl_ofi(prefix: Path, version: str, **extra: str) -> subprocess.CompletedProcess[str]:
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(prefix), "LANG": "C",
-           "SITE": "generic", "TORCHHPC_PREFIX": str(prefix), "CUDA_HOME": str(INPUTS / "cuda"),
+           "SITE": "generic", "TORCHHPC_PREFIX": str(prefix), "PYTORCH_VERSION": STAND_IN_ROW,
+           "CUDA_HOME": str(INPUTS / "cuda"),
            "NCCL_HOME": str(INPUTS / "nccl"), "AWS_OFI_NCCL_SOURCES": str(VENDOR),
            "AWS_OFI_NCCL_VERSION": version, "MAX_JOBS": str(os.cpu_count() or 2), **extra}
     return subprocess.run(["make", "--no-print-directory", "nccl-ofi"], cwd=ROOT, env=env, capture_output=True,
@@ -58,7 +60,7 @@ def built(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     proc = make_nccl_ofi(prefix, version)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     opt = prefix / "opt/nccl-2.21.5-ofi-generic"
-    assert (opt / "plugin/lib/libnccl-net.so").exists()
+    assert (opt / "plugin/lib/libnccl-net.so").exists(), proc.stdout[-2000:]
     return version, opt
 
 
@@ -132,6 +134,13 @@ def test_missing_cuda_crt_headers_fail_early_by_name(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "aws-ofi-nccl 1.6.0 needs CUDA headers: cuda_runtime.h and the crt/ headers" in proc.stderr
     assert "autogen.sh" not in proc.stdout + proc.stderr, "nothing is built before the inputs are checked"
+
+
+def test_nccl_home_of_another_version_is_refused(tmp_path: Path) -> None:
+    archive("1.6.0")
+    proc = make_nccl_ofi(tmp_path, "1.6.0", PYTORCH_VERSION="2.13.0")
+    assert proc.returncode != 0
+    assert "holds NCCL 2.21.5, but PyTorch 2.13.0 is pinned to NCCL 2.29.3" in proc.stderr
 
 
 def test_libfabric_below_the_configure_floor_fails_early(tmp_path: Path) -> None:
