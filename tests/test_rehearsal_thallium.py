@@ -106,6 +106,12 @@ def test_missing_extension_is_engine_unavailable(monkeypatch: pytest.MonkeyPatch
     assert "thallium not built" in doctor.value and "make native-mochi" in doctor.hint
 
 
+def test_every_engine_is_in_the_doctor_line() -> None:
+    doctor = {c.name: c for c in run_checks(probe=False)}["native engines"]
+    for name in native.ENGINES:
+        assert f"{name} " in doctor.value
+
+
 def test_doctor_says_where_the_extension_was_loaded_from() -> None:
     ext = _extension()
     doctor = {c.name: c for c in run_checks(probe=False)}["native engines"]

@@ -20,17 +20,24 @@ __all__ = ["ENGINES", "NativeEngine", "load", "probe"]
 
 @dataclass(frozen=True)
 class NativeEngine:
-    """One native engine: the module that provides it, the make target that builds it, what uses it."""
+    """One native engine: the module that provides it, the make target that builds it, what uses it.
+
+    ``loader`` (``"package.module:function"``), when set, is the engine's own loader, called instead of a
+    plain import; it returns the module or raises :class:`EngineUnavailableError`.
+    """
 
     name: str
     module: str
     make_target: str
     used_by: str
+    loader: str = ""
 
 
 ENGINES: dict[str, NativeEngine] = {
     "thallium": NativeEngine("thallium", "_torchhpc_thallium", "make native-mochi",
                              "RehearsalBuffer(transport='thallium')"),
+    "xbraid": NativeEngine("xbraid", "torchhpc_xbraid", "make native-xbraid",
+                           "mgrit.solve / LayerParallel(engine='xbraid')", "torchhpc.braid.xbraid:load"),
 }
 
 
@@ -45,6 +52,9 @@ def load(name: str) -> ModuleType:
     if name not in ENGINES:
         raise ValueError(f"no native engine {name!r}; known: {', '.join(sorted(ENGINES))}")
     eng = ENGINES[name]
+    if eng.loader:
+        where, _, function = eng.loader.partition(":")
+        return getattr(importlib.import_module(where), function)()
     _extend_path()
     try:
         return importlib.import_module(eng.module)
@@ -63,7 +73,7 @@ def probe() -> dict[str, tuple[bool, str]]:
         try:
             mod = load(name)
         except EngineUnavailableError as exc:
-            out[name] = (False, f"not built ({eng.make_target}): {exc.__cause__}")
+            out[name] = (False, f"not built ({eng.make_target}): {exc.__cause__ or exc}")
         else:
             out[name] = (True, str(getattr(mod, "__file__", "?")))
     return out
