@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..errors import EngineUnavailableError  # the package's one class (also exported here, as before)
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
 from .transport import allgather_int, bcast_object
@@ -39,10 +40,6 @@ __all__ = ["EngineUnavailableError", "RemoteCallbackError", "Adaptor", "load", "
 EXT_NAME = "torchhpc_xbraid"
 _HDR_BYTES = 8 * 12  # int64: valid flag, dtype code, ndim, up to 9 dims
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128, torch.complex64]
-
-
-class EngineUnavailableError(RuntimeError):
-    """The XBraid extension is not built or cannot be loaded; the message says what is missing and how to get it."""
 
 
 class RemoteCallbackError(RuntimeError):
