@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..waiting import agreed
 from . import xbraid
 from .grid import Hierarchy, even_split
 from .layers import (
@@ -39,7 +40,16 @@ from .layers import (
 )
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions, relax_sweeps
-from .transport import Channel, allreduce, bcast_object, bcast_tensor, check_timeout, dup, gather_object
+from .transport import (
+    Channel,
+    agreement_timeout,
+    allreduce,
+    bcast_object,
+    bcast_tensor,
+    check_timeout,
+    dup,
+    gather_object,
+)
 
 __all__ = ["LayerParallel"]
 
@@ -86,22 +96,23 @@ class LayerParallel(nn.Module):
                  Tf: float, max_fwd_levels: int = 1, max_bwd_levels: int = 1, max_iters: int = 10, *,
                  seed: int = 0, timeout: float | None = None, engine: str = "python") -> None:
         super().__init__()
-        if engine not in ("python", "xbraid"):
-            raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
-        if engine == "xbraid":
-            xbraid.load()  # EngineUnavailableError, naming what is missing, before any collective
-        if len(layer_blocks) != len(global_steps) or not layer_blocks:
-            raise ValueError(f"need one step count per layer block, got {len(layer_blocks)} blocks and "
-                             f"{len(global_steps)} counts")
-        if any(int(s) != s or s < 1 for s in global_steps):
-            raise ValueError(f"every block needs a whole number of steps >= 1, got {list(global_steps)}")
-        if not Tf > 0:
-            raise ValueError(f"final time Tf must be positive, got {Tf}")
-        size = comm.Get_size()
-        self.nlayers = int(sum(global_steps))
-        if size > self.nlayers:
-            raise ValueError(f"more ranks ({size}) than layers ({self.nlayers}): every rank must own a layer")
-        timeout = check_timeout(timeout)
+        with agreed(comm, agreement_timeout(timeout), "LayerParallel()"):  # an error on one rank: on all
+            if engine not in ("python", "xbraid"):
+                raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
+            if engine == "xbraid":
+                xbraid.load()  # EngineUnavailableError, naming what is missing and `make native-xbraid`
+            if len(layer_blocks) != len(global_steps) or not layer_blocks:
+                raise ValueError(f"need one step count per layer block, got {len(layer_blocks)} blocks and "
+                                 f"{len(global_steps)} counts")
+            if any(int(s) != s or s < 1 for s in global_steps):
+                raise ValueError(f"every block needs a whole number of steps >= 1, got {list(global_steps)}")
+            if not Tf > 0:
+                raise ValueError(f"final time Tf must be positive, got {Tf}")
+            size = comm.Get_size()
+            self.nlayers = int(sum(global_steps))
+            if size > self.nlayers:
+                raise ValueError(f"more ranks ({size}) than layers ({self.nlayers}): every rank must own a layer")
+            timeout = check_timeout(timeout)
         self.comm = dup(comm, timeout, "LayerParallel construction (MPI_Comm_idup)")
         self.rank, self.size = self.comm.Get_rank(), size
         # the adjoint runs backwards over the ranks: its own message space, logical ranks reversed

@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
+from ..waiting import agreed
+from . import xbraid
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
-from .transport import Channel, allreduce, check_timeout, dup
+from .transport import Channel, agreement_timeout, allreduce, check_timeout, dup
 
 __all__ = ["MGRIT", "MGRITResult", "solve"]
 
@@ -355,27 +357,36 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
     :mod:`torchhpc.braid.xbraid` for how its residual history lines up with this one).  ``nested_iteration``
     defaults to True here and to False on XBraid, which has none.
     """
-    if engine not in ("python", "xbraid"):
-        raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
-    if nested_iteration is None:
-        nested_iteration = engine == "python"
-    times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
-    if len(times) < 2:
-        raise ValueError(f"need at least two time points, got {len(times)}")
-    if any(b <= a for a, b in zip(times, times[1:], strict=False)):
-        raise ValueError("time points must be strictly increasing")
-    opts = MGRITOptions.build(max_levels=max_levels, cfactor=cfactor, relax=relax, cycle=cycle, tol=tol,
-                              rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
-                              skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
-                              print_level=print_level)
-    timeout = check_timeout(timeout)
     base = MPI.COMM_WORLD if comm is None else comm
+    with agreed(base, agreement_timeout(timeout), "torchhpc.braid.mgrit.solve()"):  # an error on one rank: on all
+        if engine not in ("python", "xbraid"):
+            raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
+        if nested_iteration is None:
+            nested_iteration = engine == "python"
+        times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+        if len(times) < 2:
+            raise ValueError(f"need at least two time points, got {len(times)}")
+        if any(b <= a for a, b in zip(times, times[1:], strict=False)):
+            raise ValueError("time points must be strictly increasing")
+        opts = MGRITOptions.build(max_levels=max_levels, cfactor=cfactor, relax=relax, cycle=cycle, tol=tol,
+                                  rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
+                                  skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
+                                  print_level=print_level)
+        timeout = check_timeout(timeout)
+        if engine == "xbraid":  # extension present, settings XBraid can express, its own distribution
+            xbraid.load()
+            xbraid.check_options(opts)
+            blocks = xbraid.block_counts(len(times), base.Get_size())
+            if partition is not None and list(partition) != blocks:
+                raise ValueError(f"engine='xbraid' distributes time points itself ({blocks} over "
+                                 f"{base.Get_size()} ranks); partition={list(partition)} cannot be honoured")
     if engine == "xbraid":
-        return _solve_xbraid(step, u0, times, base, opts, init, norm, partition, timeout)
+        return _solve_xbraid(step, u0, times, base, opts, init, norm, timeout)
     work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
-        solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
-                       counts=partition, init=init, timeout=timeout, norm=norm)
+        with agreed(work, timeout, "torchhpc.braid.mgrit.solve()"):
+            solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
+                           counts=partition, init=init, timeout=timeout, norm=norm)
         res = solver.run()
     finally:
         work.Free()
@@ -385,16 +396,9 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
 
 def _solve_xbraid(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.Tensor, times: list[float],
                   base: MPI.Comm, opts: MGRITOptions, init: Callable[[int], torch.Tensor] | None, norm: float,
-                  partition: Sequence[int] | None, timeout: float) -> MGRITResult:
-    """:func:`solve` on XBraid (its block distribution of the time points)."""
-    from . import xbraid
-
-    xbraid.load()  # EngineUnavailableError before any collective when the extension is not built
-    xbraid.check_options(opts)
+                  timeout: float) -> MGRITResult:
+    """:func:`solve` on XBraid (its block distribution of the time points), arguments already checked."""
     n = len(times)
-    if partition is not None and list(partition) != xbraid.block_counts(n, base.Get_size()):
-        raise ValueError(f"engine='xbraid' distributes time points itself ({xbraid.block_counts(n, base.Get_size())}"
-                         f" over {base.Get_size()} ranks); partition={list(partition)} cannot be honoured")
     work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
         out = xbraid.run(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, n, work, opts, init=init, norm=norm,

@@ -1,4 +1,4 @@
-// torchhpc_xbraid: XBraid's C library driven from Python, with torch tensors (Python objects) as braid vectors.
+// _torchhpc_xbraid: XBraid's C library driven from Python, with torch tensors (Python objects) as braid vectors.
 //
 // A braid vector holds one reference to an immutable Python object (a tensor): step and sum store a new object
 // instead of writing into the old one, so clone only shares the reference and no tensor a caller passed in is
@@ -222,7 +222,7 @@ py::dict run(std::uintptr_t comm_address, py::object adapt, int ntime, int max_l
 
 }  // namespace
 
-PYBIND11_MODULE(torchhpc_xbraid, m) {
+PYBIND11_MODULE(_torchhpc_xbraid, m) {
   m.doc() = "XBraid (MGRIT, C library) with torch tensors as braid vectors; used by torchhpc.braid engine='xbraid'";
   m.attr("XBRAID_VERSION") = TORCHHPC_XBRAID_VERSION;
   m.attr("INVALID_RNORM") = static_cast<double>(braid_INVALID_RNORM);
