@@ -164,7 +164,8 @@ def run(phi: Callable[[torch.Tensor, int, int], torch.Tensor], u0: torch.Tensor,
         out = ext.run(MPI._addressof(comm), ad, n - 1, nl, max(opts.min_coarse - 1, 0),
                       [int(c) for c in opts.cfactor], [int(r) for r in opts.relax],
                       [float(opts.weight_c)], float(tol), relative, int(opts.max_iter), bool(opts.skip_downcycle),
-                      opts.cycle == "F", tnorm, reverted, ad.bufsize)
+                      opts.cycle == "F", tnorm, reverted, ad.bufsize,
+                      1 if opts.print_level >= 1 and comm.Get_rank() == 0 else 0)
     _agree_on_errors(comm, out["error"], timeout)
     res = [math.nan if r == ext.INVALID_RNORM else float(r) for r in out["residuals"]]
     valid = [r for r in res if not math.isnan(r)]

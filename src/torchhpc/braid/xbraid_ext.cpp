@@ -159,7 +159,8 @@ void check(braid_Int rc, const char *what) {
 // One XBraid solve over fine points 0..ntime (times 0.0 .. ntime), options as torchhpc.braid names them.
 py::dict run(std::uintptr_t comm_address, py::object adapt, int ntime, int max_levels, int min_coarse,
              std::vector<int> cfactor, std::vector<int> nrelax, std::vector<double> cweight, double tol,
-             bool relative, int max_iter, bool skip, bool fmg, int tnorm, bool reverted_ranks, int bufsize) {
+             bool relative, int max_iter, bool skip, bool fmg, int tnorm, bool reverted_ranks, int bufsize,
+             int print_level) {
   if (ntime < 1) throw py::value_error("ntime must be >= 1");
   if (cfactor.empty() || nrelax.empty() || cweight.empty()) throw py::value_error("per-level lists must not be empty");
   MPI_Comm comm = *reinterpret_cast<MPI_Comm *>(comm_address);
@@ -170,7 +171,7 @@ py::dict run(std::uintptr_t comm_address, py::object adapt, int ntime, int max_l
   check(braid_Init(comm, comm, 0.0, static_cast<double>(ntime), ntime, &app, cb_step, cb_init, cb_clone, cb_free,
                    cb_sum, cb_norm, cb_access, cb_bufsize, cb_bufpack, cb_bufunpack, &core),
         "braid_Init");
-  braid_SetPrintLevel(core, 0);
+  braid_SetPrintLevel(core, print_level);  // 1: XBraid's per-iteration residual line on rank 0
   braid_SetFileIOLevel(core, 0);
   braid_SetAccessLevel(core, 1);
   braid_SetMaxLevels(core, max_levels);
@@ -229,6 +230,6 @@ PYBIND11_MODULE(_torchhpc_xbraid, m) {
   m.def("run", &run, py::arg("comm_address"), py::arg("adaptor"), py::arg("ntime"), py::arg("max_levels"),
         py::arg("min_coarse"), py::arg("cfactor"), py::arg("nrelax"), py::arg("cweight"), py::arg("tol"),
         py::arg("relative"), py::arg("max_iter"), py::arg("skip"), py::arg("fmg"), py::arg("tnorm"),
-        py::arg("reverted_ranks"), py::arg("bufsize"),
+        py::arg("reverted_ranks"), py::arg("bufsize"), py::arg("print_level") = 0,
         "Run one XBraid solve; returns residuals (braid_GetRNorms), iterations, levels and a callback error.");
 }
