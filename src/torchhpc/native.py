@@ -22,24 +22,19 @@ __all__ = ["ENGINES", "NativeEngine", "load", "native_prefix", "probe"]
 
 @dataclass(frozen=True)
 class NativeEngine:
-    """One native engine: the module that provides it, the make target that builds it, what uses it.
-
-    ``loader`` (``"package.module:function"``), when set, is the engine's own loader, called instead of a
-    plain import; it returns the module or raises :class:`EngineUnavailableError`.
-    """
+    """One native engine: the module that provides it, the make target that builds it, what uses it."""
 
     name: str
     module: str
     make_target: str
     used_by: str
-    loader: str = ""
 
 
 ENGINES: dict[str, NativeEngine] = {
     "thallium": NativeEngine("thallium", "_torchhpc_thallium", "make native-mochi",
                              "RehearsalBuffer(transport='thallium')"),
-    "xbraid": NativeEngine("xbraid", "torchhpc_xbraid", "make native-xbraid",
-                           "mgrit.solve / LayerParallel(engine='xbraid')", "torchhpc.braid.xbraid:load"),
+    "xbraid": NativeEngine("xbraid", "_torchhpc_xbraid", "make native-xbraid",
+                           "mgrit.solve / LayerParallel(engine='xbraid')"),
 }
 
 
@@ -60,9 +55,6 @@ def load(name: str) -> ModuleType:
     if name not in ENGINES:
         raise ValueError(f"no native engine {name!r}; known: {', '.join(sorted(ENGINES))}")
     eng = ENGINES[name]
-    if eng.loader:
-        where, _, function = eng.loader.partition(":")
-        return getattr(importlib.import_module(where), function)()
     _extend_path()
     try:
         return importlib.import_module(eng.module)
