@@ -323,9 +323,14 @@ class CollectivesMixin:
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts=None) -> AcclWork:
-        if len(output_lists) != len(input_list):
-            raise ValueError("accl: all_gather_coalesced needs one output list per input tensor")
-        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_list, strict=True)]
+        """``output_lists[r][j]`` receives rank r's ``input_list[j]`` (torch's layout: one list per rank)."""
+        if not input_list:
+            raise ValueError("accl: all_gather_coalesced needs at least one input tensor")
+        if len(output_lists) != self._size or any(len(o) != len(input_list) for o in output_lists):
+            raise ValueError(f"accl: all_gather_coalesced needs {self._size} output lists (one per rank), each "
+                             f"with one tensor per input tensor ({len(input_list)})")
+        works = [self.allgather([[out[j] for out in output_lists]], [inp], opts)
+                 for j, inp in enumerate(input_list)]
         return works[-1]  # collectives complete in issue order: the last one covers all
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork:  # noqa: A002
