@@ -14,7 +14,7 @@ TORCH_VERSION ?= $(shell sed -n 's/^torch==\([^[:space:]#]*\).*/\1/p' requiremen
 PYTEST_ARGS   ?=
 PY            := $(VENV)/bin/python
 
-.PHONY: help env test test-unit test-mpi lint bench doctor clean-env
+.PHONY: help env test test-unit test-mpi test-torch-suite lint bench doctor clean-env
 
 help: ## List every target with one line each
 	@printf 'torchhpc targets (variables: VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) MPI=$(MPI)):\n\n'
@@ -36,6 +36,9 @@ test-unit: $(PY) ## Run only the single-process unit tests
 
 test-mpi: $(PY) ## Run only the tests launched under mpiexec
 	@$(PY) -m pytest tests/test_mpi_suites.py $(PYTEST_ARGS)
+
+test-torch-suite: $(PY) ## PyTorch's own distributed suite on accl and gloo at 3 ranks (~15 min); torch-suite-results/
+	@$(PY) tests/torch_suite/driver.py --out torch-suite-results $(TORCH_SUITE_ARGS)
 
 lint: $(PY) ## ruff over the Python sources; shellcheck over the shell scripts (when installed)
 	@$(VENV)/bin/ruff check src tests bench examples
