@@ -32,7 +32,8 @@ SUBSET = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict[str, dict]]:
     out = tmp_path_factory.mktemp("torch-suite")
-    return {b: {r["test"]: r for r in driver.run_backend(b, SUBSET, out, np=3, per_test_timeout=120, log=lambda m: None)}
+    return {b: {r["test"]: r
+                for r in driver.run_backend(b, SUBSET, out, np=3, per_test_timeout=120, log=lambda m: None)}
             for b in ("gloo", "accl")}
 
 

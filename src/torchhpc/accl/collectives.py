@@ -4,13 +4,13 @@ provides queueing, checks, staging and engines; see its module docstring)."""
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 from mpi4py import MPI
 
+from ..waiting import Backoff, wait_until
 from .common import (
     _DTYPE_CODE,
     _F_SEQ,
@@ -24,7 +24,6 @@ from .common import (
     _async,
     _describe,
     _mpi_op,
-    _poll_until,
     _ranges,
     _Tensorish,
 )
@@ -697,20 +696,22 @@ class CollectivesMixin:
             p2p.Isend([token.numpy(), MPI.INT64_T], 0, tag)
             ack = torch.zeros(1, dtype=torch.int64)
             req = p2p.Irecv([ack.numpy(), MPI.INT64_T], 0, tag + 1)
-            _poll_until(req, secs, f"accl: monitored_barrier: rank {self._rank} got no release from rank 0 "
-                                   f"within {secs:g} s")
+            wait_until(req.Test, secs, f"accl: monitored_barrier: rank {self._rank} waiting for the release "
+                                       "from rank 0")
             return
         bufs = {r: torch.zeros(1, dtype=torch.int64) for r in range(1, self._size)}
         reqs = {r: p2p.Irecv([bufs[r].numpy(), MPI.INT64_T], r, tag) for r in bufs}
         limit = now() + secs
         missing = set(reqs)
+        pause = Backoff().pause
         while missing and now() < limit:
             for r in list(missing):
                 if reqs[r].Test():
                     missing.discard(r)
             if missing and not wait_all_ranks and now() >= limit:
                 break
-            time.sleep(0)
+            if missing:
+                pause()
         if missing:
             for r in missing:  # withdraw the receives so that no later message matches them
                 reqs[r].Cancel()

@@ -3,16 +3,15 @@ process-group modules (``process_group``, ``collectives``, ``p2p``)."""
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ..errors import MismatchError
 from .reduction import RedOp, op_name
-from .work import AcclTimeoutError, Op, now
+from .work import Op
 
 _R = RedOp
 _MAGIC = 0x4ACC1
@@ -33,8 +32,7 @@ _OP_CODE = {o: i + 1 for i, o in enumerate(_OPS)}
 _F_KIND, _F_SEQ, _F_DTYPE, _F_OP, _F_ROOT, _F_BYTES, _F_NUMEL = 1, 2, 3, 4, 5, 6, 7
 
 
-class AcclMismatchError(ValueError):
-    """Ranks called a collective with different kinds, dtypes, sizes, ops or roots."""
+AcclMismatchError = MismatchError  # old name of torchhpc.errors.MismatchError, kept importable from here
 
 
 def _dtype_name(code: int) -> str:
@@ -102,21 +100,5 @@ def _wrap(exc: BaseException, op: Op) -> BaseException:
     return exc
 
 
-def backoff(spin_started: float, t_now: float) -> None:
-    """Pause between polls of a waiting rank: yield the core for the first 20 ms (a peer may need it:
-    ranks are often oversubscribed), then sleep 50 us per poll so long waits do not burn a core.
-    ``time.sleep(0)`` is avoided on the hot path: with timer slack it can cost ~50 us."""
-    if t_now - spin_started < 0.02:
-        os.sched_yield()
-    else:
-        time.sleep(50e-6)
-
-
-def _poll_until(req: MPI.Request, secs: float, message: str) -> None:
-    limit = now() + secs
-    while not req.Test():
-        if now() > limit:
-            raise AcclTimeoutError(message)
-        time.sleep(0)
 
 

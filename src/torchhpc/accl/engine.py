@@ -29,13 +29,13 @@ from typing import Protocol
 
 import torch
 
+from .. import errors
 from .reduction import RedOp
 
 __all__ = ["Request", "CollectiveEngine", "EngineUnavailableError"]
 
 
-class EngineUnavailableError(RuntimeError):
-    """The requested engine cannot run here (package, device or emulator missing)."""
+EngineUnavailableError = errors.EngineUnavailableError  # old name, kept importable from here
 
 
 class Request(Protocol):

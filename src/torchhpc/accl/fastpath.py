@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from mpi4py import MPI
 
+from ..waiting import Backoff
 from .common import (
     _DTYPE_CODE,
     _HDR_WORDS,
@@ -37,10 +38,9 @@ from .common import (
     _SLOT_WORDS,
     _SMALL_BYTES,
     AcclMismatchError,
-    backoff,
 )
 from .reduction import RedOp, check_reduction, mpi_reduction
-from .work import AcclWork, Op, now
+from .work import AcclWork, Op
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroupACCL
@@ -166,26 +166,24 @@ class FastPathMixin:
 
     def _poll_now(self: ProcessGroupACCL, test: Callable[[], bool], name: str, t: torch.Tensor,
                   finished: list[Op]) -> Op | None:
-        """Poll ``test`` until it is true or the group timeout passed (caller holds the lock): spin
-        first, then back off.  On timeout abort the group and return the failed call's op."""
-        spins = 0
-        deadline = t_spin = 0.0
+        """Poll ``test`` until it is true or the group timeout passed (caller holds the lock), under the
+        package's back-off (:class:`torchhpc.waiting.Backoff`).  On timeout abort the group and return
+        the failed call's op."""
+        pause = Backoff().pause
+        deadline = 0.0
         while not test():
-            spins += 1
-            if spins < 64:
+            t_now = pause()
+            if not t_now:  # still spinning
                 continue
             if self._p2p:  # receives in flight may need their payload posted to let peers reach us
                 finished += self._progress_locked()
-            t_now = now()
             if not deadline:
                 deadline = t_now + self._timeout_s
-                t_spin = t_now
             elif t_now > deadline:
                 op = self._failed_op(name, t)
                 self._abort_locked(op)
                 finished += self._drain_locked()
                 return op
-            backoff(t_spin, t_now)
         return None
 
     def _failed_op(self: ProcessGroupACCL, name: str, t: torch.Tensor) -> Op:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from mpi4py.run import set_abort_status
 
+from ..waiting import Backoff
 from .collectives import CollectivesMixin
 from .common import (
     _DTYPE_CODE,
@@ -49,7 +50,6 @@ from .common import (
     _flat,
     _tag_ub,
     _wrap,
-    backoff,
 )
 from .engine import CollectiveEngine, Request
 from .fastpath import FastPathMixin
@@ -285,8 +285,9 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
                 comm.Revoke()
         # A rank told only by a revocation may learn who died from the runtime's notice a moment later.
         limit = now() + (0.25 if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None) else 0.0)
+        pause = Backoff().pause
         while not (ranks := _failed_ranks(comms)) and now() < limit:
-            time.sleep(0.01)
+            pause()
         # MPI_Finalize would wait for the dead rank forever: end this process with MPI_Abort at exit instead.
         set_abort_status(1)
         who = (f"peer rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
@@ -369,8 +370,7 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
 
     def _wait(self, op: Op, timeout_s: float | None) -> None:
         limit = now() + timeout_s if timeout_s is not None else float("inf")
-        spins = 0
-        t_spin = None
+        pause = Backoff().pause  # spin hot first (MPI progresses inside our Test calls), then back off
         while not op.done:
             with self._lock:
                 done = self._progress_locked()
@@ -386,11 +386,7 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
             if blocker is not None:  # a blocking MPI call on the worker: sleep on it (GIL released)
                 blocker.block(min(0.005, max(0.0, limit - t)))
                 continue
-            spins += 1
-            if spins > 64:  # spin hot first (MPI progresses inside our Test calls), then back off
-                if t_spin is None:
-                    t_spin = t
-                backoff(t_spin, t)
+            pause()
         if op.error is not None:
             raise op.error
         # "complete in issue order": every earlier collective is done once this one is.

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from ..errors import PeerFailedError, PeerTimeoutError
 from .engine import Request
 
 if TYPE_CHECKING:
@@ -28,17 +29,10 @@ if TYPE_CHECKING:
 __all__ = ["Op", "AcclWork", "AcclTimeoutError", "AcclPeerFailedError"]
 
 
-class AcclTimeoutError(dist.DistBackendError):
-    """An operation did not complete within the group's timeout (a peer died, hung or skipped it)."""
-
-
-class AcclPeerFailedError(dist.DistBackendError):
-    """MPI reported that peer processes of the group died (ULFM's ``MPI_ERR_PROC_FAILED``); the group
-    is aborted.  ``failed_ranks`` holds their ranks in the group (empty if MPI could not say)."""
-
-    def __init__(self, message: str, failed_ranks: tuple[int, ...] = ()):
-        super().__init__(message)
-        self.failed_ranks = failed_ranks
+# Old names of torchhpc.errors' classes, kept importable from here: an operation did not complete within
+# the group's timeout; MPI reported that peer processes of the group died (the group is aborted).
+AcclTimeoutError = PeerTimeoutError
+AcclPeerFailedError = PeerFailedError
 
 
 class Op:
