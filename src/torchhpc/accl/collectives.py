@@ -716,8 +716,9 @@ class CollectivesMixin:
             for r in missing:  # withdraw the receives so that no later message matches them
                 reqs[r].Cancel()
                 reqs[r].Wait()
-            raise AcclTimeoutError(f"accl: monitored_barrier: ranks {sorted(missing)} did not reach the "
-                                   f"barrier within {secs:g} s")
+            # the lead phrase is gloo's own, so scripts and tests written against gloo recognise it
+            raise AcclTimeoutError(f"accl: Rank 0 timed out in monitoredBarrier after {secs:g} s: ranks "
+                                   f"{sorted(missing)} did not reach the barrier")
         for r in bufs:
             p2p.Send([token.numpy(), MPI.INT64_T], r, tag + 1)
 
