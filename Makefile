@@ -57,7 +57,7 @@ test-unit: $(PY) ## Run only the single-process unit tests
 test-mpi: $(PY) ## Run only the tests launched under mpiexec
 	@$(PY) -m pytest tests/test_mpi_suites.py $(PYTEST_ARGS)
 
-test-torch-suite: $(PY) ## PyTorch's own distributed suite on accl and gloo at 3 ranks (~15 min); torch-suite-results/
+test-torch-suite: $(PY) ## PyTorch's own distributed suite on accl and gloo at 3 ranks (~5 min); torch-suite-results/
 	@$(PY) tests/torch_suite/driver.py --out torch-suite-results $(TORCH_SUITE_ARGS)
 
 lint: $(PY) ## ruff over the Python sources; shellcheck over the shell scripts (when installed)
