@@ -322,9 +322,14 @@ class CollectivesMixin:
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
                             opts=None) -> AcclWork:
-        if len(output_lists) != len(input_list):
-            raise ValueError("accl: all_gather_coalesced needs one output list per input tensor")
-        works = [self.allgather([o], [i], opts) for o, i in zip(output_lists, input_list, strict=True)]
+        """``output_lists[r][j]`` receives rank r's ``input_list[j]`` (torch's layout: one list per rank)."""
+        if not input_list:
+            raise ValueError("accl: all_gather_coalesced needs at least one input tensor")
+        if len(output_lists) != self._size or any(len(o) != len(input_list) for o in output_lists):
+            raise ValueError(f"accl: all_gather_coalesced needs {self._size} output lists (one per rank), each "
+                             f"with one tensor per input tensor ({len(input_list)})")
+        works = [self.allgather([[out[j] for out in output_lists]], [inp], opts)
+                 for j, inp in enumerate(input_list)]
         return works[-1]  # collectives complete in issue order: the last one covers all
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork:  # noqa: A002
@@ -711,8 +716,9 @@ class CollectivesMixin:
             for r in missing:  # withdraw the receives so that no later message matches them
                 reqs[r].Cancel()
                 reqs[r].Wait()
-            raise AcclTimeoutError(f"accl: monitored_barrier: ranks {sorted(missing)} did not reach the "
-                                   f"barrier within {secs:g} s")
+            # the lead phrase is gloo's own, so scripts and tests written against gloo recognise it
+            raise AcclTimeoutError(f"accl: Rank 0 timed out in monitoredBarrier after {secs:g} s: ranks "
+                                   f"{sorted(missing)} did not reach the barrier")
         for r in bufs:
             p2p.Send([token.numpy(), MPI.INT64_T], r, tag + 1)
 
