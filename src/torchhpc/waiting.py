@@ -1,0 +1,179 @@
+"""The one way torchhpc waits on peers: poll with a deadline under one back-off policy, and agree on errors.
+
+MPI's blocking calls have no timeout, so every wait on other ranks in the package is a nonblocking
+operation polled here against a deadline; past it a :class:`~torchhpc.errors.PeerTimeoutError` says
+what was waited for.  The back-off (:class:`Backoff`) spins a few polls (a peer is often about to
+arrive), then yields the core (ranks are often oversubscribed), then sleeps with a growing interval,
+capped, so that a long wait does not burn a core.
+
+:func:`agreed` makes a collective entry point fail on every rank when it fails on one: each rank
+contributes "ok" or its exception; if any failed, the others raise :class:`~torchhpc.errors.RemoteError`
+naming the rank and its error (the failing rank re-raises its own), all within a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from .errors import PeerTimeoutError, RemoteError
+
+__all__ = ["Backoff", "wait_until", "wait_requests", "agree", "agreed", "ABANDONED"]
+
+# Requests given up at a deadline, with their buffers.  MPI may still complete them (a late peer writes
+# into a receive buffer; a nonblocking collective must never be freed or cancelled), so both stay
+# referenced for the life of the process.
+ABANDONED: list[tuple[list[Any], Any]] = []
+
+_yield = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
+class Backoff:
+    """Pause between polls: ``SPINS`` polls back to back, then yield the core until ``YIELD_S`` has
+    passed, then sleep from ``SLEEP_S`` doubling up to ``CAP_S``.  One object per wait."""
+
+    SPINS = 64
+    YIELD_S = 0.02
+    SLEEP_S = 50e-6
+    CAP_S = 1e-3
+    __slots__ = ("_n", "_t0", "_sleep")
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._t0 = 0.0
+        self._sleep = self.SLEEP_S
+
+    def pause(self) -> float:
+        """Pause once; returns 0.0 while still spinning, else the monotonic time read (for deadline checks)."""
+        self._n += 1
+        if self._n <= self.SPINS:
+            return 0.0
+        t = time.monotonic()
+        if not self._t0:
+            self._t0 = t
+        if t - self._t0 < self.YIELD_S:
+            _yield()
+        else:
+            time.sleep(self._sleep)
+            self._sleep = min(self._sleep * 2, self.CAP_S)
+        return t
+
+
+def _timeout_message(what: str | Callable[[], str], timeout: float) -> str:
+    text = what() if callable(what) else what
+    return (f"{text} did not complete within {timeout:g} s: a peer rank died, is stuck, or did not make "
+            "the same call")
+
+
+def wait_until(test: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> None:
+    """Poll ``test`` until it returns true; past ``timeout`` seconds raise :class:`PeerTimeoutError`.
+
+    ``what`` names the operation in the error (a callable is evaluated only on timeout)."""
+    if test():
+        return
+    deadline = time.monotonic() + timeout
+    backoff = Backoff()
+    while not test():
+        t = backoff.pause()
+        if t and t > deadline:
+            raise PeerTimeoutError(_timeout_message(what, timeout))
+
+
+def wait_requests(requests: Sequence[Any], timeout: float, what: str | Callable[[], str], *,
+                  keep: Any = None, cancel: bool = False, message: Callable[[], str] | None = None) -> None:
+    """Complete MPI ``requests`` or raise :class:`PeerTimeoutError` after ``timeout`` s.
+
+    Given-up requests stay alive in :data:`ABANDONED` with ``keep`` (their buffers); ``cancel`` cancels
+    them first (point-to-point receives only: MPI forbids cancelling collectives).  ``message``, if
+    given, builds the whole error text instead of the default built from ``what``."""
+    from mpi4py import MPI
+
+    reqs = list(requests)
+    if not reqs or MPI.Request.Testall(reqs):
+        return
+    deadline = time.monotonic() + timeout
+    backoff = Backoff()
+    while not MPI.Request.Testall(reqs):
+        t = backoff.pause()
+        if t and t > deadline:
+            pending = [r for r in reqs if r != MPI.REQUEST_NULL]
+            if cancel:
+                for req in pending:
+                    req.Cancel()
+            ABANDONED.append((pending, keep))
+            raise PeerTimeoutError(message() if message is not None else _timeout_message(what, timeout),
+                                   pending)
+
+
+def _rank_label(comm: Any) -> str:
+    from mpi4py import MPI
+
+    rank, world = comm.Get_rank(), MPI.COMM_WORLD
+    if comm.Get_size() == world.Get_size() and rank == world.Get_rank():
+        return f"rank {rank}"
+    return f"rank {rank} (world rank {world.Get_rank()})"
+
+
+def agree(comm: Any, error: BaseException | None, timeout: float, what: str) -> None:
+    """Collective over ``comm``: each rank passes ``None`` (ok) or its exception.
+
+    If another rank failed, raise :class:`RemoteError` naming it and its error.  A rank that failed
+    itself returns (its caller re-raises its own error, with a note naming any other failing ranks).
+    Raises :class:`PeerTimeoutError` (only on ranks that did not fail) if the ranks do not all arrive
+    within ``timeout`` s."""
+    import numpy as np
+    from mpi4py import MPI
+
+    size = comm.Get_size()
+    if size == 1:
+        return
+    payload = b"" if error is None else (
+        f"{_rank_label(comm)}\0{type(error).__name__}: {error}".encode(errors="replace")[:4000])
+    lengths = np.zeros(size, dtype=np.int64)
+    mine = np.array([len(payload)], dtype=np.int64)
+    hint = (f"{what} is collective over {size} ranks: every rank must call it; "
+            f"rank {comm.Get_rank()} waited for the others to report success or failure")
+    try:
+        wait_requests([comm.Iallgather([mine, MPI.INT64_T], [lengths, MPI.INT64_T])], timeout, hint,
+                      keep=(mine, lengths))
+        if not lengths.any():
+            return
+        counts = lengths.astype(np.int64)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        texts = bytearray(int(counts.sum()))
+        send = bytearray(payload)
+        wait_requests([comm.Iallgatherv([send, MPI.BYTE], [texts, (counts, displs), MPI.BYTE])], timeout,
+                      hint, keep=(send, texts))
+    except PeerTimeoutError:
+        if error is not None:
+            return  # the caller's own error says more than the missing peers
+        raise
+    failures: dict[int, str] = {}
+    for r in np.flatnonzero(counts):
+        raw = bytes(texts[displs[r]:displs[r] + counts[r]]).decode(errors="replace")
+        label, _, text = raw.partition("\0")
+        failures[int(r)] = f"{label}: {text}"
+    me = comm.Get_rank()
+    others = {r: t for r, t in failures.items() if r != me}
+    if error is not None:
+        if others and hasattr(error, "add_note"):
+            error.add_note(f"{what}: other ranks failed too: " + "; ".join(others.values()))
+        return
+    first = min(others)
+    listing = "; ".join(others.values())
+    raise RemoteError(f"{what} failed on {len(others)} of {size} ranks ({listing}); "
+                      f"{_rank_label(comm)} stops too", first, others[first], others)
+
+
+@contextmanager
+def agreed(comm: Any, timeout: float, what: str) -> Iterator[None]:
+    """Run the ``with`` body, then :func:`agree` over ``comm``: an exception on any rank becomes one on all."""
+    try:
+        yield
+    except Exception as exc:
+        agree(comm, exc, timeout, what)
+        raise
+    agree(comm, None, timeout, what)
