@@ -187,7 +187,7 @@ class AcclEngine(CollectiveEngine):
             self._fill(s, send)
             self._drv.allgather(self._comm_id, s, r, n)
             tmp = torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n)
-            recv.copy_(tmp)
+            recv.copy_(tmp.view(recv.shape))
         return self._submit(run)
 
     def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int,
@@ -198,7 +198,7 @@ class AcclEngine(CollectiveEngine):
             self._fill(s, send)
             self._drv.gather(self._comm_id, s, r, n, root)
             if self.rank == root:
-                recv.copy_(torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n))
+                recv.copy_(torch.from_numpy(self._host(r)[: n * self.size].copy()).view(recv.shape))
         return self._submit(run)
 
     def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int,

@@ -11,9 +11,10 @@ Shapes every engine receives (``p`` = group size, tensors 1-D unless noted):
 - ``allreduce(buf, op)``, ``reduce(buf, op, root)``: in place (``reduce``: result on ``root``).
 - ``broadcast(buf, root)``.
 - ``allgather(send, recv)``, ``gather(send, recv, root)``: ``recv`` is 2-D ``[p, len(send)]`` whose
-  rows may be strided (a column slice of a bigger buffer); ``gather``'s ``recv`` is None off-root.
+  rows may be strided (a column slice of a bigger buffer), or any contiguous tensor of
+  ``p * len(send)`` elements; ``gather``'s ``recv`` is None off-root.
 - ``scatter(send, recv, root)``: ``send`` 2-D ``[p, len(recv)]`` (None off-root), rows may be strided.
-- ``reduce_scatter(send, recv, op)``: ``send`` contiguous 2-D ``[p, len(recv)]``.
+- ``reduce_scatter(send, recv, op)``: ``send`` contiguous, ``p * len(recv)`` elements.
 - ``alltoall(send, recv)``: both 2-D ``[p, c]``, rows may be strided.
 - ``alltoallv(send, scounts, sdispls, recv, rcounts, rdispls)``: uint8 tensors, byte counts/offsets.
 - ``send(buf, dst, tag, channel)``/``recv(buf, src, tag, channel)``: ``channel`` 0 or 1 are two

@@ -103,7 +103,7 @@ class Executor:
             st["max_call_bytes"] = nbytes
         if mode is None:
             return getattr(eng, fn)(*args)
-        return getattr(eng, fn)(*args, mode=mode)
+        return getattr(eng, fn)(*args, mode)
 
     def per(self, elem: int, parts: int = 1) -> int:
         """Elements per segment so that ``parts`` blocks of them fit one segment."""

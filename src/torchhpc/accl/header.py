@@ -23,7 +23,7 @@ _PAYLOAD = wire.HEADER_BYTES
 class Reduction:
     """What a (dtype, op) reduction needs on the hot path, computed once per group and pair."""
 
-    __slots__ = ("dtype", "dcode", "ocode", "esz", "mpi_type", "mpi_op", "avg", "op")
+    __slots__ = ("dtype", "dcode", "ocode", "esz", "mpi_type", "mpi_op", "avg", "op", "engine_op")
 
     def __init__(self, dtype: torch.dtype, op: RedOp, what: str):
         check_reduction(dtype, op, what)  # raises a clear error for a bad pair
@@ -33,7 +33,8 @@ class Reduction:
         self.ocode = wire.op_code(op)
         self.esz = dtype.itemsize
         self.avg = op == RedOp.AVG
-        self.mpi_type, self.mpi_op = mpi_reduction(dtype, RedOp.SUM if self.avg else op)
+        self.engine_op = RedOp.SUM if self.avg else op  # AVG runs as SUM; the plan divides afterwards
+        self.mpi_type, self.mpi_op = mpi_reduction(dtype, self.engine_op)
 
 
 class HeaderExchange:

@@ -38,6 +38,10 @@ def _span(t: torch.Tensor) -> int:
     return (sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1) * esz
 
 
+_fromaddress = MPI.buffer.fromaddress
+_BLOCKING, _NONBLOCKING = Mode.BLOCKING, Mode.NONBLOCKING
+
+
 def _bytes(t: torch.Tensor) -> list:
     n = t.numel() * t.element_size()
     return [MPI.buffer.fromaddress(t.data_ptr(), n), n, MPI.BYTE]
@@ -50,8 +54,8 @@ def _blocks(t: torch.Tensor, parts: int) -> list:
 
 
 def _typed(t: torch.Tensor, datatype: MPI.Datatype) -> list:
-    n = t.numel() * t.element_size()
-    return [MPI.buffer.fromaddress(t.data_ptr(), n), t.numel(), datatype]
+    n = t.numel()
+    return [_fromaddress(t.data_ptr(), n * t.element_size()), n, datatype]
 
 
 def _rows(t: torch.Tensor) -> tuple[MPI.buffer, list[int], list[int]]:
@@ -166,10 +170,13 @@ class MpiEngine(CollectiveEngine):
 
     def _run(self, name: str, mode: Mode, *args, keep: object = None):
         """Carry out collective ``name`` (the blocking mpi4py method's name) as ``mode`` says."""
-        if mode == Mode.NONBLOCKING:
+        if mode is _BLOCKING:
+            getattr(self.coll, name)(*args)
+            return DONE
+        if mode is _NONBLOCKING:
             return MpiRequest([getattr(self.coll, "I" + name.lower())(*args)], keep=keep)
         blocking = getattr(self.coll, name)
-        if mode == Mode.BLOCKING or not self._can_thread:
+        if not self._can_thread:
             blocking(*args)
             return DONE
         if self._pool is None:

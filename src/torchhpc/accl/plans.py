@@ -31,7 +31,7 @@ from . import wire
 from .engine import CollectiveEngine, Mode, Request
 from .header import HeaderExchange, Reduction
 from .mpi_engine import MpiRequest
-from .reduction import RedOp, op_name
+from .reduction import op_name
 from .tensors import as_bytes, ranges, stage_in, stage_out
 
 __all__ = ["Context", "Plan", "AllReduce", "Broadcast", "Reduce", "GatherLike", "Scatter", "ReduceScatter",
@@ -41,6 +41,7 @@ __all__ = ["Context", "Plan", "AllReduce", "Broadcast", "Reduce", "GatherLike", 
 MATRIX_MAX_RANKS = wire.PAYLOAD_BYTES // 16
 
 _K = {k: wire.kind_code(k) for k in wire.KINDS}
+_HEADER = wire.HEADER
 
 
 class Context(Protocol):
@@ -61,10 +62,9 @@ class Context(Protocol):
         """Elements per segment so that ``parts`` blocks of them fit one segment."""
         ...
 
-
-def _mpi_op(op: RedOp) -> RedOp:
-    """AVG runs as SUM on the engine; the plan divides afterwards."""
-    return RedOp.SUM if op == RedOp.AVG else op
+    def header_needed(self, eng: CollectiveEngine, total_bytes: int) -> bool:
+        """Whether a collective moving ``total_bytes`` on ``eng`` exchanges the header."""
+        ...
 
 
 class Plan:
@@ -112,11 +112,15 @@ class AllReduce(Plan):
     to one slot ride in the header exchange and are reduced locally, in rank order, by every rank."""
 
     def __init__(self, ctx: Context, eng: CollectiveEngine, ts: list[torch.Tensor], red: Reduction,
-                 kind: str, check: bool, header_needed: bool) -> None:
+                 kind: str, check: bool) -> None:
+        # (the base initialiser is inlined: this is the hottest constructor)
         numel = ts[0].numel() if len(ts) == 1 else sum(t.numel() for t in ts)
         nbytes = numel * red.esz
         self.fused = check and eng is ctx.mpi and nbytes <= wire.PAYLOAD_BYTES
-        super().__init__(ctx, eng, self.fused or header_needed, nbytes >= ctx.big, ts)
+        self.rank, self.p, self.eng, self.outputs, self.source_rank = ctx.rank, ctx.size, eng, ts, -1
+        self.header = self.fused or ctx.header_needed(eng, nbytes)
+        self.big = nbytes >= ctx.big
+        self.inline = False
         self.kind, self.ts, self.red, self.numel, self.nbytes = kind, ts, red, numel, nbytes
         self.buf: torch.Tensor | None = None
 
@@ -129,10 +133,11 @@ class AllReduce(Plan):
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
         red = self.red
-        wire.pack_header(hx.mine, _K[self.kind], seq, red.dcode, red.ocode, 0, self.nbytes, self.numel)
+        _HEADER.pack_into(hx.mine, 0, wire.MAGIC, _K[self.kind], seq, red.dcode, red.ocode, 0, self.nbytes,
+                          self.numel, 0)
         if self.fused:
             buf = self._gather()
-            if buf.device.type != "cpu":
+            if not buf.is_cpu:
                 buf = buf.cpu()
             self.buf = buf
             hx.put_payload(buf.data_ptr(), self.nbytes)
@@ -145,7 +150,7 @@ class AllReduce(Plan):
         if k or self.fused:
             return None
         buf = self.buf = self._gather()
-        esz, numel, op = self.red.esz, self.numel, _mpi_op(self.red.op)
+        esz, numel, op = self.red.esz, self.numel, self.red.engine_op
         per = ctx.per(esz)
         if numel <= per:
             return [ctx.call(self.eng, "allreduce", self.nbytes, mode, buf, op)] if numel else []
@@ -158,7 +163,8 @@ class AllReduce(Plan):
             buf.div_(self.p)
         ts = self.ts
         if len(ts) == 1:
-            stage_out(buf, ts[0])
+            if buf is not ts[0]:
+                stage_out(buf, ts[0])
             return
         off = 0
         for t in ts:
@@ -225,7 +231,7 @@ class Reduce(Plan):
         if buf.data_ptr() == self.t.data_ptr() and self.rank != self.root:
             buf = buf.clone()  # keep the caller's input intact
         self.buf = buf
-        esz, op = self.red.esz, _mpi_op(self.red.op)
+        esz, op = self.red.esz, self.red.engine_op
         return [ctx.call(self.eng, "reduce", (b - a) * esz, mode, buf[a:b], op, self.root)
                 for a, b in ranges(self.numel, ctx.per(esz)) if b > a]
 
@@ -246,7 +252,8 @@ class Reduce(Plan):
 
 
 class GatherLike(Plan):
-    """all_gather and gather: ``rows()`` gives the [p, n] destination (None off-root for gather),
+    """all_gather and gather: ``rows()`` gives the destination of p x n contiguous elements, any shape
+    (None off-root for gather),
     ``deliver(rows)`` copies it to the caller's outputs when they are not that memory."""
 
     def __init__(self, ctx: Context, eng: CollectiveEngine, kind: str, inp: torch.Tensor,
@@ -271,9 +278,10 @@ class GatherLike(Plan):
             if self.kind == "all_gather":
                 return [ctx.call(self.eng, "allgather", numel * esz * p, mode, src, dst)]
             return [ctx.call(self.eng, "gather", numel * esz * p, mode, src, dst, self.root)]
+        rows = dst.view(p, numel) if dst is not None else None
         reqs = []
         for a, b in ranges(numel, per):
-            part = dst[:, a:b] if dst is not None else None
+            part = rows[:, a:b] if rows is not None else None
             if self.kind == "all_gather":
                 reqs.append(ctx.call(self.eng, "allgather", (b - a) * esz * p, mode, src[a:b], part))
             else:
@@ -323,7 +331,7 @@ class Scatter(Plan):
 
 
 class ReduceScatter(Plan):
-    """reduce_scatter of ``rows()`` ([p, n], contiguous) into ``out`` (n elements)."""
+    """reduce_scatter of ``rows()`` (p x n contiguous elements, any shape) into ``out`` (n elements)."""
 
     kind = "reduce_scatter"
 
@@ -342,12 +350,13 @@ class ReduceScatter(Plan):
             return None
         src = self.rows()
         dst = self.dst = stage_in(self.out, self.eng, copy=False)
-        esz, numel, p, op = self.red.esz, self.numel, self.p, _mpi_op(self.red.op)
+        esz, numel, p, op = self.red.esz, self.numel, self.p, self.red.engine_op
         per = ctx.per(esz, p)
         if numel <= per:
             return [ctx.call(self.eng, "reduce_scatter", numel * esz * p, mode, src, dst, op)] if numel else []
-        return [ctx.call(self.eng, "reduce_scatter", (b - a) * esz * p, mode, src[:, a:b].contiguous(), dst[a:b], op)
-                for a, b in ranges(numel, per)]
+        rows = src.view(p, numel)
+        return [ctx.call(self.eng, "reduce_scatter", (b - a) * esz * p, mode, rows[:, a:b].contiguous(), dst[a:b],
+                         op) for a, b in ranges(numel, per)]
 
     def finish(self) -> None:
         dst = self.dst
@@ -432,14 +441,15 @@ class AllToAll(Plan):
 
     def _data(self, ctx: Context, mode: Mode) -> list[Request]:
         inp, out, sb, rb, p = self.inp, self.out, self.sb, self.rb, self.p
-        src = as_bytes(stage_in(inp, self.eng))
-        dst = self.dst = (as_bytes(out) if out.is_contiguous() and out.device.type == "cpu" else
-                          torch.empty(out.numel() * out.element_size(), dtype=torch.uint8))
+        src = stage_in(inp, self.eng)
+        dst = self.dst = (out if out.is_cpu and out.is_contiguous() else
+                          torch.empty(out.numel(), dtype=out.dtype))
         if self.uniform and self.rounds == 1 and self.eng is ctx.mpi:
             return [ctx.call(self.eng, "alltoall", sb[0] * p, mode, src, dst)]
         per_pair = max(1, self.seg // p)
         sdis = list(accumulate(sb[:-1], initial=0))
         rdis = list(accumulate(rb[:-1], initial=0))
+        src, dst = as_bytes(src), as_bytes(dst)  # alltoallv counts bytes
         reqs = []
         for r in range(self.rounds):
             lo = r * per_pair
@@ -454,9 +464,8 @@ class AllToAll(Plan):
             self.deliver()
             return
         dst, out = self.dst, self.out
-        assert dst is not None
-        if out.numel() and dst.data_ptr() != out.data_ptr():
-            out.copy_(dst.view(out.dtype).view(out.shape))
+        if dst is not out and out.numel():
+            out.copy_(dst.view(out.shape))  # type: ignore[union-attr]
 
     def describe(self, seq: int) -> str:
         return f"all_to_all({self.inp.dtype}, send bytes {self.sb}, recv bytes {self.rb}) #{seq}"

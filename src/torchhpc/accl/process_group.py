@@ -50,7 +50,10 @@ def _async(opts: object) -> bool:
 
 
 def _op(opts: object) -> RedOp:
-    return red_op_of(opts.reduceOp) if opts is not None else _R.SUM  # type: ignore[attr-defined]
+    if opts is None:
+        return _R.SUM
+    op = getattr(opts.reduceOp, "op", None)  # type: ignore[attr-defined]
+    return op if type(op) is RedOp else red_op_of(opts.reduceOp)  # type: ignore[attr-defined]
 
 
 class ProcessGroupACCL(dist.ProcessGroup):
@@ -69,7 +72,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._name = group_name
         self._desc = "undefined"
         self._ex = Executor(comm, self.options, self._timeout_s, group_name)
-        self._reductions: dict[tuple[torch.dtype, int, str], Reduction] = {}
+        self._reductions: dict[tuple[torch.dtype, int], Reduction] = {}
         self._tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 
     # ----------------------------------------------------------------- identity
@@ -113,7 +116,9 @@ class ProcessGroupACCL(dist.ProcessGroup):
                     ) -> CollectiveEngine:
         ex = self._ex
         eng = ex.engine
-        if eng is ex.mpi or eng.supports(coll, dtype, op):
+        if eng is ex.mpi:
+            return eng
+        if eng.supports(coll, dtype, op):
             return eng
         if coll in self.options.sidestep:
             return ex.mpi
@@ -123,7 +128,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
             f"'{coll}' (AcclOptions.sidestep / TORCHHPC_ACCL_SIDESTEP)")
 
     def _reduction(self, dtype: torch.dtype, op: RedOp, what: str) -> Reduction:
-        key = (dtype, op.value, what)  # keyed by the op's int value: hashing torch's enum costs ~0.5 us
+        key = (dtype, op.value)  # keyed by the op's int value: hashing torch's enum costs more
         red = self._reductions.get(key)
         if red is None:
             red = self._reductions[key] = Reduction(dtype, op, what)
@@ -160,18 +165,18 @@ class ProcessGroupACCL(dist.ProcessGroup):
                             _async(opts))
 
     def _allreduce_plan(self, ts: list[torch.Tensor], op: RedOp, kind: str) -> plans.AllReduce:
-        self._ex.check_open()
+        ex = self._ex
+        if ex.aborted is not None:
+            ex.check_open()
         dtype = ts[0].dtype
         for t in ts[1:]:
             if t.dtype != dtype:
                 raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
             if t.device != ts[0].device:
                 raise ValueError(f"accl: {kind} needs tensors on one device")
-        red = self._reduction(dtype, op, kind)
-        eng = self._engine_for("allreduce", dtype, op)
-        nbytes = sum(t.numel() for t in ts) * red.esz
-        return plans.AllReduce(self._ex, eng, ts, red, kind, self.options.check,
-                               self._ex.header_needed(eng, nbytes))
+        red = self._reductions.get((dtype, op.value)) or self._reduction(dtype, op, kind)
+        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allreduce", dtype, op)
+        return plans.AllReduce(ex, eng, ts, red, kind, self.options.check)
 
     # ----------------------------------------------------------------- broadcast / reduce
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
@@ -247,7 +252,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         direct = output.is_contiguous() and (output.device.type == "cpu" or self._ex.mpi.accepts(output.device))
 
         def rows() -> torch.Tensor:
-            return output.view(p, numel) if direct else torch.empty((p, numel), dtype=input.dtype)
+            return output if direct else torch.empty((p, numel), dtype=input.dtype)
 
         def deliver(dst: torch.Tensor) -> None:
             if not direct:
@@ -336,8 +341,10 @@ class ProcessGroupACCL(dist.ProcessGroup):
         if input.numel() != p * output.numel():
             raise ValueError(f"accl: reduce_scatter_tensor input has {input.numel()} elements, needs "
                              f"world_size * output = {p} * {output.numel()} = {p * output.numel()}")
-        n = output.numel()
-        plan = self._reduce_scatter_plan(output, lambda: input.reshape(p, n).contiguous().cpu(), _op(opts))
+        def rows() -> torch.Tensor:
+            return input if input.is_cpu and input.is_contiguous() else input.reshape(-1).contiguous().cpu()
+
+        plan = self._reduce_scatter_plan(output, rows, _op(opts))
         plan.inline = self._inline_ok(opts, input, output)
         return self._run(plan, opts)
 

@@ -29,6 +29,8 @@ def ranges(n: int, per: int) -> list[tuple[int, int]]:
 def stage_in(t: torch.Tensor, eng: CollectiveEngine, copy: bool = True) -> torch.Tensor:
     """A contiguous 1-D tensor the engine can touch: ``t`` itself when possible, else a host copy
     (``copy=False``: an uninitialised buffer of the same size, for outputs)."""
+    if t.is_cpu and t.is_contiguous():  # the hot path: the tensor's own memory
+        return t if t.dim() == 1 else t.view(-1)
     if t.device.type != "cpu" and not eng.accepts(t.device):
         host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
         if copy:
@@ -41,5 +43,6 @@ def stage_in(t: torch.Tensor, eng: CollectiveEngine, copy: bool = True) -> torch
 
 def stage_out(buf: torch.Tensor, t: torch.Tensor) -> None:
     """Copy ``buf`` (from :func:`stage_in`) back into ``t`` unless it is ``t``'s own memory."""
-    if buf.data_ptr() != t.data_ptr() or buf.device != t.device or not t.is_contiguous():
-        t.copy_(buf.view(t.shape))
+    if buf.data_ptr() == t.data_ptr() and buf.is_cpu == t.is_cpu and t.is_contiguous():
+        return
+    t.copy_(buf.view(t.shape))
