@@ -443,7 +443,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
     def barrier(self, opts=None) -> AcclWork | None:
         self._ex.check_open()
         plan = plans.Barrier(self._ex, self._engine_for("barrier"), self.options.check)
-        return self._submit(plan, _async(opts))
+        plan.inline = not _async(opts) and self._ex.engine is self._ex.mpi
+        return self._run(plan, opts)
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0
