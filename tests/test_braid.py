@@ -245,3 +245,72 @@ def test_self_collectives_round_trip() -> None:
     assert transport.gather_object(comm, ("x", 1), 0, 1.0) == [("x", 1)]
     transport.barrier(comm, 1.0)
     transport.dup(comm, 1.0).Free()
+
+
+# ---------------------------------------------------------------------------- engine="xbraid"
+def test_xbraid_missing_extension_names_make_native(tmp_path) -> None:
+    """Without the extension, engine='xbraid' raises EngineUnavailableError naming the file and `make native`."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from mpi4py import MPI; from torchhpc.braid import solve, xbraid\n"
+            "try:\n"
+            "    solve(lambda u, a, b: u, torch.ones(1), [0.0, 1.0, 2.0], MPI.COMM_SELF, engine='xbraid')\n"
+            "except xbraid.EngineUnavailableError as e:\n"
+            "    print('ERR', e)\n"
+            "print('LOC', xbraid.location())\n")
+    env = {**os.environ, "TORCHHPC_NATIVE_PREFIX": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ERR engine='xbraid' needs the torchhpc_xbraid extension at " + str(tmp_path) in out.stdout
+    assert "make native" in out.stdout and "LOC None" in out.stdout
+
+
+def test_xbraid_adaptor_packs_and_sums_exactly() -> None:
+    """The braid-vector operations (pure Python, no extension needed): buffer round trip, AXPY, message size."""
+    from torchhpc.braid.xbraid import Adaptor
+
+    u0 = torch.zeros(3, 4, dtype=torch.float64)
+    ad = Adaptor(lambda u, a, b: u, u0, lambda j: torch.zeros(3, 4, dtype=torch.float64), u0.numel() * 8)
+    buf = bytearray(ad.bufsize)
+    x = torch.randn(4, 3, dtype=torch.float64).t()  # non-contiguous on purpose
+    assert ad.pack(x, memoryview(buf)) == ad.bufsize
+    assert torch.equal(ad.unpack(memoryview(buf)), x)
+    small = torch.randn(2, dtype=torch.float32)
+    n = ad.pack(small, memoryview(buf))
+    assert n < ad.bufsize and torch.equal(ad.unpack(memoryview(buf)), small)
+    with pytest.raises(ValueError, match="does not fit"):
+        ad.pack(torch.zeros(5, 5, dtype=torch.float64), memoryview(buf))
+    y = torch.randn(3, 4, dtype=torch.float64)
+    x = x.contiguous()
+    assert torch.equal(Adaptor.sum(1.0, x, -1.0, y), x - y) and torch.equal(Adaptor.sum(1.0, x, 0.0, y), x)
+    assert torch.equal(Adaptor.sum(-1.0, x, 1.0, y), y - x)
+    before = y.clone()
+    Adaptor.sum(2.0, x, 3.0, y)
+    assert torch.equal(y, before)  # vectors are immutable: XBraid never writes into a caller's tensor
+    assert torch.equal(ad.unpack(memoryview(bytearray(ad.bufsize))), u0)  # a failed peer's empty message
+
+
+def test_xbraid_callback_error_and_options_on_one_rank() -> None:
+    from torchhpc.braid import xbraid
+
+    if xbraid.location() is None:
+        pytest.skip("the XBraid extension is not built (run `make native`)")
+    step = _dahlquist()
+
+    def bad(u: torch.Tensor, t0: float, t1: float) -> torch.Tensor:
+        if t1 > 3.0:
+            raise KeyError("no step past t=3")
+        return step(u, t0, t1)
+
+    with pytest.raises(KeyError, match="no step past"):
+        solve(bad, U0, T, MPI.COMM_SELF, engine="xbraid", max_levels=3)
+    with pytest.raises(TypeError, match="must return a torch.Tensor"):
+        solve(lambda u, a, b: 1.0, U0, T, MPI.COMM_SELF, engine="xbraid", max_levels=3)
+    res = solve(step, U0, T, MPI.COMM_SELF, engine="xbraid", max_levels=3, relax="F", tol=1e-11, max_iter=40)
+    assert res.converged and res.index == list(range(len(T))) and res.t == T
+    ref = _serial(step, U0, T)
+    assert max(float((u - ref[j]).abs().max()) for j, u in zip(res.index, res.u, strict=True)) < 1e-9
+    one = solve(step, U0, T, MPI.COMM_SELF, engine="xbraid", max_levels=1)
+    assert one.levels == 1 and max(float((u - ref[j]).abs().max()) for j, u in enumerate(one.u)) < 1e-14

@@ -90,7 +90,9 @@ def test_derecho_profile_sets_modules_build_variables_and_leaves_shell_options(t
     assert out["TORCH_CUDA_ARCH_LIST"] == "8.0" and out["BLAS"] == "MKL" and out["MAX_JOBS"] == "12"
     assert out["PYTORCH_VERSION"] == "2.5.1" and out["TORCHVISION_VERSION"] == "0.20.1"
     assert out["PYTORCH_BUILD_VERSION"] == "2.5.1+torchhpc.derecho"
-    assert out["TORCHHPC_PATCH_DIR"] == str(ROOT / "patches/pytorch/v2.5.1")
+    table_dir = subprocess.run(["utils/pytorch_version.sh", "2.5.1", "patches"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30, check=True).stdout.strip()
+    assert out["TORCHHPC_PATCH_DIR"] == str(ROOT / "patches/pytorch" / table_dir)
     env_prefix = str(tmp_path / "build/envs/torch-2.5.1-derecho")
     assert out["CMAKE_PREFIX_PATH"] == out["TORCHHPC_ENV_PREFIX"] == env_prefix
     assert (out["TORCHHPC_SUBMIT"], out["TORCHHPC_PBS_QUEUE"]) == ("qcmd", "main")
@@ -248,11 +250,12 @@ def test_version_table_lookup(tmp_path: Path) -> None:
     run = lambda *a: subprocess.run(["utils/pytorch_version.sh", *a], cwd=ROOT, env=env,  # noqa: E731
                                     capture_output=True, text=True, timeout=30)
     assert run("v2.5.1", "torchvision").stdout.strip() == "0.20.1"
-    assert run("2.4.1", "patches").stdout.strip() == "v2.4.1"
+    assert run("2.4.1", "patches").stdout.strip() == "v2.4-v2.13"
+    assert run("2.13.0", "commit").stdout.strip() == "cf30153c4c131c8164ee7798e5022d810682e2cb"
     versions = run("--list").stdout.split()
     assert run("--latest").stdout.strip() == versions[-1] and len(versions) >= 3
     bad = run("9.9.9", "cuda")
-    assert bad.returncode == 1 and "not supported" in bad.stderr and versions[0] in bad.stderr
+    assert bad.returncode == 1 and "not supported" in bad.stderr and all(v in bad.stderr for v in versions)
     assert run("2.5.1", "nonsense").returncode == 1
 
 # shellcheck over config_env.sh and utils/**/*.sh (profiles and lib included) is tests/test_lint.py.

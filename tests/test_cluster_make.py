@@ -51,11 +51,14 @@ def test_versions_come_from_the_table(tmp_path: Path) -> None:
     assert any(line.split()[:2] == ["2.5.1", "0.20.1"] for line in out[1:] if line)
 
 
-def test_make_n_pbs_build_shows_submission(tmp_path: Path) -> None:
-    out = make(tmp_path, "-n", "build-pytorch-v2.5.1-pbs", "SITE=derecho").stdout
-    submit = 'PYTORCH_VERSION="2.5.1" bash utils/pbs_submit.sh --name "torchhpc-build-v2.5.1" --shape build'
-    assert submit in out
-    assert "-- make build-pytorch-v2.5.1 SITE=\"derecho\"" in out
+def test_make_n_pbs_and_slurm_builds_show_submission(tmp_path: Path) -> None:
+    for scheduler in ("pbs", "slurm"):
+        out = make(tmp_path, "-n", f"build-pytorch-v2.5.1-{scheduler}", "SITE=derecho").stdout
+        flat = re.sub(r"\\\n\s*", "", out)
+        submit = (f'PYTORCH_VERSION="2.5.1" bash utils/submit_job.sh --scheduler {scheduler} '
+                  '--name "torchhpc-build-v2.5.1" --shape build')
+        assert submit in flat
+        assert "-- make build-pytorch-v2.5.1 SITE=\"derecho\"" in flat
 
 
 def test_make_n_local_build_builds_nccl_then_pytorch(tmp_path: Path) -> None:
@@ -79,7 +82,7 @@ def test_derecho_pbs_build_dry_run_prints_job_script_and_qcmd(tmp_path: Path) ->
                       "#PBS -l select=1:ncpus=64:mpiprocs=1:ngpus=4", "#PBS -l walltime=04:00:00"):
         assert directive in script
     assert "set -euo pipefail" in script
-    assert f"export SITE=derecho PYTORCH_VERSION=2.5.1 TORCHHPC_PREFIX={tmp_path}/build" in script
+    assert f"export SITE=derecho PYTORCH_VERSION=2.5.1 TORCHHPC_PREFIX={tmp_path}/build SCHEDULER=pbs" in script
     assert script[-1] == f"make build-pytorch-v2.5.1 SITE=derecho TORCHHPC_PREFIX={tmp_path}/build"
     job = f"{tmp_path}/build/jobs/torchhpc-build-v2.5.1.pbs"
     assert submit == ("qcmd -N torchhpc-build-v2.5.1 -q main -l select=1:ncpus=64:mpiprocs=1:ngpus=4 "
@@ -127,7 +130,9 @@ def test_derecho_build_dry_run_shows_modules_variables_and_patch_order(tmp_path:
     assert "--with-libfabric=/opt/cray/libfabric/1.15.2.0" in configure and f"--with-cuda={cuda}" in configure
     assert "-Wl\\,-rpath\\,/opt/cray/libfabric/1.15.2.0/lib64" in configure
     # Then PyTorch: clone at the tag, every patch in file-name order (checked, then applied), submodules.
-    patches = sorted((ROOT / "patches/pytorch/v2.5.1").glob("*.patch"))
+    patch_dir = subprocess.run(["utils/pytorch_version.sh", "2.5.1", "patches"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=30, check=True).stdout.strip()
+    patches = sorted((ROOT / "patches/pytorch" / patch_dir).glob("*.patch"))
     torch_clone = next(i for i, c in enumerate(commands) if "pytorch.git" in c)
     assert torch_clone > nccl_clone and "--branch v2.5.1" in commands[torch_clone]
     applied = [c.split()[-1] for c in commands if "git apply" in c]
@@ -178,16 +183,28 @@ def test_install_packages_dry_run_builds_mpi4py_against_site_mpi(tmp_path: Path)
 
 
 def test_spack_targets(tmp_path: Path) -> None:
-    out = make(tmp_path, "spack-env", "SITE=derecho", "DRY_RUN=1").stdout
-    assert f"+ cp {ROOT}/utils/sites/derecho.spack.yaml {ROOT}/build/spack-site.yaml" in out
-    assert f"+ spack -e {ROOT} concretize --force --fresh" in out
-    out = make(tmp_path, "spack-install", "SITE=generic", "DRY_RUN=1").stdout
+    # A Spack named by the user (SPACK=..., or `spack` on PATH) is used as it is, with a warning when it is not
+    # the pinned one.
+    spack = "/opt/spack/bin/spack"
+    out = make(tmp_path, "spack-env", "SITE=derecho", "DRY_RUN=1", SPACK=spack)
+    assert f"+ cp {ROOT}/utils/sites/derecho.spack.yaml {ROOT}/build/spack-site.yaml" in out.stdout
+    assert f"+ {spack} -e {ROOT} concretize --force --fresh" in out.stdout
+    assert "torchhpc is tested with Spack 1.2.0.dev0" in out.stderr
+    out = make(tmp_path, "spack-install", "SITE=generic", "DRY_RUN=1", SPACK=spack).stdout
     assert f"+ cp {ROOT}/utils/sites/generic.spack.yaml {ROOT}/build/spack-site.yaml" in out
-    concretize = out.index(f"+ spack -e {ROOT} concretize")
-    assert out.index(f"+ spack -e {ROOT} install --fail-fast") > concretize
-    if shutil.which("spack") is None:
-        proc = make(tmp_path, "spack-env", "SITE=derecho", check=False)
-        assert proc.returncode != 0 and "no 'spack' command" in proc.stderr
+    concretize = out.index(f"+ {spack} -e {ROOT} concretize")
+    assert out.index(f"+ {spack} -e {ROOT} install --fail-fast") > concretize
+    # Without one, the pinned commits of utils/spack_pins.tsv are set up under TORCHHPC_PREFIX: cloned ...
+    prefix = tmp_path / "build" / "spack"
+    out = make(tmp_path, "spack-env", "SITE=generic", "DRY_RUN=1").stdout
+    assert f"+ git -C {prefix}/spack checkout --quiet 9cf66332df3dd988248617fc93400045be59ebab" in out
+    assert f"+ git -C {prefix}/spack-packages checkout --quiet 1e8cf059e35d55c4fe1142fed41785bedf6c7246" in out
+    assert f"+ {prefix}/spack/bin/spack -e {ROOT} concretize --force --fresh" in out
+    # ... or unpacked from SPACK_ARCHIVES, offline; a missing archive is named.
+    out = make(tmp_path, "spack-env", "SITE=generic", "DRY_RUN=1", SPACK_ARCHIVES="/srv/vendor").stdout
+    assert f"+ tar xzf /srv/vendor/spack-9cf66332df3d.tar.gz -C {prefix}/spack --strip-components=1" in out
+    proc = make(tmp_path, "spack-env", "SITE=generic", check=False, SPACK_ARCHIVES=str(tmp_path))
+    assert proc.returncode != 0 and "has no spack-9cf66332df3d.tar.gz" in proc.stderr
 
 
 def test_clean_targets_only_touch_the_build_prefix(tmp_path: Path) -> None:

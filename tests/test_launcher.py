@@ -144,3 +144,41 @@ def test_init_distributed_single_process_leaves_environment_alone(monkeypatch: p
             init_distributed("gloo", timeout=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        # plain `mpiexec --oversubscribe -n 4` with the Open MPI wheel: rank 1 gets local rank 2
+        ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, WorldInfo(1, 2, 4, 4, "openmpi")),
+        # `--map-by node` on 2 nodes with `--rank-by` reversed within the node: rank 0 is local rank 1
+        ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+          "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, WorldInfo(0, 1, 4, 2, "openmpi")),
+        # Cray PALS with a custom placement (--cpu-bind list / depth): rank 2 is local rank 3
+        ({"PALS_RANKID": "2", "PMI_SIZE": "8", "PALS_LOCAL_RANKID": "3", "PALS_LOCAL_SIZE": "4"},
+         WorldInfo(2, 3, 8, 4, "pals")),
+        # Slurm `srun --distribution=arbitrary` (SLURM_HOSTFILE): rank 1 on node 0 after rank 3
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_LOCALID": "2",
+          "SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "3,1"}, WorldInfo(1, 2, 4, 3, "slurm")),
+        # MPICH Hydra with a machinefile that interleaves hosts
+        ({"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
+         WorldInfo(0, 1, 2, 2, "mpich")),
+    ],
+)
+def test_every_mapping_mpi_allows_is_accepted(env: dict[str, str], expected: WorldInfo) -> None:
+    """Issue 11, reproduction 2: nothing in MPI promises local rank <= rank."""
+    assert info(env) == expected
+
+
+def test_one_launcher_detector() -> None:
+    from torchhpc.accl import rendezvous
+    from torchhpc.launcher import mpi_launcher
+
+    assert mpi_launcher({}) is None
+    assert mpi_launcher({"OMPI_COMM_WORLD_SIZE": "2"}) == "openmpi"
+    assert mpi_launcher({"PALS_RANKID": "0"}) == "pals"
+    assert mpi_launcher({"HYDRA_CONTROL_FD": "7"}) == "mpich"
+    assert mpi_launcher({"SLURM_PROCID": "0"}) is None  # srun is not an MPI launcher; its variables are inherited
+    assert rendezvous.under_mpi_launcher.__module__ == "torchhpc.accl.rendezvous"
+    assert "mpi_launcher" in rendezvous.under_mpi_launcher.__code__.co_names

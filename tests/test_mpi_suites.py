@@ -1,10 +1,16 @@
-"""Run every ``tests/mpi/test_*.py`` file under ``mpiexec`` at its rank counts.
+"""Run every ``tests/mpi/test_*.py`` file under ``mpiexec`` at its rank counts, launched as users launch.
 
 Each file there is an ordinary pytest module executed by every rank (they call
 collectives, so every rank runs the same tests in the same order).  A file names
-its rank counts with a line ``MPI_RANKS = (2, 4)`` (the default) and may raise its
-time limit with ``MPI_TIMEOUT = 240`` (seconds, default 180).  A hung job is
-killed at the limit and reported as a failure, never left running.
+its rank counts with a line ``MPI_RANKS = (2, 4)`` (the default), may raise its
+time limit with ``MPI_TIMEOUT = 240`` (seconds, default 180), and may ask for extra
+runs at its largest rank count with ``MPI_VARIANTS = ("rank-order", "mpich")``:
+under Open MPI with a non-default ``--map-by``/``--rank-by`` (local rank > rank,
+checked from the ranks' printed mapping) and under the MPICH of ``$VENV/mpich``.
+A hung job is killed at the limit and reported as a failure, with every rank's
+Python stacks, never left running.
+
+One file, one rank count, one test:  ``python tests/_mpijob.py -n 3 tests/mpi/test_x.py::test_y``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _mpijob import run_mpi
+from _mpijob import inner_pytest_argv, run_mpi
 
 MPI_DIR = Path(__file__).parent / "mpi"
 DEFAULT_RANKS = (2, 4)
@@ -35,15 +41,53 @@ def _cases() -> list:
         timeout_src = _setting(text, "MPI_TIMEOUT")
         timeout = float(timeout_src) if timeout_src else DEFAULT_TIMEOUT
         for n in ranks:
-            cases.append(pytest.param(path, n, timeout, id=f"{path.stem}-np{n}"))
+            cases.append(pytest.param(path, n, timeout, "plain", id=f"{path.stem}-np{n}"))
+        variants_src = _setting(text, "MPI_VARIANTS")
+        for variant in re.findall(r"[\w-]+", variants_src or ""):
+            n = max(3, max(ranks)) if variant == "rank-order" else max(ranks)
+            cases.append(pytest.param(path, n, timeout, variant, id=f"{path.stem}-np{n}-{variant}"))
     return cases
 
 
-@pytest.mark.parametrize(("path", "nprocs", "timeout"), _cases())
-def test_mpi_suite(path: Path, nprocs: int, timeout: float) -> None:
-    argv = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-            "--rootdir", str(MPI_DIR), str(path)]
-    res = run_mpi(nprocs, argv, timeout)
+def rank_map(out: str) -> dict[int, int]:
+    """rank -> local rank, from the lines tests/mpi/conftest.py prints at the start of a job."""
+    return {int(r): int(lr) for r, lr in re.findall(r"TORCHHPC-RANK-MAP rank=(\d+) local_rank=(\d+)", out)}
+
+
+@pytest.mark.parametrize(("path", "nprocs", "timeout", "variant"), _cases())
+def test_mpi_suite(path: Path, nprocs: int, timeout: float, variant: str) -> None:
+    res = run_mpi(nprocs, inner_pytest_argv(str(path)), timeout, variant=variant)
     if res.returncode != 0:
-        pytest.fail(f"{path.name} failed at {nprocs} ranks (exit {res.returncode}):\n{res.stdout[-20000:]}")
+        pytest.fail(f"{path.name} failed at {nprocs} ranks ({variant}, exit {res.returncode}):\n"
+                    f"{res.stdout[-20000:]}")
     assert re.search(r"\d+ passed", res.stdout), f"no test passed in {path.name}:\n{res.stdout[-5000:]}"
+    mapping = rank_map(res.stdout)
+    assert sorted(mapping) == list(range(nprocs)), f"ranks did not report their mapping:\n{res.stdout[-3000:]}"
+    print(f"{path.name} np{nprocs} {variant}: rank -> local rank {mapping}")
+    if variant == "rank-order":
+        assert any(lr > r for r, lr in mapping.items()), f"the rank order is the default one: {mapping}"
+    if variant == "mpich":
+        assert "MPICH" in res.stdout, "the job did not run on MPICH"
+
+
+def test_stacks_dumped_before_a_hung_job_is_killed(tmp_path: Path) -> None:
+    """A job that hangs is killed only after every rank dumped its Python stacks into the report."""
+    hang = tmp_path / "test_hang.py"
+    hang.write_text("import time\n\n\ndef test_waits_forever_in_a_named_function():\n"
+                    "    def stuck_here_on_purpose():\n        time.sleep(3600)\n\n    stuck_here_on_purpose()\n")
+    (tmp_path / "conftest.py").write_text((MPI_DIR / "conftest.py").read_text())
+    with pytest.raises(pytest.fail.Exception) as info:
+        run_mpi(2, inner_pytest_argv(str(hang), rootdir=str(tmp_path)), timeout=25.0)
+    report = str(info.value)
+    assert "did not finish in 25s" in report
+    assert report.count("in stuck_here_on_purpose") >= 2, report[-4000:]  # one per rank
+    assert "most recent call first" in report
+
+
+def main() -> None:  # pragma: no cover - `python tests/test_mpi_suites.py` lists the cases
+    for case in _cases():
+        print(case.id)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -207,6 +207,16 @@ def _runtime_vars() -> Check:
     return Check("runtime vars", OK, value)
 
 
+def _native() -> Check:
+    from torchhpc.native import ENGINES, probe
+
+    found = probe()
+    parts = [f"{name} {where}" if ok else f"{name} not built" for name, (ok, where) in found.items()]
+    missing = [ENGINES[name].make_target for name, (ok, _) in found.items() if not ok]
+    hint = ("optional; build with " + ", ".join(missing) + " (or `make env NATIVE=1`)") if missing else ""
+    return Check("native engines", OK, "; ".join(parts) or "none known", hint)
+
+
 def _guard(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
     try:
         result = fn()
@@ -222,7 +232,8 @@ def run_checks(probe: bool = True) -> list[Check]:
         return checks
     checks += _guard("launcher", _launcher)
     for name, fn in (("gpus", _gpus), ("nccl", _nccl), ("mpi", lambda: _mpi(probe)), ("backends", _backends),
-                     ("libfabric", _libfabric), ("site profile", _site), ("runtime vars", _runtime_vars)):
+                     ("libfabric", _libfabric), ("site profile", _site), ("native engines", _native),
+                     ("runtime vars", _runtime_vars)):
         checks += _guard(name, fn)
     return checks
 

@@ -15,25 +15,28 @@ single         nothing: one process
 
 Slurm variables are inherited by processes that ``mpiexec`` starts inside an allocation, so they are used only
 when no MPI launcher's variables are present.  Contradictions (two launchers naming different ranks, ``RANK >=
-WORLD_SIZE``, torchrun started under a multi-rank ``mpiexec``) raise :class:`LauncherError`.
+WORLD_SIZE``, local rank >= local size, torchrun started under a multi-rank ``mpiexec``) raise
+:class:`~torchhpc.errors.LauncherError`.  Any mapping of ranks to nodes is accepted: a local rank may exceed
+the rank (``mpiexec --map-by node``, ``--rank-by``, Slurm's cyclic distribution, PALS).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
 import socket
 import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-__all__ = ["LauncherError", "WorldInfo", "world_info", "init_distributed", "agree_on_master"]
+from .errors import LauncherError
+from .waiting import agreed, wait_requests
+
+__all__ = ["LauncherError", "WorldInfo", "world_info", "mpi_launcher", "init_distributed", "agree_on_master"]
 
 
-class LauncherError(RuntimeError):
-    """The job's environment is missing, malformed or contradictory."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,22 @@ _MPI_LAUNCHERS: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...]], ..
 )
 
 
+# Variables whose presence alone says an MPI launcher started this process (the rank variables above,
+# plus PMIx and Hydra markers that appear even where the rank variables are named differently).
+_MPI_MARKERS: tuple[tuple[str, str], ...] = (
+    *((name, rank_var) for name, rank_var, _, _, _ in _MPI_LAUNCHERS),
+    ("openmpi", "OMPI_COMM_WORLD_SIZE"), ("pmix", "PMIX_RANK"), ("mpich", "PMI_SIZE"),
+    ("mpich", "MPI_LOCALNRANKS"), ("mpich", "HYDRA_CONTROL_FD"), ("mvapich", "MV2_COMM_WORLD_SIZE"),
+)
+
+
+def mpi_launcher(env: Mapping[str, str] | None = None) -> str | None:
+    """The MPI launcher that started this process (``openmpi``, ``pals``, ``mpich``, ``mvapich``, ``pmix``),
+    or None.  The one launcher detector of the package (used by :func:`world_info` and accl's rendezvous)."""
+    env = os.environ if env is None else env
+    return next((name for name, var in _MPI_MARKERS if var in env), None)
+
+
 def _int(env: Mapping[str, str], name: str) -> int:
     raw = env[name]
     try:
@@ -91,8 +110,8 @@ def _validated(info: WorldInfo, source: str) -> WorldInfo:
         raise LauncherError(f"{source}: local size {info.local_size} is not in [1, world size {info.world_size}]")
     if info.local_rank >= info.local_size:
         raise LauncherError(f"{source}: local rank {info.local_rank} >= local size {info.local_size}")
-    if info.local_rank > info.rank:
-        raise LauncherError(f"{source}: local rank {info.local_rank} > rank {info.rank}")
+    # Nothing more: MPI promises no relation between rank and local rank (``--map-by node``, ``--rank-by``,
+    # Slurm's cyclic and arbitrary distributions and PALS all give local rank > rank).
     return info
 
 
@@ -252,8 +271,8 @@ def _free_port() -> int:
 def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
     """Rank 0's address and a free port, broadcast to every rank through MPI (``COMM_WORLD``).
 
-    A job on one node uses 127.0.0.1; otherwise rank 0's host name.  Fails with :class:`LauncherError`
-    if some rank does not join within ``timeout`` seconds, rather than waiting forever.
+    A job on one node uses 127.0.0.1; otherwise rank 0's host name.  Fails with
+    :class:`~torchhpc.errors.PeerTimeoutError` if some rank does not join within ``timeout`` seconds.
     """
     from mpi4py import MPI
 
@@ -267,15 +286,9 @@ def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
         host = "127.0.0.1" if info.local_size == info.world_size else socket.gethostname()
         text = f"{host} {_free_port()}".encode()
         buf[: len(text)] = text
-    request = world.Ibcast([buf, MPI.BYTE], root=0)
-    deadline = time.monotonic() + timeout
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise LauncherError(
-                f"rank {world.Get_rank()}: no master address from rank 0 after {timeout:.0f}s; "
-                "did every rank call init_distributed()?"
-            )
-        time.sleep(0.001)
+    wait_requests([world.Ibcast([buf, MPI.BYTE], root=0)], timeout, "", keep=buf, message=lambda: (
+        f"rank {world.Get_rank()}: no master address from rank 0 after {timeout:.0f}s; "
+        "did every rank call init_distributed()?"))
     host, port = bytes(buf).rstrip(b"\0").decode().split()
     return host, int(port)
 
@@ -316,29 +329,23 @@ def init_distributed(
         timeout = datetime.timedelta(seconds=float(timeout))
     if timeout.total_seconds() <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
-    info = world_info(environ)
-    if dist.is_initialized():
-        if (dist.get_rank(), dist.get_world_size()) != (info.rank, info.world_size):
+    # Every rank checks its own launch first; under an MPI launcher the ranks then agree, so that an error
+    # on one rank (a bad environment, a missing backend) is an error on all, not a hang in the rendezvous.
+    world = _mpi_world(environ) if env is None else None
+    with agreed(world, timeout.total_seconds(), "torchhpc.launcher.init_distributed()") if world is not None \
+            else contextlib.nullcontext():
+        info = world_info(environ)
+        already = dist.is_initialized()
+        if already and (dist.get_rank(), dist.get_world_size()) != (info.rank, info.world_size):
             raise LauncherError(
                 f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                 f"{dist.get_world_size()}, but the launcher says {info.rank} of {info.world_size}"
             )
+        if not already:
+            backend = _checked_backend(backend)
+            device = _bind_gpu(info)
+    if already:
         return info
-
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    backend = backend.lower()
-    if backend == "accl":
-        import torchhpc.accl  # noqa: F401  (registers the backend)
-    elif backend == "mpi" and not dist.is_mpi_available():
-        raise LauncherError(
-            "backend 'mpi' needs a PyTorch built with MPI (pip wheels have none): use backend='accl' "
-            "(torchhpc's MPI backend for any PyTorch) or build PyTorch with `make build-pytorch-*`"
-        )
-    elif backend == "nccl" and not dist.is_nccl_available():
-        raise LauncherError("backend 'nccl' requested but this PyTorch has no NCCL (CPU build?)")
-
-    device = _bind_gpu(info)
 
     kwargs: dict = {"backend": backend, "timeout": timeout}
     if backend != "mpi":
@@ -353,6 +360,37 @@ def init_distributed(
         kwargs["device_id"] = torch.device("cuda", device)
     dist.init_process_group(**kwargs)
     return info
+
+
+def _mpi_world(env: Mapping[str, str]):  # -> MPI.Comm | None
+    """``MPI.COMM_WORLD`` when an MPI launcher started this job with several ranks, else None."""
+    if mpi_launcher(env) is None:
+        return None
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return None
+    return MPI.COMM_WORLD if MPI.COMM_WORLD.Get_size() > 1 else None
+
+
+def _checked_backend(backend: str | None) -> str:
+    """The backend name to use (default ``nccl`` with GPUs, else ``gloo``); refuses one this PyTorch lacks."""
+    import torch
+    import torch.distributed as dist
+
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend.lower()
+    if backend == "accl":
+        import torchhpc.accl  # noqa: F401  (registers the backend)
+    elif backend == "mpi" and not dist.is_mpi_available():
+        raise LauncherError(
+            "backend 'mpi' needs a PyTorch built with MPI (pip wheels have none): use backend='accl' "
+            "(torchhpc's MPI backend for any PyTorch) or build PyTorch with `make build-pytorch-*`"
+        )
+    elif backend == "nccl" and not dist.is_nccl_available():
+        raise LauncherError("backend 'nccl' requested but this PyTorch has no NCCL (CPU build?)")
+    return backend
 
 
 def _agree_on_master_address(info: WorldInfo, env: Mapping[str, str], timeout: float) -> tuple[str, int]:

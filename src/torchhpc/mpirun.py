@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["find_mpiexec", "mpi_flavor", "mpiexec_argv", "fault_tolerant_args", "local_job_env"]
+__all__ = ["find_mpiexec", "mpi_flavor", "mpiexec_argv", "fault_tolerant_args", "local_job_env", "available_cores",
+           "side_mpich", "side_mpich_env"]
 
 
 def find_mpiexec() -> str:
@@ -72,28 +73,56 @@ def fault_tolerant_args(flavor: str, detector_s: float | None = None) -> list[st
     raise ValueError(f"no known fault-tolerance options for an mpiexec of flavor {flavor!r}")
 
 
-def mpiexec_argv(
-    nprocs: int, command: Sequence[str], *, oversubscribe: bool = True, mpiexec: str | None = None,
-    fault_tolerant: bool = False,
-) -> list[str]:
-    """Argument vector running ``command`` on ``nprocs`` local ranks.
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity), the count mpiexec's default slots come from."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
-    With ``oversubscribe`` the job may use more ranks than cores and ranks are not
-    pinned (pinning oversubscribed ranks to cores makes them fight for one core).
-    With ``fault_tolerant`` a rank's death does not kill the others (:func:`fault_tolerant_args`).
+
+def mpiexec_argv(
+    nprocs: int, command: Sequence[str], *, oversubscribe: bool | None = None, mpiexec: str | None = None,
+    fault_tolerant: bool = False, extra: Sequence[str] = (),
+) -> list[str]:
+    """Argument vector running ``command`` on ``nprocs`` local ranks, launched as users launch:
+    ``mpiexec -n N`` and nothing else, except ``--oversubscribe`` (Open MPI) when there are more ranks
+    than cores (``oversubscribe=None``: decided from :func:`available_cores`).  No binding or mapping
+    flags: Open MPI's default mapping, and the local-rank order it gives, are part of what is tested.
+    ``fault_tolerant``: a rank's death does not kill the others (:func:`fault_tolerant_args`);
+    ``extra``: further mpiexec options (e.g. a non-default ``--map-by``/``--rank-by``).
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     exe = mpiexec or find_mpiexec()
     argv = [exe, "-n", str(nprocs)]
     flavor = mpi_flavor(exe)
-    if oversubscribe and flavor == "openmpi":
-        argv += ["--oversubscribe", "--bind-to", "none"]
-    elif oversubscribe and flavor == "mpich":
-        argv += ["-bind-to", "none"]
+    if oversubscribe is None:
+        oversubscribe = nprocs > available_cores()
+    if oversubscribe and flavor == "openmpi":  # Hydra (MPICH) starts any number of ranks unasked
+        argv.append("--oversubscribe")
     if fault_tolerant:
         argv += fault_tolerant_args(flavor)
-    return argv + list(command)
+    return argv + list(extra) + list(command)
+
+
+def side_mpich(prefix: str | Path | None = None) -> Path | None:
+    """The MPICH that ``make env`` places beside an Open MPI environment (``$VENV/mpich``), if there.
+
+    mpi4py's binary wheel carries extension modules for both ABIs and loads the MPI library named by
+    ``MPI4PY_LIBMPI`` (mpi4py/_mpiabi.py); :func:`side_mpich_env` sets it for jobs started with this
+    MPICH's ``bin/mpiexec``."""
+    root = Path(prefix) if prefix is not None else Path(sys.prefix) / "mpich"
+    ok = (root / "bin" / "mpiexec").exists() and (root / "lib" / "libmpi.so.12").exists()
+    return root if ok else None
+
+
+def side_mpich_env(root: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a job run by the side MPICH at ``root``: mpi4py loads its libmpi, PATH finds its tools."""
+    out = dict(env)
+    out["MPI4PY_LIBMPI"] = str(root / "lib" / "libmpi.so.12")
+    out["PATH"] = os.pathsep.join(p for p in (str(root / "bin"), env.get("PATH", "")) if p)
+    return out
 
 
 def local_job_env(base: dict[str, str] | None = None, *, oversubscribed: bool = True) -> dict[str, str]:

@@ -99,13 +99,13 @@ def wait_requests(requests: Sequence[Any], timeout: float, what: str | Callable[
     while not MPI.Request.Testall(reqs):
         t = backoff.pause()
         if t and t > deadline:
+            text = message() if message is not None else _timeout_message(what, timeout)  # before Cancel
             pending = [r for r in reqs if r != MPI.REQUEST_NULL]
             if cancel:
                 for req in pending:
                     req.Cancel()
             ABANDONED.append((pending, keep))
-            raise PeerTimeoutError(message() if message is not None else _timeout_message(what, timeout),
-                                   pending)
+            raise PeerTimeoutError(text, pending)
 
 
 def _rank_label(comm: Any) -> str:

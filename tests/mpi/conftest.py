@@ -2,15 +2,41 @@
 
 A failure on one rank would leave the others blocked in a collective, so a failing
 rank prints its report and aborts the whole job: the harness sees a non-zero exit
-at once instead of waiting for its time limit.
+at once instead of waiting for its time limit.  A job that hangs anyway: shortly before
+the harness kills it (``TORCHHPC_TEST_STACKS_AFTER`` seconds), every rank dumps the
+Python stacks of all its threads to the job's output (faulthandler), and SIGUSR1 does
+the same on demand.  Each rank prints its place (rank, the launcher's local rank) once at the start.
 """
 
 from __future__ import annotations
 
+import faulthandler
+import os
+import signal
 import sys
 
 import pytest
 from mpi4py import MPI
+
+from torchhpc.launcher import world_info
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    stream = sys.__stderr__  # fd 2 itself: the harness runs pytest with --capture=sys, so it is not captured
+    after = os.environ.get("TORCHHPC_TEST_STACKS_AFTER")
+    if after:
+        faulthandler.dump_traceback_later(float(after), exit=False, file=stream)
+    faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
+    info = world_info()  # the launcher's local rank (e.g. OMPI_COMM_WORLD_LOCAL_RANK), not MPI's split order
+    stream.write(f"TORCHHPC-RANK-MAP rank={rank} local_rank={info.local_rank} size={world.Get_size()} "
+                 f"launcher={info.launcher} mpi={MPI.Get_library_version().split(chr(10))[0].strip()[:40]!r}\n")
+    stream.flush()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")

@@ -350,6 +350,7 @@ def test_a_gather_peers_never_join_times_out(comm):
             else:
                 ct._exchange.fail(RuntimeError("late"))
         # construction (and every other collective entry point) waits for the peers with the same deadline
+        from torchhpc import waiting as waiting_all
         from torchhpc.chunkstore import waiting
 
         if comm.rank == 0:
@@ -357,8 +358,8 @@ def test_a_gather_peers_never_join_times_out(comm):
                 ChunkTensor((40, 2), torch.float32, 0, timeout=0.5)
         side.Barrier()
         if comm.rank == 0:
-            waiting.ABANDONED.pop().Wait()
+            waiting.ABANDONED.pop()[0][0].Wait()  # (requests, buffers) given up at the deadline
         else:
-            comm.Ibarrier().Wait()  # what the late peers' constructors would have started with
+            waiting_all.agree(comm, None, 10.0, "ChunkTensor()")  # what the late peers' constructors start with
     finally:
         side.Free()

@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 import torch
 from mpi4py import MPI
 
+from torchhpc.errors import EngineUnavailableError
+from torchhpc.native import load
 from torchhpc.rehearsal import RehearsalBuffer, RehearsalLoader
 
 MPI_RANKS = (1, 2, 4)
@@ -32,6 +35,17 @@ def decode(samples: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, 
     return (v // 10) % 10, v // 100
 
 
+@pytest.fixture(params=["mpi", "thallium"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Both transports for the tests of remote reads; thallium skips (on every rank) where it is not built."""
+    if request.param == "thallium":
+        try:
+            load("thallium")
+        except EngineUnavailableError as exc:
+            pytest.skip(str(exc))
+    return request.param
+
+
 def make(comm: MPI.Comm, **kw) -> RehearsalBuffer:
     args = dict(num_classes=K, slots_per_class=6, num_candidates=4, num_representatives=5,
                 sample_shapes=SHAPE, sample_dtypes=torch.float64, seed=11, comm=comm)
@@ -39,9 +53,9 @@ def make(comm: MPI.Comm, **kw) -> RehearsalBuffer:
     return RehearsalBuffer(**args)
 
 
-def test_global_sampling_reaches_every_rank(comm: MPI.Comm) -> None:
+def test_global_sampling_reaches_every_rank(comm: MPI.Comm, transport: str) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
-    with make(comm, num_representatives=8) as buf:
+    with make(comm, num_representatives=8, transport=transport) as buf:
         for step in range(4):  # fill phase, then everyone's buffer is visible
             y = torch.arange(6) % K
             buf.accumulate(encode(y, torch.arange(6) + 6 * step, rank), y)
@@ -62,7 +76,7 @@ def test_global_sampling_reaches_every_rank(comm: MPI.Comm) -> None:
         comm.Barrier()
 
 
-def test_concurrent_updates_and_reads_never_mismatch(comm: MPI.Comm) -> None:
+def test_concurrent_updates_and_reads_never_mismatch(comm: MPI.Comm, transport: str) -> None:
     """Every rank keeps rewriting its only two slots while the others read them.
 
     512 KiB records make updates and reads overlap in time; with the update lock removed
@@ -71,7 +85,7 @@ def test_concurrent_updates_and_reads_never_mismatch(comm: MPI.Comm) -> None:
     rank = comm.Get_rank()
     shape = (128, 512)
     with make(comm, num_classes=2, slots_per_class=1, num_candidates=6, num_representatives=2,
-              sample_shapes=shape, task="rehearsal+kd", activation_shape=(7,)) as buf:
+              sample_shapes=shape, task="rehearsal+kd", activation_shape=(7,), transport=transport) as buf:
         gen = torch.Generator().manual_seed(rank)
         checked = 0
         for step in range(60):
@@ -87,10 +101,11 @@ def test_concurrent_updates_and_reads_never_mismatch(comm: MPI.Comm) -> None:
         comm.Barrier()
 
 
-def test_owner_need_not_call_mpi_for_its_data_to_be_read(comm: MPI.Comm) -> None:
+def test_owner_need_not_call_mpi_for_its_data_to_be_read(comm: MPI.Comm, transport: str) -> None:
     """Ranks > 0 sleep outside MPI while rank 0 keeps fetching from them."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    with make(comm, progress_interval=0.002) as buf:  # also runs the idle worker's progress polling
+    polling = {"progress_interval": 0.002} if transport == "mpi" else {}  # also runs the idle worker's polling
+    with make(comm, transport=transport, **polling) as buf:
         y = torch.arange(6) % K
         buf.accumulate(encode(y, torch.arange(6), rank), y)
         buf.wait()
@@ -124,13 +139,13 @@ def run(buf: RehearsalBuffer, comm: MPI.Comm, start: int, steps: int) -> list[to
     return outs
 
 
-def test_state_round_trip_under_mpi(comm: MPI.Comm) -> None:
-    a = make(comm, seed=3)
+def test_state_round_trip_under_mpi(comm: MPI.Comm, transport: str) -> None:
+    a = make(comm, seed=3, transport=transport)
     run(a, comm, 0, 8)
     state = a.state_dict()
     expected = run(a, comm, 8, 6)
     a.close()
-    b = make(comm, seed=4)
+    b = make(comm, seed=4, transport=transport)
     b.load_state_dict(state)
     comm.Barrier()  # every rank restored before anyone reads a peer
     got = run(b, comm, 8, 6)
@@ -138,13 +153,13 @@ def test_state_round_trip_under_mpi(comm: MPI.Comm) -> None:
     b.close()
 
 
-def test_loader_wrapper_global(comm: MPI.Comm) -> None:
+def test_loader_wrapper_global(comm: MPI.Comm, transport: str) -> None:
     rank = comm.Get_rank()
     data = []
     for step in range(10):
         y = torch.tensor([step % K, 1, 2])
         data.append((encode(y, torch.arange(3) + 3 * step, rank), y))
-    with make(comm, num_representatives=3) as buf:
+    with make(comm, num_representatives=3, transport=transport) as buf:
         n = 0
         for i, batch in enumerate(RehearsalLoader(data, buf)):
             src, ids = decode(batch.samples, batch.targets)

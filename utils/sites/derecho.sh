@@ -14,6 +14,7 @@ SITE_MODULES=(ncarenv/23.09 gcc/12.2.0 ncarcompilers cray-mpich/8.1.27 cuda/12.2
               mkl/2024.0.0 conda/latest)
 SITE_MODULE_PURGE=1
 SITE_ENV_KIND="conda"
+SITE_SCHEDULER=pbs
 SITE_SUBMIT="qcmd"
 # No default account: every Derecho job must name its project code (PBS_ACCOUNT=XXXX0000).
 SITE_PBS_ACCOUNT=""

@@ -14,6 +14,13 @@
 #   SITE_SUBMIT           qcmd | qsub: how `make *-pbs` submits (qcmd is NCAR's blocking qsub wrapper)
 #   SITE_PBS_*            scheduler defaults: ACCOUNT (ACCOUNT_REQUIRED=1: no submission without one), QUEUE, SELECT_BUILD, WALLTIME_BUILD, SELECT_TEST,
 #                         WALLTIME_TEST, EXTRA (more qsub arguments); every one overridable as PBS_* variables
+#   SITE_SCHEDULER        pbs | slurm | auto (auto: sbatch on PATH means Slurm, else qsub/qcmd means PBS)
+#   SITE_SLURM_*          Slurm defaults: ACCOUNT (ACCOUNT_REQUIRED=1: no submission without one), PARTITION,
+#                         NODES_BUILD, CPUS_BUILD (per task), GPUS_BUILD (per node), TIME_BUILD, NODES_TEST,
+#                         CPUS_TEST, GPUS_TEST, TIME_TEST, EXTRA (more #SBATCH lines, one option each);
+#                         every one overridable as SLURM_* variables
+#   SITE_LAUNCHER         mpiexec | srun: how `make test-slurm` starts ranks inside the allocation
+#   SITE_SRUN_MPI         the srun --mpi plugin when SITE_LAUNCHER=srun (pmix, pmi2, cray_shasta; `srun --mpi=list`)
 #   SITE_GPUS_PER_NODE    GPUs (= ranks) per node for test jobs
 #   site_runtime_env      prints the activation hook body: `export NAME=value` lines, each after a comment
 #                         saying why; expanded when the hook is written, so it may use SITE_* and NCCL_OFI_PREFIX
@@ -34,6 +41,23 @@ SITE_PBS_SELECT_TEST="2:ncpus=8:mpiprocs=4:ngpus=4"
 SITE_PBS_WALLTIME_TEST="00:15:00"
 SITE_PBS_EXTRA=""
 SITE_GPUS_PER_NODE=4
+SITE_SCHEDULER=auto
+SITE_SLURM_ACCOUNT=""
+SITE_SLURM_ACCOUNT_REQUIRED=0
+SITE_SLURM_PARTITION=""
+SITE_SLURM_NODES_BUILD=1
+SITE_SLURM_CPUS_BUILD=32
+SITE_SLURM_GPUS_BUILD=0
+SITE_SLURM_TIME_BUILD="04:00:00"
+SITE_SLURM_NODES_TEST=2
+SITE_SLURM_CPUS_TEST=8
+SITE_SLURM_GPUS_TEST=4
+SITE_SLURM_TIME_TEST="00:15:00"
+SITE_SLURM_EXTRA=""
+# Open MPI's or MPICH's own mpiexec reads the Slurm allocation; `srun --mpi=pmix` needs an MPI built
+# against the same PMIx as Slurm (see docs/cluster.md).
+SITE_LAUNCHER=mpiexec
+SITE_SRUN_MPI=pmix
 
 site_configure() {
   local nvcc mpicc

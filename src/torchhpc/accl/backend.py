@@ -1,13 +1,33 @@
-"""Registration of the ``"accl"`` backend with torch.distributed, and group creation over MPI."""
+"""Registration of the ``"accl"`` backend with torch.distributed, and group creation over MPI.
+
+torch's ``new_group`` is collective over the whole world, but it calls a backend's creator only on
+the group's members (``distributed_c10d._new_process_group_helper`` returns ``NON_GROUP_MEMBER`` to
+the others first).  A subgroup's communicator is therefore made with ``MPI_Comm_create_group``,
+which only the members call, on a world-ordered communicator.  Its tag must be the same on every
+member and differ between groups whose creations may overlap in time, whatever groups each member
+joined before: it is derived from torch's group name, which every rank numbers alike (a global
+counter that non-members advance too), or, for hashed names (``use_local_synchronization=True``),
+from the member list and how many groups of exactly those members this rank created before.
+
+``MPI_Comm_create_group`` has no timeout, so the members first meet in a handshake polled against the
+group's timeout (each member reports to the first member, which answers all): a member that never
+comes gives a :class:`~torchhpc.errors.PeerTimeoutError` naming it, and a member whose own checks
+failed makes every member raise (:class:`~torchhpc.errors.RemoteError` naming it).
+"""
 
 from __future__ import annotations
 
-import itertools
+import hashlib
+import struct
 import threading
+from collections.abc import Sequence
+from datetime import timedelta
 
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ..errors import PeerTimeoutError, RemoteError
+from ..waiting import agree, agreed, wait_requests
 from .options import AcclOptions
 from .process_group import ProcessGroupACCL
 from .rendezvous import install_env_rendezvous
@@ -16,19 +36,20 @@ __all__ = ["register", "create_process_group"]
 
 _lock = threading.Lock()
 _world_comm: MPI.Comm | None = None  # MPI ranks ordered as torch's global ranks
-_create_tag = itertools.count(101)
+_ctl_comm: MPI.Comm | None = None  # its duplicate, for creation handshakes (no user traffic on it)
+_created: dict[tuple[int, ...], int] = {}  # groups created per exact member list (hashed names only)
+
+_MSG = struct.Struct("=qq")  # status (0 ok, 1 failed), digest of the member list; then error text
+_MSG_BYTES = 1024
 
 
 def _global_comm(group_rank: int, group_size: int, is_default: bool) -> MPI.Comm:
     """A communicator whose rank i is torch's global rank i."""
-    global _world_comm
+    global _world_comm, _ctl_comm
     world = MPI.COMM_WORLD
     if is_default:
-        if group_size != world.Get_size():
-            raise RuntimeError(f"accl: torch world_size {group_size} differs from the MPI job size "
-                               f"{world.Get_size()}; the accl backend needs one torch rank per MPI process")
         comm = world if group_rank == world.Get_rank() else world.Split(0, group_rank)
-        _world_comm = comm
+        _world_comm, _ctl_comm = comm, comm.Dup()
         return comm
     if _world_comm is not None:
         return _world_comm
@@ -39,22 +60,143 @@ def _global_comm(group_rank: int, group_size: int, is_default: bool) -> MPI.Comm
     return world
 
 
+def _tag_space() -> int:
+    ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    return int(ub) if ub else 32767
+
+
+def creation_tag(ranks: Sequence[int], group_name: str) -> int:
+    """The tag every member of the group ``ranks`` named ``group_name`` uses to create it (see module doc).
+
+    Numbered names use the lower half of the tag space, hashed names the upper half; advances this
+    rank's count of groups with exactly these members when the name is hashed."""
+    space = _tag_space()
+    half = space // 2
+    if group_name.isdigit():
+        return int(group_name) % half
+    key = tuple(ranks)
+    n = _created.get(key, 0)
+    _created[key] = n + 1
+    digest = hashlib.blake2b(f"{key}/{n}".encode(), digest_size=8).digest()
+    return half + int.from_bytes(digest, "little") % (space - half)
+
+
+def _digest(ranks: Sequence[int]) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(list(ranks)).encode(), digest_size=7).digest(), "little")
+
+
+def _message(status: int, digest: int, text: str) -> bytearray:
+    buf = bytearray(_MSG_BYTES)
+    _MSG.pack_into(buf, 0, status, digest)
+    raw = text.encode(errors="replace")[: _MSG_BYTES - _MSG.size]
+    buf[_MSG.size:_MSG.size + len(raw)] = raw
+    return buf
+
+
+def _unpack(buf: bytearray) -> tuple[int, int, str]:
+    status, digest = _MSG.unpack_from(buf, 0)
+    return status, digest, bytes(buf[_MSG.size:]).rstrip(b"\0").decode(errors="replace")
+
+
+def _handshake(ctl: MPI.Comm, ranks: list[int], tag: int, error: BaseException | None, timeout: float,
+               what: str) -> None:
+    """Members of ``ranks`` meet before ``MPI_Comm_create_group`` (which cannot time out): each reports ok
+    or its error to the first member, which answers all.  Raises on every member if any failed or one
+    did not come within ``timeout``; a member that failed itself returns (its caller re-raises)."""
+    me, leader = ctl.Get_rank(), ranks[0]
+    digest = _digest(ranks)
+    mine = _message(0 if error is None else 1, digest,
+                    "" if error is None else f"rank {me}: {type(error).__name__}: {error}")
+    if me != leader:
+        verdict = bytearray(_MSG_BYTES)
+        send = ctl.Isend([mine, MPI.BYTE], leader, tag)
+        try:
+            wait_requests([ctl.Irecv([verdict, MPI.BYTE], leader, tag)], timeout, what, keep=verdict,
+                          cancel=True, message=lambda: (
+                              f"{what}: rank {me} got no answer from the group's first rank {leader} within "
+                              f"{timeout:g} s: it did not call new_group for this group (every rank must "
+                              "create the same groups in the same order), died, or is stuck"))
+        except PeerTimeoutError:
+            if error is None:
+                raise
+            return
+        send.Wait()  # matched: the leader answered after receiving it
+        status, _, text = _unpack(verdict)
+    else:
+        others = [r for r in ranks if r != leader]
+        bufs = {r: bytearray(_MSG_BYTES) for r in others}
+        reqs = {r: ctl.Irecv([bufs[r], MPI.BYTE], r, tag) for r in others}
+        try:
+            wait_requests(list(reqs.values()), timeout, what, keep=bufs, cancel=True, message=lambda: (
+                f"{what}: ranks {[r for r in others if not reqs[r].Test()]} did not join within {timeout:g} s "
+                "(every rank must create the same groups in the same order; a rank that died or is stuck "
+                "never joins)"))
+        except PeerTimeoutError:
+            if error is None:
+                raise
+            return
+        failures = [mine] if error is not None else []
+        for r in others:
+            status, their_digest, text = _unpack(bufs[r])
+            if status:
+                failures.append(bufs[r])
+            elif their_digest != digest:
+                failures.append(_message(1, digest, f"rank {r}: created a group with other members than "
+                                                    f"rank {leader}'s {ranks} under the same tag"))
+        answer = failures[0] if failures else _message(0, digest, "")
+        if len(failures) > 1:
+            status, _, text = _unpack(failures[0])
+            answer = _message(1, digest, f"{text} (and {len(failures) - 1} more failing ranks)")
+        wait_requests([ctl.Isend([answer, MPI.BYTE], r, tag) for r in others], timeout, what, keep=answer)
+        status, _, text = _unpack(answer)
+    if status and error is None:
+        first = int(text.split(":", 1)[0].removeprefix("rank ")) if text.startswith("rank ") else -1
+        raise RemoteError(f"{what} failed on another member ({text}); rank {me} stops too", first, text)
+
+
 def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
-    """``Backend.register_backend`` creator (extended API): builds the group's MPI communicator."""
-    if pg_options is not None and not isinstance(pg_options, AcclOptions):
-        raise TypeError(f"accl: pg_options must be torchhpc.accl.AcclOptions, "
-                        f"got {type(pg_options).__name__}")
+    """``Backend.register_backend`` creator (extended API): builds the group's MPI communicator.
+
+    Called by torch on the group's members only; every member either gets the group or raises."""
     ranks = list(dist_opts.global_ranks_in_group)
     rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout: timedelta = dist_opts.timeout if dist_opts.timeout is not None else timedelta(minutes=30)
+    timeout_s = timeout.total_seconds()
+    name = str(dist_opts.group_id)
+    error: Exception | None = None
+    try:
+        if pg_options is not None and not isinstance(pg_options, AcclOptions):
+            raise TypeError(f"accl: pg_options must be torchhpc.accl.AcclOptions, "
+                            f"got {type(pg_options).__name__}")
+    except Exception as exc:  # noqa: BLE001 - every member hears of it below
+        error = exc
     with _lock:
-        base = _global_comm(rank, size, is_default=not ranks)
-        if not ranks or ranks == list(range(base.Get_size())):
-            comm = base
+        if not ranks:  # the default group: every rank of the job is here
+            world = MPI.COMM_WORLD
+            if error is None and size != world.Get_size():
+                error = RuntimeError(f"accl: torch world_size {size} differs from the MPI job size "
+                                     f"{world.Get_size()}; the accl backend needs one torch rank per MPI process")
+            agree(world, error, timeout_s, "accl: init_process_group")
+            if error is not None:
+                raise error
+            comm = _global_comm(rank, size, is_default=True)
         else:
-            group = base.Get_group().Incl(ranks)
-            comm = base.Create_group(group, next(_create_tag) % 30000)
-            group.Free()
-    return ProcessGroupACCL(comm, rank, size, dist_opts.timeout, pg_options, str(dist_opts.group_id))
+            base = _global_comm(rank, size, is_default=False)
+            ctl = _ctl_comm if base is _world_comm and _ctl_comm is not None else base
+            tag = creation_tag(ranks, name)
+            what = f"accl: creating group '{name}' of ranks {ranks}"
+            _handshake(ctl, ranks, tag, error, timeout_s, what)
+            if error is not None:
+                raise error
+            if ranks == list(range(base.Get_size())):
+                comm = base
+            else:
+                group = base.Get_group().Incl(ranks)
+                comm = base.Create_group(group, tag)
+                group.Free()
+    with agreed(comm, timeout_s, f"accl: setting up group '{name}'"):
+        pg = ProcessGroupACCL(comm, rank, size, timeout, pg_options, name)
+    return pg
 
 
 def register() -> None:

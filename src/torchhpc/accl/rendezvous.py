@@ -20,16 +20,19 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401  (loads the module; the name is shadowed by a function)
 
+from ..errors import RemoteError
+from ..launcher import mpi_launcher
+from ..waiting import wait_requests
+
 __all__ = ["install_env_rendezvous", "under_mpi_launcher"]
 
-_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS",
-                  "PALS_RANKID", "MV2_COMM_WORLD_SIZE", "HYDRA_CONTROL_FD")
 _original = None
 
 
 def under_mpi_launcher() -> bool:
-    """True when an MPI launcher (Open MPI, MPICH/Hydra, PALS, MVAPICH) started this process."""
-    return any(v in os.environ for v in _LAUNCHER_VARS)
+    """True when an MPI launcher (Open MPI, MPICH/Hydra, PALS, MVAPICH) started this process
+    (:func:`torchhpc.launcher.mpi_launcher`, the package's one detector)."""
+    return mpi_launcher() is not None
 
 
 def _mpi_env_handler(url: str, timeout: timedelta = dist.default_pg_timeout, **kwargs):
@@ -54,19 +57,25 @@ def _mpi_env_handler(url: str, timeout: timedelta = dist.default_pg_timeout, **k
         store = dist.TCPStore(addr, port, size, rank == 0, timeout=timeout, wait_for_workers=False)
     else:
         store = None
-        info: tuple[str, int] | BaseException | None = None
+        buf = bytearray(1024)  # "ok <host> <port>" or "error <message>", from rank 0
         if world.Get_rank() == 0:
             try:
                 store = dist.TCPStore(socket.gethostname(), 0, size, True, timeout=timeout,
                                       wait_for_workers=False)
-                info = (_reachable_host(), store.port)
-            except BaseException as exc:  # noqa: BLE001 - tell the other ranks too
-                info = exc
-        info = world.bcast(info, root=0)
-        if isinstance(info, BaseException):
-            raise RuntimeError(f"accl rendezvous: rank 0 could not open a TCPStore: {info}") from None
+                text = f"ok {_reachable_host()} {store.port}"
+            except Exception as exc:  # noqa: BLE001 - tell the other ranks too
+                text = f"error {type(exc).__name__}: {exc}"
+            raw = text.encode(errors="replace")[: len(buf)]
+            buf[: len(raw)] = raw
+        wait_requests([world.Ibcast([buf, MPI.BYTE], root=0)], timeout.total_seconds(),
+                      "accl rendezvous: the TCPStore address from rank 0 (every rank must call "
+                      "init_process_group)", keep=buf)
+        status, _, rest = bytes(buf).rstrip(b"\0").decode(errors="replace").partition(" ")
+        if status != "ok":
+            raise RemoteError(f"accl rendezvous: rank 0 could not open a TCPStore: {rest}", 0, rest)
+        host, port = rest.split()
         if store is None:
-            store = dist.TCPStore(info[0], info[1], size, False, timeout=timeout)
+            store = dist.TCPStore(host, int(port), size, False, timeout=timeout)
     yield (store, rank, size)
     raise RuntimeError("accl rendezvous: re-rendezvous is not supported")
 

@@ -18,10 +18,11 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..waiting import agreed
 from .layers import vjp
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
-from .transport import Channel, allgather_int, allreduce, bcast_tensor, check_timeout, dup
+from .transport import Channel, agreement_timeout, allgather_int, allreduce, bcast_tensor, check_timeout, dup
 
 __all__ = ["GRUSerial", "GRUParallel", "gru_coarse_step"]
 
@@ -90,23 +91,25 @@ class GRUParallel(nn.Module):
                  cfactor: int = 4, max_iters: int = 10, tol: float = 1e-9, relax: str | int = "FCF",
                  seed: int = 0, dtype: torch.dtype | None = None, timeout: float | None = None) -> None:
         super().__init__()
-        timeout = check_timeout(timeout)
+        with agreed(comm, agreement_timeout(timeout), "GRUParallel()"):  # an error on one rank: on all
+            timeout = check_timeout(timeout)
+            settings = dict(max_levels=max_levels, cfactor=cfactor, max_iter=max_iters, tol=tol, relax=relax,
+                            nested_iteration=False)
+            fwd_opts, bwd_opts = MGRITOptions.build(**settings), MGRITOptions.build(**settings)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                cell = nn.GRUCell(input_size, hidden_size, dtype=dtype)
         self.comm = dup(comm, timeout, "GRUParallel construction (MPI_Comm_idup)")
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         # the adjoint runs backwards over the ranks: its own message space, logical ranks reversed
         self.rcomm = dup(self.comm, timeout, "GRUParallel construction (MPI_Comm_idup)")
         self._reversed = list(range(self.size - 1, -1, -1))
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.cell = nn.GRUCell(input_size, hidden_size, dtype=dtype)
+        self.cell = cell
         with torch.no_grad():
             for p in self.cell.parameters():
                 p.copy_(bcast_tensor(self.comm, p, 0, p.shape, p.dtype, p.device, timeout,
                                      "GRUParallel construction: weights"))
-        settings = dict(max_levels=max_levels, cfactor=cfactor, max_iter=max_iters, tol=tol, relax=relax,
-                        nested_iteration=False)
-        self.fwd_opts = MGRITOptions.build(**settings)
-        self.bwd_opts = MGRITOptions.build(**settings)
+        self.fwd_opts, self.bwd_opts = fwd_opts, bwd_opts
         self.timeout = timeout
         self.last_fwd: MGRITResult | None = None
         self.last_bwd: MGRITResult | None = None

@@ -23,6 +23,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from ..waiting import agreed
+from . import xbraid
 from .grid import Hierarchy, even_split
 from .layers import (
     LayerSpec,
@@ -38,11 +40,21 @@ from .layers import (
 )
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions, relax_sweeps
-from .transport import Channel, allreduce, bcast_object, bcast_tensor, check_timeout, dup, gather_object
+from .transport import (
+    Channel,
+    agreement_timeout,
+    allreduce,
+    bcast_object,
+    bcast_tensor,
+    check_timeout,
+    dup,
+    gather_object,
+)
 
 __all__ = ["LayerParallel"]
 
 _LAYER_TAG = 9000
+_GHOST_TAG = 9001
 
 
 class _LayerParallelFn(torch.autograd.Function):
@@ -72,6 +84,9 @@ class LayerParallel(nn.Module):
     Every rank calls forward (the input is taken from rank 0) and gets the output; every rank
     must then call backward on a loss built from it.  ``parameters()`` are this rank's layers.
     With one level (``max_fwd_levels = max_bwd_levels = 1``) forward and backward are exact.
+    ``engine="xbraid"`` runs both solves on XBraid's C library (``make native``): layers are then split as
+    XBraid splits the ``N + 1`` points (the owner of point ``k + 1`` owns layer ``k``), the adjoint runs on
+    XBraid's reverted ranks, and residual histories follow XBraid (see :mod:`torchhpc.braid.xbraid`).
     No wait on other ranks lasts longer than ``timeout`` seconds (default
     :func:`~torchhpc.braid.transport.default_timeout`); past it a
     :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
@@ -79,20 +94,25 @@ class LayerParallel(nn.Module):
 
     def __init__(self, comm: MPI.Comm, layer_blocks: Sequence[LayerSpec], global_steps: Sequence[int],
                  Tf: float, max_fwd_levels: int = 1, max_bwd_levels: int = 1, max_iters: int = 10, *,
-                 seed: int = 0, timeout: float | None = None) -> None:
+                 seed: int = 0, timeout: float | None = None, engine: str = "python") -> None:
         super().__init__()
-        if len(layer_blocks) != len(global_steps) or not layer_blocks:
-            raise ValueError(f"need one step count per layer block, got {len(layer_blocks)} blocks and "
-                             f"{len(global_steps)} counts")
-        if any(int(s) != s or s < 1 for s in global_steps):
-            raise ValueError(f"every block needs a whole number of steps >= 1, got {list(global_steps)}")
-        if not Tf > 0:
-            raise ValueError(f"final time Tf must be positive, got {Tf}")
-        size = comm.Get_size()
-        self.nlayers = int(sum(global_steps))
-        if size > self.nlayers:
-            raise ValueError(f"more ranks ({size}) than layers ({self.nlayers}): every rank must own a layer")
-        timeout = check_timeout(timeout)
+        with agreed(comm, agreement_timeout(timeout), "LayerParallel()"):  # an error on one rank: on all
+            if engine not in ("python", "xbraid"):
+                raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
+            if engine == "xbraid":
+                xbraid.load()  # EngineUnavailableError, naming what is missing, before any collective
+            if len(layer_blocks) != len(global_steps) or not layer_blocks:
+                raise ValueError(f"need one step count per layer block, got {len(layer_blocks)} blocks and "
+                                 f"{len(global_steps)} counts")
+            if any(int(s) != s or s < 1 for s in global_steps):
+                raise ValueError(f"every block needs a whole number of steps >= 1, got {list(global_steps)}")
+            if not Tf > 0:
+                raise ValueError(f"final time Tf must be positive, got {Tf}")
+            size = comm.Get_size()
+            self.nlayers = int(sum(global_steps))
+            if size > self.nlayers:
+                raise ValueError(f"more ranks ({size}) than layers ({self.nlayers}): every rank must own a layer")
+            timeout = check_timeout(timeout)
         self.comm = dup(comm, timeout, "LayerParallel construction (MPI_Comm_idup)")
         self.rank, self.size = self.comm.Get_rank(), size
         # the adjoint runs backwards over the ranks: its own message space, logical ranks reversed
@@ -107,7 +127,15 @@ class LayerParallel(nn.Module):
             self._block_of += [b] * int(steps)
             self._block_end += [end] * int(steps)
         self._ode = [global_steps[self._block_of[k]] > 1 for k in range(self.nlayers)]
-        self.layer_counts = even_split(self.nlayers, size)
+        self.engine = engine
+        if engine == "xbraid":  # the owner of point k + 1 owns layer k, points split as XBraid splits them
+            points = xbraid.block_counts(self.nlayers + 1, size)
+            self.layer_counts = [points[0] - 1, *points[1:]]
+            # XBraid's own messages get their own communicators (its waits have no deadline of ours)
+            self._xcomm = dup(self.comm, timeout, "LayerParallel construction (MPI_Comm_idup)")
+            self._xrcomm = dup(self.comm, timeout, "LayerParallel construction (MPI_Comm_idup)")
+        else:
+            self.layer_counts = even_split(self.nlayers, size)
         self.layer_start = sum(self.layer_counts[:self.rank])
         owned = range(self.layer_start, self.layer_start + self.layer_counts[self.rank])
         self.layers = nn.ModuleList([self._build(k) for k in owned])
@@ -165,16 +193,31 @@ class LayerParallel(nn.Module):
         n, c = self.nlayers + 1, self.layer_counts
         fwd = Hierarchy(n, [c[0] + 1, *c[1:]], self.fwd_opts.cfactor, self.fwd_opts.max_levels,
                         self.fwd_opts.min_coarse)
-        bwd = Hierarchy(n, [c[-1] + 1, *reversed(c[:-1])], self.bwd_opts.cfactor, self.bwd_opts.max_levels,
-                        self.bwd_opts.min_coarse)
+        # the adjoint's points by logical rank (reversed ranks): the Python engine shifts them by one point,
+        # XBraid's reverted ranks keep each rank's forward points
+        bwd_counts = list(reversed(fwd.counts)) if self.engine == "xbraid" else [c[-1] + 1, *reversed(c[:-1])]
+        bwd = Hierarchy(n, bwd_counts, self.bwd_opts.cfactor, self.bwd_opts.max_levels, self.bwd_opts.min_coarse)
         return fwd, bwd
+
+    def _intervals(self, h: Hierarchy, rank: int) -> set[tuple[int, int]]:
+        """Fine intervals ``rank`` may step over in a solve on ``h``.  XBraid also steps from a rank's last
+        point into the next rank's first one, so for it every step touching the rank's points counts."""
+        if self.engine != "xbraid":
+            return h.intervals(rank)
+        out = set()
+        for lvl in range(h.nlevels):
+            s = h.strides[lvl]
+            for j in range(1, h.sizes[lvl]):
+                if rank in (h.owner((j - 1) * s), h.owner(j * s)):
+                    out.add(((j - 1) * s, j * s))
+        return out
 
     def _needed_layers(self, rank: int, fwd: Hierarchy, bwd: Hierarchy) -> set[int]:
         need = set()
-        for i0, i1 in fwd.intervals(rank):
+        for i0, i1 in self._intervals(fwd, rank):
             need.update(k for k, _ in self._pieces(i0, i1))
         n = self.nlayers
-        for j0, j1 in bwd.intervals(self.size - 1 - rank):
+        for j0, j1 in self._intervals(bwd, self.size - 1 - rank):
             need.update(k for k, _ in self._pieces(n - j1, n - j0))
         return need
 
@@ -185,7 +228,7 @@ class LayerParallel(nn.Module):
             fwd, bwd = self._hierarchies()
             sends: list[tuple[int, int]] = []
             recvs: list[int] = []
-            if fwd.nlevels > 1 or bwd.nlevels > 1:
+            if fwd.nlevels > 1 or bwd.nlevels > 1 or self.engine == "xbraid":  # XBraid's adjoint: always
                 for r in range(self.size):
                     need = sorted(self._needed_layers(r, fwd, bwd))
                     if r == self.rank:
@@ -256,9 +299,18 @@ class LayerParallel(nn.Module):
         def zeros(j: int) -> torch.Tensor:
             return torch.zeros(shapes[j], dtype=dtype, device=device)
 
-        solver = MGRIT(lambda u, i0, i1: self._prop(u, i0, i1, args, kwargs), u0, self.nlayers + 1, self.comm,
-                       self.fwd_opts, counts=[c[0] + 1, *c[1:]], init=zeros, timeout=self.timeout)
-        res = solver.run()
+        def phi(u: torch.Tensor, i0: int, i1: int) -> torch.Tensor:
+            return self._prop(u, i0, i1, args, kwargs)
+
+        if self.engine == "xbraid":
+            res = self._xbraid(phi, u0, self._xcomm, self.fwd_opts, zeros, shapes, dtype, reverted=False)
+            self._timers["fwd_step"] += res.timers["step"]
+            res.ghost = self._ghost(res, device)
+        else:
+            solver = MGRIT(phi, u0, self.nlayers + 1, self.comm, self.fwd_opts, counts=[c[0] + 1, *c[1:]],
+                           init=zeros, timeout=self.timeout)
+            res = solver.run()
+            self._timers["fwd_step"] += res.timers["step"]
         states = dict(zip(res.index, res.u, strict=True))
         if res.ghost is not None:
             states[res.index[0] - 1] = res.ghost
@@ -272,8 +324,29 @@ class LayerParallel(nn.Module):
         self.last_fwd = res
         self._fwd_stats = (res.iterations, list(res.residuals))
         self._timers["forward"] += time.perf_counter() - t0
-        self._timers["fwd_step"] += res.timers["step"]
         return y, states, (shape, dtype)
+
+    def _xbraid(self, phi, u0: torch.Tensor, comm: MPI.Comm, opts: MGRITOptions, init, shapes: list[torch.Size],
+                dtype: torch.dtype, reverted: bool) -> MGRITResult:
+        """One solve over the N + 1 points on XBraid; this rank's points as an :class:`MGRITResult`."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        max_bytes = max(int(torch.Size(s).numel()) for s in shapes) * itemsize
+        out = xbraid.run(phi, u0, self.nlayers + 1, comm, opts, init=init, max_bytes=max_bytes, reverted=reverted,
+                         timeout=self.timeout)
+        idx = list(out["u"])
+        return MGRITResult(u=list(out["u"].values()), t=[float(j) for j in idx], index=idx,
+                           residuals=out["residuals"], iterations=out["iterations"], converged=out["converged"],
+                           levels=out["levels"], steps=out["steps"],
+                           timers={"solve": out["solve"], "step": out["t_step"]})
+
+    def _ghost(self, res: MGRITResult, device: torch.device) -> torch.Tensor | None:
+        """The state just before this rank's first point (input of its first layer), from the previous rank."""
+        ch = Channel(self.comm, self.timeout)
+        if self.rank + 1 < self.size:
+            ch.send(res.u[-1], self.rank + 1, _GHOST_TAG)
+        ghost = ch.recv(self.rank - 1, _GHOST_TAG, device) if self.rank > 0 else None
+        ch.flush()
+        return ghost
 
     def _vjp(self, u: torch.Tensor, w: torch.Tensor, a: int, b: int, args: tuple,
              kwargs: dict) -> torch.Tensor:
@@ -293,10 +366,15 @@ class LayerParallel(nn.Module):
         def psi(w: torch.Tensor, j0: int, j1: int) -> torch.Tensor:
             return self._vjp(states[n - j1], w, n - j1, n - j0, args, kwargs)
 
-        solver = MGRIT(psi, w0, n + 1, self.rcomm, self.bwd_opts, counts=[c[-1] + 1, *reversed(c[:-1])],
-                       init=lambda j: torch.zeros(shapes[n - j], dtype=gy.dtype, device=device),
-                       timeout=self.timeout, order=self._reversed)
-        res = solver.run()
+        def zeros(j: int) -> torch.Tensor:
+            return torch.zeros(shapes[n - j], dtype=gy.dtype, device=device)
+
+        if self.engine == "xbraid":  # reverted ranks: each rank's adjoint points are its forward points
+            res = self._xbraid(psi, w0, self._xrcomm, self.bwd_opts, zeros, shapes, gy.dtype, reverted=True)
+        else:
+            solver = MGRIT(psi, w0, n + 1, self.rcomm, self.bwd_opts, counts=[c[-1] + 1, *reversed(c[:-1])],
+                           init=zeros, timeout=self.timeout, order=self._reversed)
+            res = solver.run()
         lam = {n - j: w for j, w in zip(res.index, res.u, strict=True)}  # lambda by forward point
         if res.ghost is not None:
             lam[n - res.index[0] + 1] = res.ghost

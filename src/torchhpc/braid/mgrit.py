@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
+from ..waiting import agreed
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
-from .transport import Channel, allreduce, check_timeout, dup
+from .transport import Channel, agreement_timeout, allreduce, check_timeout, dup
 
 __all__ = ["MGRIT", "MGRITResult", "solve"]
 
@@ -339,10 +340,10 @@ class MGRIT:
 def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.Tensor,
           t: Sequence[float] | torch.Tensor, comm: MPI.Comm | None = None, *, max_levels: int = 10,
           cfactor: int | Sequence[int] = 2, cycle: str = "V", relax: str | int | Sequence[str | int] = "FCF",
-          tol: float = 1e-7, rtol: float = 0.0, max_iter: int = 100, nested_iteration: bool = True,
+          tol: float = 1e-7, rtol: float = 0.0, max_iter: int = 100, nested_iteration: bool | None = None,
           skip_downcycle: bool = False, weight_c: float = 1.0, min_coarse: int = 2, norm: float = 2,
           init: Callable[[int], torch.Tensor] | None = None, partition: Sequence[int] | None = None,
-          timeout: float | None = None, print_level: int = 0) -> MGRITResult:
+          timeout: float | None = None, print_level: int = 0, engine: str = "python") -> MGRITResult:
     """Solve ``u_i = step(u_{i-1}, t_{i-1}, t_i)``, ``u_0 = u0``, for all time points ``t`` at once.
 
     Collective over ``comm`` (default COMM_WORLD); every rank passes the same ``u0`` and ``t``.
@@ -350,24 +351,65 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
     Returns this rank's share of the solution and the residual history.  No wait on other ranks
     lasts longer than ``timeout`` seconds (default :func:`~torchhpc.braid.transport.default_timeout`):
     past it, :class:`~torchhpc.braid.transport.PeerTimeoutError` names the operation and the rank.
+
+    ``engine="xbraid"`` runs the same cycle on XBraid's C library (``make native``; see
+    :mod:`torchhpc.braid.xbraid` for how its residual history lines up with this one).  ``nested_iteration``
+    defaults to True here and to False on XBraid, which has none.
     """
-    times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
-    if len(times) < 2:
-        raise ValueError(f"need at least two time points, got {len(times)}")
-    if any(b <= a for a, b in zip(times, times[1:], strict=False)):
-        raise ValueError("time points must be strictly increasing")
-    opts = MGRITOptions.build(max_levels=max_levels, cfactor=cfactor, relax=relax, cycle=cycle, tol=tol,
-                              rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
-                              skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
-                              print_level=print_level)
-    timeout = check_timeout(timeout)
     base = MPI.COMM_WORLD if comm is None else comm
+    with agreed(base, agreement_timeout(timeout), "torchhpc.braid.mgrit.solve()"):  # an error on one rank: on all
+        if engine not in ("python", "xbraid"):
+            raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
+        if nested_iteration is None:
+            nested_iteration = engine == "python"
+        times = [float(x) for x in (t.tolist() if isinstance(t, torch.Tensor) else t)]
+        if len(times) < 2:
+            raise ValueError(f"need at least two time points, got {len(times)}")
+        if any(b <= a for a, b in zip(times, times[1:], strict=False)):
+            raise ValueError("time points must be strictly increasing")
+        opts = MGRITOptions.build(max_levels=max_levels, cfactor=cfactor, relax=relax, cycle=cycle, tol=tol,
+                                  rtol=rtol, max_iter=max_iter, nested_iteration=nested_iteration,
+                                  skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
+                                  print_level=print_level)
+        timeout = check_timeout(timeout)
+        if engine == "xbraid":  # option checks and the extension's presence agreed like the rest
+            from . import xbraid
+
+            xbraid.load()
+            xbraid.check_options(opts)
+    if engine == "xbraid":
+        return _solve_xbraid(step, u0, times, base, opts, init, norm, partition, timeout)
     work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
-        solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
-                       counts=partition, init=init, timeout=timeout, norm=norm)
+        with agreed(work, timeout, "torchhpc.braid.mgrit.solve()"):
+            solver = MGRIT(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, len(times), work, opts,
+                           counts=partition, init=init, timeout=timeout, norm=norm)
         res = solver.run()
     finally:
         work.Free()
     res.t = [times[j] for j in res.index]
     return res
+
+
+def _solve_xbraid(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.Tensor, times: list[float],
+                  base: MPI.Comm, opts: MGRITOptions, init: Callable[[int], torch.Tensor] | None, norm: float,
+                  partition: Sequence[int] | None, timeout: float) -> MGRITResult:
+    """:func:`solve` on XBraid (its block distribution of the time points)."""
+    from . import xbraid
+
+    xbraid.load()  # EngineUnavailableError before any collective when the extension is not built
+    xbraid.check_options(opts)
+    n = len(times)
+    if partition is not None and list(partition) != xbraid.block_counts(n, base.Get_size()):
+        raise ValueError(f"engine='xbraid' distributes time points itself ({xbraid.block_counts(n, base.Get_size())}"
+                         f" over {base.Get_size()} ranks); partition={list(partition)} cannot be honoured")
+    work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
+    try:
+        out = xbraid.run(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, n, work, opts, init=init, norm=norm,
+                         timeout=timeout)
+    finally:
+        work.Free()
+    idx = list(out["u"])
+    return MGRITResult(u=list(out["u"].values()), t=[times[j] for j in idx], index=idx, residuals=out["residuals"],
+                       iterations=out["iterations"], converged=out["converged"], levels=out["levels"],
+                       steps=out["steps"], timers={"solve": out["solve"], "step": out["t_step"]})

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,10 +26,13 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from torchhpc import errors
 from torchhpc.mpi_info import cuda_aware_query
+from torchhpc.waiting import wait_requests
 
-__all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "cuda_aware_mpi", "wait_all",
-           "dup", "barrier", "allreduce", "allgather_int", "bcast_tensor", "bcast_object", "gather_object"]
+__all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "agreement_timeout",
+           "cuda_aware_mpi", "wait_all", "dup", "barrier", "allreduce", "allgather_int", "bcast_tensor",
+           "bcast_object", "gather_object"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds any braid operation waits for peer ranks before raising :class:`PeerTimeoutError`."""
@@ -39,18 +41,8 @@ _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.co
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _HDR = 12  # clock, dtype code, ndim, up to 9 dims
 
-# Requests given up at a deadline, with their buffers.  MPI may still complete them (a late peer
-# writes into a receive buffer; a nonblocking collective must never be freed or cancelled), so
-# both stay referenced for the life of the process.
-_ABANDONED: list[tuple[list[MPI.Request], Any]] = []
-
-
-class PeerTimeoutError(TimeoutError):
-    """A wait on peer ranks passed its deadline; ``requests`` are the operations still pending."""
-
-    def __init__(self, message: str, requests: list[MPI.Request]) -> None:
-        super().__init__(message)
-        self.requests = requests
+# Old home of torchhpc.errors.PeerTimeoutError (a wait on peer ranks passed its deadline), kept importable.
+PeerTimeoutError = errors.PeerTimeoutError
 
 
 def default_timeout() -> float:
@@ -74,6 +66,15 @@ def check_timeout(timeout: float | None) -> float:
     return float(timeout)
 
 
+def agreement_timeout(timeout: float | None) -> float:
+    """Deadline for agreeing on errors at an entry point: ``timeout`` if valid, else the default
+    (an invalid ``timeout`` is itself the error the ranks agree on)."""
+    try:
+        return check_timeout(timeout)
+    except ValueError:
+        return default_timeout()
+
+
 def cuda_aware_mpi() -> bool:
     """Whether MPI can read and write CUDA device buffers directly (:func:`torchhpc.mpi_info.cuda_aware_query`;
     ``TORCHHPC_CUDA_AWARE_MPI=0/1`` overrides)."""
@@ -82,35 +83,19 @@ def cuda_aware_mpi() -> bool:
 
 def wait_all(requests: Sequence[MPI.Request], timeout: float, what: str, comm: MPI.Comm,
              keep: Any = None, cancel: bool = False) -> None:
-    """Complete ``requests`` (polling with back-off) or raise :class:`PeerTimeoutError` after ``timeout`` s.
+    """Complete ``requests`` or raise :class:`PeerTimeoutError` after ``timeout`` s (one poll loop:
+    :func:`torchhpc.waiting.wait_requests`).
 
     ``what`` names the operation for the error.  ``keep`` (the buffers) stays alive with the
     requests if they are given up; ``cancel`` cancels them first (point-to-point receives only:
     MPI forbids cancelling collectives).
     """
-    reqs = list(requests)
-    if not reqs:
-        return
-    deadline = time.monotonic() + timeout
-    spins, pause = 0, 1e-5
-    while not MPI.Request.Testall(reqs):
-        spins += 1
-        if spins > 50:  # spin briefly for fast neighbours, then yield the core to ranks sharing it
-            time.sleep(pause)
-            pause = min(pause * 2, 2e-3)
-        if time.monotonic() > deadline:
-            pending = [r for r in reqs if r != MPI.REQUEST_NULL]
-            if cancel:
-                for req in pending:
-                    req.Cancel()
-            _ABANDONED.append((pending, keep))
-            raise PeerTimeoutError(
-                f"torchhpc.braid: {what} on rank {comm.Get_rank()} of {comm.Get_size()} (world rank "
-                f"{MPI.COMM_WORLD.Get_rank()}) did not complete within {timeout:g} s. Likely cause: a peer "
-                "rank died, is stuck, or did not make the same call (every rank must run the same braid "
-                "operations in the same order). If the peers are only slow, raise timeout= or "
-                "TORCHHPC_BRAID_TIMEOUT; otherwise abort the job, this communicator is no longer usable.",
-                pending)
+    wait_requests(requests, timeout, what, keep=keep, cancel=cancel, message=lambda: (
+        f"torchhpc.braid: {what} on rank {comm.Get_rank()} of {comm.Get_size()} (world rank "
+        f"{MPI.COMM_WORLD.Get_rank()}) did not complete within {timeout:g} s. Likely cause: a peer "
+        "rank died, is stuck, or did not make the same call (every rank must run the same braid "
+        "operations in the same order). If the peers are only slow, raise timeout= or "
+        "TORCHHPC_BRAID_TIMEOUT; otherwise abort the job, this communicator is no longer usable."))
 
 
 # ---------------------------------------------------------------------------- collectives

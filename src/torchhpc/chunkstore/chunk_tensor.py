@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ..waiting import agreed
 from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
 from .shm import Segment
@@ -119,24 +120,26 @@ class ChunkTensor:
         use_cuda: bool | None = None,
         timeout: float = 600.0,
     ):
-        try:
-            shape = (operator.index(shape),) if not isinstance(shape, Sequence) else \
-                tuple(operator.index(s) for s in shape)
-        except TypeError:
-            raise TypeError(f"ChunkTensor shape must be an int or a sequence of ints, got {shape!r}") from None
-        if len(shape) not in (1, 2) or any(s < 0 for s in shape):
-            raise ValueError(f"ChunkTensor shape must be 1-D or 2-D with sizes >= 0, got {shape}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"ChunkTensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-        if isinstance(capacity_per_device, float) and capacity_per_device.is_integer():
-            capacity_per_device = int(capacity_per_device)  # 1e9 and the like
-        if not isinstance(capacity_per_device, int):
-            raise TypeError(f"capacity_per_device is a number of bytes (int), got {capacity_per_device!r}")
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        self.timeout = float(timeout)
-        # Every later step is a blocking collective: first make sure every rank is here (or time out).
-        rendezvous(comm if comm is not None else MPI.COMM_WORLD, self.timeout, "ChunkTensor()")
+        # Every later step is a blocking collective: first every rank checks its arguments and the ranks
+        # agree (an error on one rank is an error on all, naming it), all within the deadline.
+        agree_s = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 600.0
+        with agreed(comm if comm is not None else MPI.COMM_WORLD, agree_s, "ChunkTensor()"):
+            try:
+                shape = (operator.index(shape),) if not isinstance(shape, Sequence) else \
+                    tuple(operator.index(s) for s in shape)
+            except TypeError:
+                raise TypeError(f"ChunkTensor shape must be an int or a sequence of ints, got {shape!r}") from None
+            if len(shape) not in (1, 2) or any(s < 0 for s in shape):
+                raise ValueError(f"ChunkTensor shape must be 1-D or 2-D with sizes >= 0, got {shape}")
+            if dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"ChunkTensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+            if isinstance(capacity_per_device, float) and capacity_per_device.is_integer():
+                capacity_per_device = int(capacity_per_device)  # 1e9 and the like
+            if not isinstance(capacity_per_device, int):
+                raise TypeError(f"capacity_per_device is a number of bytes (int), got {capacity_per_device!r}")
+            if not timeout > 0:
+                raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+            self.timeout = float(timeout)
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.row_shape = tuple(shape[1:])
@@ -144,18 +147,20 @@ class ChunkTensor:
         self.capacity_per_device = int(capacity_per_device)
         self.topo: NodeTopology = node_topology(comm, ranks_per_node)
         topo = self.topo
-        self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
-        if self.use_cuda and not torch.cuda.is_available():
-            raise RuntimeError("use_cuda=True but torch.cuda.is_available() is False")
-        self.device = (torch.device("cuda", topo.local_rank % torch.cuda.device_count())
-                       if self.use_cuda else torch.device("cpu"))
-        self.layout: Layout = plan_layout(shape[0], self.row_bytes, self.capacity_per_device,
-                                          [len(r) for r in topo.node_ranks])
         self.group = None
         self.comm_device = torch.device("cpu")
+        with agreed(topo.comm, self.timeout, "ChunkTensor()"):
+            self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+            if self.use_cuda and not torch.cuda.is_available():
+                raise RuntimeError("use_cuda=True but torch.cuda.is_available() is False")
+            self.device = (torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+                           if self.use_cuda else torch.device("cpu"))
+            self.layout: Layout = plan_layout(shape[0], self.row_bytes, self.capacity_per_device,
+                                              [len(r) for r in topo.node_ranks])
+            if topo.num_nodes > 1:
+                self.group = self._check_group(group)
         self._exchange: RowExchange | None = None
         if topo.num_nodes > 1:
-            self.group = self._check_group(group)
             self._exchange = RowExchange(topo.comm, self.group, self.comm_device, self.row_bytes, timeout)
         self._closed = False
         self._segments: list[Segment] = []

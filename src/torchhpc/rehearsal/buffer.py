@@ -27,14 +27,18 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..errors import PeerTimeoutError
+from ..waiting import agreed
 from .layout import RecordLayout
 from .reservoir import ClassReservoir
 from .sampler import draw_representatives
 from .storage import SlotStorage
+from .thallium import PROTOCOLS, ThalliumSlotStorage, default_protocol
 
-__all__ = ["AugmentedBatch", "RehearsalBuffer", "TASKS", "STAGES"]
+__all__ = ["AugmentedBatch", "RehearsalBuffer", "TASKS", "STAGES", "TRANSPORTS"]
 
 TASKS = ("rehearsal", "kd", "rehearsal+kd")
+TRANSPORTS = ("mpi", "thallium")
 STAGES = ("sampling", "remote_fetch", "copy", "update")
 _STATE_FORMAT = 1
 # The worker copies the new samples into the augmented batch in pieces of this size and offers
@@ -161,6 +165,13 @@ class RehearsalBuffer:
             :meth:`wait` asks for it sooner: the first moments after a hand-over are when the
             training thread starts its step (and, with more ranks than cores, other ranks
             finish their all-reduce); the rehearsal has the rest of the step.
+        transport: how representatives are read from other ranks: ``"mpi"`` (one-sided MPI RMA
+            reads of a window) or ``"thallium"`` (Mochi Thallium RPC + bulk transfers served by
+            each owner's Argobots progress; needs ``make native-mochi``, else
+            :class:`~torchhpc.errors.EngineUnavailableError`).  Both never return a torn record.
+        protocol: the Thallium (Mercury) protocol: ``"na+sm"`` (one node), ``"ofi+tcp"``,
+            ``"ofi+verbs"`` or ``"ofi+cxi"`` (across nodes); ``None`` picks ``na+sm`` when all
+            ranks share a node, else ``ofi+tcp``.  Only with ``transport="thallium"``.
     """
 
     def __init__(
@@ -186,71 +197,93 @@ class RehearsalBuffer:
         max_pending: int = 4,
         worker_niceness: int = 10,
         start_delay: float = 0.002,
+        transport: str = "mpi",
+        protocol: str | None = None,
     ) -> None:
-        if task not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-        if mode not in ("standard", "flyweight"):
-            raise ValueError(f"mode must be 'standard' or 'flyweight', got {mode!r}")
-        for name, value, low in (
-            ("num_classes", num_classes, 1),
-            ("slots_per_class", slots_per_class, 1),
-            ("num_candidates", num_candidates, 1),
-            ("num_representatives", num_representatives, 0),
-            ("max_pending", max_pending, 1),
-            ("worker_niceness", worker_niceness, 0),
-        ):
-            if not isinstance(value, (int, np.integer)) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        self.task = task
-        self.mode = mode
-        self.K, self.N = int(num_classes), int(slots_per_class)
-        self.C, self.R = int(num_candidates), int(num_representatives)
-        self.stores_activations = task != "rehearsal"
-        if self.stores_activations and activation_shape is None:
-            raise ValueError(f"task {task!r} stores activations: give activation_shape")
-        if not self.stores_activations and activation_shape is not None:
-            raise ValueError("activation_shape given but task 'rehearsal' stores no activations")
-        self.sample_shapes = _as_shapes(sample_shapes)
-        self.multi = not (
-            isinstance(sample_shapes, torch.Size)
-            or all(isinstance(s, (int, np.integer)) for s in sample_shapes)
-        )
-        dtypes = [sample_dtypes] * len(self.sample_shapes) if isinstance(sample_dtypes, torch.dtype) \
-            else list(sample_dtypes)
-        if len(dtypes) != len(self.sample_shapes):
-            raise ValueError(f"{len(dtypes)} sample_dtypes for {len(self.sample_shapes)} sample tensors")
-        self.sample_dtypes = dtypes
-        self.activation_shape = None if activation_shape is None else tuple(int(s) for s in activation_shape)
-        self.activation_dtype = activation_dtype
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {device!r}")
-        self.rehearsal_weight = float(rehearsal_weight)
-        self.timeout = float(timeout)
-        self.max_pending = int(max_pending)
-        if worker_niceness > 19:
-            raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
-        self.worker_niceness = int(worker_niceness)
-        if not isinstance(start_delay, (int, float)) or not (math.isfinite(start_delay) and start_delay >= 0):
-            raise ValueError(f"start_delay must be a finite number of seconds >= 0, got {start_delay!r}")
-        self.start_delay = float(start_delay)
-        self.global_sampling = bool(global_sampling)
-
+        # Every rank checks its arguments and launch first, then the ranks agree: an error on one rank is
+        # an error on all (RemoteError naming it), never a hang of the others in the collectives below.
         world = MPI.COMM_WORLD if comm is None else comm
-        self.rank, self.world_size = world.Get_rank(), world.Get_size()
-        if comm is None and self.global_sampling:
-            _check_launcher(self.rank, self.world_size)
-        self._comm: MPI.Comm | None = None
-        if self.global_sampling:
-            if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        agree_s = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 600.0
+        with agreed(world if global_sampling else MPI.COMM_SELF, agree_s, "RehearsalBuffer()"):
+            if transport not in TRANSPORTS:
+                raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+            if protocol is not None and transport != "thallium":
+                raise ValueError(f"protocol={protocol!r} applies to transport='thallium' only")
+            if protocol is not None and protocol not in PROTOCOLS:
+                raise ValueError(f"protocol must be one of {PROTOCOLS} (or None), got {protocol!r}")
+            if task not in TASKS:
+                raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+            if mode not in ("standard", "flyweight"):
+                raise ValueError(f"mode must be 'standard' or 'flyweight', got {mode!r}")
+            for name, value, low in (
+                ("num_classes", num_classes, 1),
+                ("slots_per_class", slots_per_class, 1),
+                ("num_candidates", num_candidates, 1),
+                ("num_representatives", num_representatives, 0),
+                ("max_pending", max_pending, 1),
+                ("worker_niceness", worker_niceness, 0),
+            ):
+                if not isinstance(value, (int, np.integer)) or value < low:
+                    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            self.task = task
+            self.mode = mode
+            self.K, self.N = int(num_classes), int(slots_per_class)
+            self.C, self.R = int(num_candidates), int(num_representatives)
+            self.stores_activations = task != "rehearsal"
+            if self.stores_activations and activation_shape is None:
+                raise ValueError(f"task {task!r} stores activations: give activation_shape")
+            if not self.stores_activations and activation_shape is not None:
+                raise ValueError("activation_shape given but task 'rehearsal' stores no activations")
+            self.sample_shapes = _as_shapes(sample_shapes)
+            self.multi = not (
+                isinstance(sample_shapes, torch.Size)
+                or all(isinstance(s, (int, np.integer)) for s in sample_shapes)
+            )
+            dtypes = [sample_dtypes] * len(self.sample_shapes) if isinstance(sample_dtypes, torch.dtype) \
+                else list(sample_dtypes)
+            if len(dtypes) != len(self.sample_shapes):
+                raise ValueError(f"{len(dtypes)} sample_dtypes for {len(self.sample_shapes)} sample tensors")
+            self.sample_dtypes = dtypes
+            self.activation_shape = None if activation_shape is None else tuple(int(s) for s in activation_shape)
+            self.activation_dtype = activation_dtype
+            self.device = torch.device(device)
+            if self.device.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
+            if self.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be cpu or cuda, got {device!r}")
+            self.rehearsal_weight = float(rehearsal_weight)
+            self.timeout = float(timeout)
+            self.max_pending = int(max_pending)
+            if worker_niceness > 19:
+                raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
+            self.worker_niceness = int(worker_niceness)
+            if not isinstance(start_delay, (int, float)) or not (math.isfinite(start_delay) and start_delay >= 0):
+                raise ValueError(f"start_delay must be a finite number of seconds >= 0, got {start_delay!r}")
+            self.start_delay = float(start_delay)
+            self.global_sampling = bool(global_sampling)
+
+            self.rank, self.world_size = world.Get_rank(), world.Get_size()
+            if comm is None and self.global_sampling:
+                _check_launcher(self.rank, self.world_size)
+            self.transport = transport
+            # Thallium reads go through Argobots, not MPI: only the MPI transport needs THREAD_MULTIPLE.
+            if self.global_sampling and transport == "mpi" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
                 raise RuntimeError(
                     "global_sampling needs MPI initialised with MPI_THREAD_MULTIPLE (the worker thread "
                     "reads peers' buffers while the training thread may call MPI); set "
                     "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI"
                 )
+            self.layout = RecordLayout(
+                self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, activation_dtype
+            )
+        self._comm: MPI.Comm | None = None
+        if self.global_sampling:
             self._comm = world.Dup()
+        if self._comm is not None and transport == "thallium":
+            if protocol is None:
+                protocol = default_protocol(self._comm)
+            if progress_interval is None:
+                progress_interval = 0.0  # Argobots serves peers: no MPI progress to drive
         if progress_interval is None:
             progress_interval = 0.0
             if self._comm is not None:
@@ -260,11 +293,18 @@ class RehearsalBuffer:
                 progress_interval = 0.002 if multi_node else 0.0
         self.progress_interval = float(progress_interval)
 
-        self.layout = RecordLayout(
-            self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, activation_dtype
-        )
         pin = self.device.type == "cuda"
-        self.storage = SlotStorage(self.layout, self._comm, pin=pin)
+        self.protocol = protocol
+        if self._comm is not None and transport == "thallium":
+            try:
+                self.storage: SlotStorage = ThalliumSlotStorage(
+                    self.layout, self._comm, pin, protocol, self.timeout
+                )
+            except BaseException:
+                self._comm.Free()
+                raise
+        else:
+            self.storage = SlotStorage(self.layout, self._comm, pin=pin)
         self.reservoir = ClassReservoir(self.K, self.N)
         entropy = [int(seed), self.rank] if seed is not None else None
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
@@ -347,7 +387,7 @@ class RehearsalBuffer:
         try:
             result = self._results.get(timeout=limit)
         except queue.Empty:
-            raise TimeoutError(
+            raise PeerTimeoutError(
                 f"rehearsal worker did not finish a batch in {limit:.0f}s (a peer rank stuck or dead?)"
             ) from None
         self._pending -= 1
@@ -546,7 +586,7 @@ class RehearsalBuffer:
             tid = threading.get_native_id()
             with contextlib.suppress(OSError):  # raising one's nice value needs no privilege; if refused, run as is
                 os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), self.worker_niceness))
-        poll = self.progress_interval > 0 and self._comm is not None
+        poll = self.progress_interval > 0 and self._comm is not None and self.transport == "mpi"
         while True:
             try:
                 req = self._requests.get(timeout=self.progress_interval if poll else None)
@@ -715,7 +755,7 @@ class RehearsalBuffer:
         if self.R == 0:
             ranks, flat = draw_representatives(own, self.N, 0, self.rng)
             return ranks, flat, False
-        if not self.global_sampling or self.storage.win is None:
+        if not self.global_sampling or not self.storage.remote:
             ranks, flat = draw_representatives(own, self.N, self.R, self.rng)
             return ranks + self.rank, flat, False
         self.storage.begin_remote()

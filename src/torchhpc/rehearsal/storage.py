@@ -53,6 +53,20 @@ class SlotStorage:
         if self.win is not None:
             self.comm.Barrier()  # every window zeroed before anyone may read it
 
+    @property
+    def remote(self) -> bool:
+        """Whether peers' storage can be read (a transport is set up)."""
+        return self.win is not None
+
+    def _lock_exclusive(self) -> None:
+        """Exclude every reader of this rank's records (the owner's updates)."""
+        if self.win is not None:
+            self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+
+    def _unlock_exclusive(self) -> None:
+        if self.win is not None:
+            self.win.Unlock(self.rank)
+
     def _pin(self, t: torch.Tensor) -> None:
         """Page-lock MPI-allocated memory so host-to-GPU copies from it are asynchronous DMA."""
         cudart = torch.cuda.cudart()
@@ -81,8 +95,7 @@ class SlotStorage:
         index = torch.from_numpy(rows)
         host = [s.index_select(0, index.to(s.device)).cpu() if s.device.type != "cpu" else s for s in sources]
         host_rows = [np.arange(len(rows)) if s.device.type != "cpu" else rows for s in sources]
-        if self.win is not None:
-            self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        self._lock_exclusive()
         try:
             if len(flat_slots):
                 self.labels.index_copy_(0, torch.from_numpy(flat_slots), torch.from_numpy(labels))
@@ -91,18 +104,15 @@ class SlotStorage:
                         dst[slot].copy_(src[row])
             self.fills.copy_(torch.from_numpy(fills))
         finally:
-            if self.win is not None:
-                self.win.Unlock(self.rank)
+            self._unlock_exclusive()
 
     def load(self, raw: torch.Tensor) -> None:
         """Replace the whole storage (a restored checkpoint) in one exclusive epoch."""
-        if self.win is not None:
-            self.win.Lock(self.rank, MPI.LOCK_EXCLUSIVE)
+        self._lock_exclusive()
         try:
             self.bytes.copy_(raw)
         finally:
-            if self.win is not None:
-                self.win.Unlock(self.rank)
+            self._unlock_exclusive()
 
     # ---------------------------------------------------------------- reads
     def read_local(self, flat_slots: torch.Tensor, out: dict[str, torch.Tensor]) -> None:

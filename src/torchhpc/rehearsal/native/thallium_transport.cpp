@@ -1,0 +1,356 @@
+// _torchhpc_thallium: the Thallium transport of torchhpc.rehearsal (built by `make native-mochi`).
+//
+// Each rank runs one Thallium engine (server mode, with its own Argobots progress execution stream, in
+// which RPCs are also served; the Margo JSON configuration comes from Python) and exposes its record block
+// -- the same memory SlotStorage reads and writes -- as a read-only bulk region.  A reader asks an owner for
+// records with one RPC per owner, carrying a bulk handle of its output rows (exposed for that draw); the
+// owner's progress stream takes the block's lock in shared mode, pushes each requested record's fields with
+// bulk transfers from the exposed block straight into the reader's rows, releases the lock and answers.
+// The owner's Python threads take no part.  (While the owner's writer holds the lock, handlers wait for it
+// by yielding; an update is a few record copies long.)
+//
+// No torn records: the owner's writer (SlotStorage.write/load) holds the same lock exclusively while it
+// rewrites records and fill counts, and a push reads a record only while holding it shared, so a record
+// arrives either wholly before or wholly after an update -- the guarantee the MPI transport gets from
+// its exclusive/shared passive-target epochs.  A one-sided pull by the reader could not take the owner's
+// lock, and RDMA reads give no ordering within a record that a version check (seqlock) could rely on.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <thallium.hpp>
+#include <thallium/serialization/stl/string.hpp>
+#include <thallium/serialization/stl/vector.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <shared_mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+namespace tl = thallium;
+
+namespace {
+
+struct PeerTimeout : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+struct PeerError : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// A peer that cannot be reached at all (its engine is gone: closed, or its process died).  Messages
+// start with "rank <r> " so callers can name the failed rank.
+struct PeerUnreachable : std::runtime_error {
+    using std::runtime_error::runtime_error;
+};
+
+// Status codes an owner answers with (0: ok).
+constexpr int kOk = 0;
+constexpr int kBadSlot = 1;
+constexpr int kTooLarge = 2;
+constexpr int kClosed = 3;
+constexpr int kTransfer = 4;
+
+// The block lock taken shared inside an RPC handler: it never blocks the execution stream (which also
+// drives progress, and may be running another handler that holds the lock while its transfers complete);
+// while the owner's writer holds it, the handler yields to the other work of its stream and retries.
+class SharedHold {
+  public:
+    explicit SharedHold(std::shared_mutex& m) : m_m(m) {
+        while (!m_m.try_lock_shared()) tl::thread::yield();
+    }
+    ~SharedHold() { m_m.unlock_shared(); }
+    SharedHold(const SharedHold&) = delete;
+    SharedHold& operator=(const SharedHold&) = delete;
+
+  private:
+    std::shared_mutex& m_m;
+};
+
+class Transport {
+  public:
+    Transport(const std::string& protocol, std::uintptr_t base, std::size_t nbytes, std::size_t header_bytes,
+              std::size_t record_bytes, std::size_t num_classes, const std::string& config)
+    : m_base(reinterpret_cast<char*>(base)), m_nbytes(nbytes), m_header_bytes(header_bytes),
+      m_record_bytes(record_bytes), m_num_classes(num_classes) {
+        if (m_base == nullptr || record_bytes == 0 || header_bytes < 8 * num_classes || nbytes < header_bytes)
+            throw std::invalid_argument("Transport: inconsistent storage layout");
+        m_num_slots = (nbytes - header_bytes) / record_bytes;
+        m_engine = std::make_unique<tl::engine>(protocol, THALLIUM_SERVER_MODE, config);
+        std::vector<std::pair<void*, std::size_t>> block{{m_base, m_nbytes}};
+        m_block = m_engine->expose(block, tl::bulk_mode::read_only);
+        m_fills_rpc_ = m_engine->define("torchhpc_rehearsal_fills", [this](const tl::request& req) { serve_fills(req); });
+        m_read_rpc_ = m_engine->define(
+            "torchhpc_rehearsal_read",
+            [this](const tl::request& req, const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
+                   const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
+                   const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+                serve_read(req, slots, rows, offsets, nbytes, bases, dest);
+            });
+    }
+
+    ~Transport() { close(); }
+
+    std::string address() const { return static_cast<std::string>(m_engine->self()); }
+
+    void connect(const std::vector<std::string>& addresses, int me) {
+        m_peers.clear();
+        m_me = me;
+        for (std::size_t r = 0; r < addresses.size(); ++r)
+            m_peers.push_back(static_cast<int>(r) == me ? tl::endpoint() : m_engine->lookup(addresses[r]));
+    }
+
+    // The owner's writer: exclusive while records and fills are rewritten (GIL released while waiting).
+    void lock_exclusive() {
+        py::gil_scoped_release nogil;
+        m_lock.lock();
+    }
+    void unlock_exclusive() { m_lock.unlock(); }
+
+    // Fill counts of `ranks`, one RPC each, all in flight at once; (len(ranks), K) int64.
+    py::array_t<std::int64_t> fills(const std::vector<int>& ranks, double timeout_s) {
+        py::array_t<std::int64_t> out({ranks.size(), m_num_classes});
+        std::vector<std::vector<std::int64_t>> got(ranks.size());
+        {
+            py::gil_scoped_release nogil;
+            auto limit = to_duration(timeout_s);
+            std::vector<tl::async_response> pending;
+            pending.reserve(ranks.size());
+            for (int r : ranks) pending.push_back(m_fills_rpc_->on(peer(r)).timed_async(limit));
+            for (std::size_t i = 0; i < ranks.size(); ++i) {
+                try {
+                    got[i] = pending[i].wait().as<std::vector<std::int64_t>>();
+                } catch (const tl::timeout&) {
+                    throw PeerTimeout("rank " + std::to_string(ranks[i]) + " did not answer a fill-count request within " +
+                                      seconds(timeout_s) + " s (stuck or dead?)");
+                } catch (const tl::exception& e) {
+                    throw PeerUnreachable("rank " + std::to_string(ranks[i]) + " is unreachable (" + e.what() +
+                                          "): its buffer is closed or its process died");
+                }
+                if (got[i].size() != m_num_classes)
+                    throw PeerError("rank " + std::to_string(ranks[i]) + " answered " + std::to_string(got[i].size()) +
+                                    " fill counts, expected " + std::to_string(m_num_classes) + " (closed or other layout)");
+            }
+        }
+        auto view = out.mutable_unchecked<2>();
+        for (std::size_t i = 0; i < ranks.size(); ++i)
+            for (std::size_t k = 0; k < m_num_classes; ++k) view(i, k) = got[i][k];
+        return out;
+    }
+
+    // Fetch record slots[i] of rank ranks[i] into row i of every output field, for every i not ours.
+    // fields: (uint8 array of shape (rows >= n, nbytes), C-contiguous and writable; byte offset of the field in a
+    // record).  The output rows are exposed as one bulk region (a segment per field) for this call, and each owner
+    // pushes its records' fields straight into their rows: one copy, no staging.
+    std::size_t read(py::array_t<std::int64_t, py::array::c_style | py::array::forcecast> ranks,
+                     py::array_t<std::int64_t, py::array::c_style | py::array::forcecast> slots,
+                     const std::vector<std::pair<py::array, std::size_t>>& fields, double timeout_s) {
+        const std::size_t n = static_cast<std::size_t>(ranks.size());
+        if (static_cast<std::size_t>(slots.size()) != n) throw std::invalid_argument("ranks and slots differ in length");
+        std::vector<std::pair<void*, std::size_t>> segments;
+        std::vector<std::uint64_t> offsets, nbytes, bases;
+        std::uint64_t base = 0;
+        for (const auto& [arr, offset] : fields) {
+            if (arr.dtype().kind() != 'u' || arr.itemsize() != 1 || arr.ndim() != 2 ||
+                !(arr.flags() & py::array::c_style) || !arr.writeable() || static_cast<std::size_t>(arr.shape(0)) < n)
+                throw std::invalid_argument("each output field must be a writable C-contiguous (rows >= draws, bytes) uint8 array");
+            auto nb = static_cast<std::size_t>(arr.shape(1));
+            if (offset + nb > m_record_bytes) throw std::invalid_argument("output field lies outside the record");
+            if (n == 0 || nb == 0) continue;
+            segments.emplace_back(const_cast<void*>(arr.data()), n * nb);
+            offsets.push_back(offset);
+            nbytes.push_back(nb);
+            bases.push_back(base);
+            base += n * nb;
+        }
+        const std::int64_t* rk = ranks.data();
+        const std::int64_t* sl = slots.data();
+        py::gil_scoped_release nogil;
+        auto limit = to_duration(timeout_s);
+        std::vector<std::vector<std::uint64_t>> want_slots(m_peers.size()), want_rows(m_peers.size());
+        std::size_t count = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+            if (rk[i] == m_me) continue;
+            if (rk[i] < 0 || static_cast<std::size_t>(rk[i]) >= m_peers.size())
+                throw std::invalid_argument("rank " + std::to_string(rk[i]) + " out of range");
+            want_slots[rk[i]].push_back(static_cast<std::uint64_t>(sl[i]));
+            want_rows[rk[i]].push_back(i);
+            ++count;
+        }
+        if (count == 0 || segments.empty()) return 0;
+        tl::bulk dest = m_engine->expose(segments, tl::bulk_mode::write_only);
+        std::vector<std::pair<int, tl::async_response>> pending;
+        for (std::size_t r = 0; r < m_peers.size(); ++r)
+            if (!want_slots[r].empty())
+                pending.emplace_back(static_cast<int>(r), m_read_rpc_->on(peer(static_cast<int>(r)))
+                                                              .timed_async(limit, want_slots[r], want_rows[r], offsets,
+                                                                           nbytes, bases, dest));
+        // Wait for every answer before `dest` may go, even after a failure; report the first failure.
+        enum class Failure { none, timeout, unreachable, refused } failed = Failure::none;
+        std::string text;
+        for (auto& [r, resp] : pending) {
+            Failure now = Failure::none;
+            std::string what;
+            try {
+                int status = resp.wait().as<int>();
+                if (status != kOk) {
+                    now = Failure::refused;
+                    what = "rank " + std::to_string(r) + " refused a record read (" + status_text(status) + ")";
+                }
+            } catch (const tl::timeout&) {
+                now = Failure::timeout;
+                what = "rank " + std::to_string(r) + " did not serve a record read within " + seconds(timeout_s) +
+                       " s (stuck or dead?)";
+            } catch (const tl::exception& e) {
+                now = Failure::unreachable;
+                what = "rank " + std::to_string(r) + " is unreachable (" + e.what() +
+                       "): its buffer is closed or its process died";
+            }
+            if (failed == Failure::none && now != Failure::none) {
+                failed = now;
+                text = what;
+            }
+        }
+        if (failed == Failure::timeout) throw PeerTimeout(text);
+        if (failed == Failure::unreachable) throw PeerUnreachable(text);
+        if (failed == Failure::refused) throw PeerError(text);
+        std::size_t per_record = 0;
+        for (auto nb : nbytes) per_record += nb;
+        return count * per_record;
+    }
+
+    void close() {
+        if (!m_engine) return;
+        py::gil_scoped_release nogil;
+        m_closed.store(true);
+        m_peers.clear();
+        if (m_fills_rpc_) m_fills_rpc_->deregister();
+        if (m_read_rpc_) m_read_rpc_->deregister();
+        m_fills_rpc_.reset();
+        m_read_rpc_.reset();
+        m_block = tl::bulk();
+        m_engine->finalize();
+        m_engine.reset();
+    }
+
+  private:
+    static std::chrono::milliseconds to_duration(double s) {
+        if (!(s > 0)) throw std::invalid_argument("timeout must be > 0 seconds");
+        return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
+    }
+
+    static std::string seconds(double s) {
+        char text[32];
+        std::snprintf(text, sizeof text, "%.3g", s);
+        return text;
+    }
+
+    static std::string status_text(int status) {
+        switch (status) {
+            case kBadSlot: return "slot out of range: the ranks disagree on the buffer layout";
+            case kTooLarge: return "a field or row outside the reader's output region";
+            case kClosed: return "its buffer is closed";
+            case kTransfer: return "a bulk transfer failed";
+            default: return "status " + std::to_string(status);
+        }
+    }
+
+    const tl::endpoint& peer(int r) const {
+        if (r < 0 || static_cast<std::size_t>(r) >= m_peers.size() || r == m_me)
+            throw std::invalid_argument("no peer rank " + std::to_string(r));
+        return m_peers[r];
+    }
+
+    void serve_fills(const tl::request& req) {
+        if (m_closed.load()) {
+            req.respond(std::vector<std::int64_t>{});
+            return;
+        }
+        std::vector<std::int64_t> out(m_num_classes);
+        {
+            SharedHold hold(m_lock);
+            std::memcpy(out.data(), m_base, 8 * m_num_classes);
+        }
+        req.respond(out);
+    }
+
+    void serve_read(const tl::request& req, const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
+                    const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
+                    const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+        if (m_closed.load()) {
+            req.respond(kClosed);
+            return;
+        }
+        bool ok = rows.size() == slots.size() && offsets.size() == nbytes.size() && bases.size() == nbytes.size();
+        for (auto s : slots) ok = ok && s < m_num_slots;
+        if (!ok) {
+            req.respond(kBadSlot);
+            return;
+        }
+        for (std::size_t f = 0; f < nbytes.size(); ++f)
+            for (auto row : rows)
+                if (offsets[f] + nbytes[f] > m_record_bytes || bases[f] + (row + 1) * nbytes[f] > dest.size()) {
+                    req.respond(kTooLarge);
+                    return;
+                }
+        int status = kOk;
+        try {
+            tl::remote_bulk remote = dest.on(req.get_endpoint());
+            SharedHold hold(m_lock);  // no writer while records leave
+            std::vector<tl::async_bulk_op> ops;
+            ops.reserve(slots.size() * nbytes.size());
+            for (std::size_t q = 0; q < slots.size(); ++q) {
+                std::size_t record = m_header_bytes + slots[q] * m_record_bytes;
+                for (std::size_t f = 0; f < nbytes.size(); ++f)
+                    ops.push_back(m_block.select(record + offsets[f], nbytes[f])
+                                      .push_to(remote.select(bases[f] + rows[q] * nbytes[f], nbytes[f])));
+            }
+            for (auto& op : ops) op.wait();
+        } catch (const std::exception&) {
+            status = kTransfer;
+        }
+        req.respond(status);
+    }
+
+    char* m_base;
+    std::size_t m_nbytes, m_header_bytes, m_record_bytes, m_num_classes, m_num_slots = 0;
+    std::unique_ptr<tl::engine> m_engine;
+    tl::bulk m_block;
+    std::optional<tl::remote_procedure> m_fills_rpc_, m_read_rpc_;
+    std::vector<tl::endpoint> m_peers;
+    int m_me = -1;
+    std::shared_mutex m_lock;
+    std::atomic<bool> m_closed{false};
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_torchhpc_thallium, m) {
+    m.doc() = "Thallium (Mochi) transport of torchhpc.rehearsal: records served by RPC + bulk push under the owner's lock";
+    py::register_exception<PeerTimeout>(m, "PeerTimeout", PyExc_TimeoutError);
+    py::register_exception<PeerError>(m, "PeerError", PyExc_RuntimeError);
+    py::register_exception<PeerUnreachable>(m, "PeerUnreachable", PyExc_ConnectionError);
+    m.attr("THALLIUM_VERSION") = THALLIUM_VERSION;
+    py::class_<Transport>(m, "Transport")
+        .def(py::init<const std::string&, std::uintptr_t, std::size_t, std::size_t, std::size_t, std::size_t,
+                      const std::string&>(),
+             py::arg("protocol"), py::arg("base"), py::arg("nbytes"), py::arg("header_bytes"), py::arg("record_bytes"),
+             py::arg("num_classes"), py::arg("config"), py::call_guard<py::gil_scoped_release>())
+        .def("address", &Transport::address)
+        .def("connect", &Transport::connect, py::arg("addresses"), py::arg("me"))
+        .def("lock_exclusive", &Transport::lock_exclusive)
+        .def("unlock_exclusive", &Transport::unlock_exclusive)
+        .def("fills", &Transport::fills, py::arg("ranks"), py::arg("timeout"))
+        .def("read", &Transport::read, py::arg("ranks"), py::arg("slots"), py::arg("fields"), py::arg("timeout"))
+        .def("close", &Transport::close);
+}

@@ -1,0 +1,132 @@
+"""The job layer (utils/submit_job.sh + utils/lib/jobs.sh) without a scheduler: one generator for PBS and
+Slurm job scripts, directive syntax checks, scheduler detection.  A PBS server cannot run here, so PBS
+scripts and submit lines are checked as DRY_RUN=1 prints them; Slurm runs for real in test_cluster_slurm.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def submit(tmp_path: Path, *args: str, path: str = "/usr/bin:/bin", **env: str) -> subprocess.CompletedProcess[str]:
+    base = {"PATH": f"{Path(sys.executable).parent}:{path}", "HOME": str(tmp_path), "LANG": "C",
+            "TORCHHPC_PREFIX": str(tmp_path / "build"), "DRY_RUN": "1", "SITE": "generic"}
+    return subprocess.run(["bash", "utils/submit_job.sh", "--name", "j", *args], cwd=ROOT, env={**base, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def script_lines(stdout: str) -> tuple[list[str], str]:
+    script, _, line = stdout.partition("# submit command:\n")
+    return script.splitlines()[1:], line.strip()
+
+
+def test_pbs_and_slurm_scripts_come_from_one_generator(tmp_path: Path) -> None:
+    cmd = ["--shape", "test", "--", "echo", "a b"]
+    pbs, pbs_submit = script_lines(submit(tmp_path, "--scheduler", "pbs", *cmd).stdout)
+    slurm, slurm_submit = script_lines(submit(tmp_path, "--scheduler", "slurm", *cmd).stdout)
+    assert pbs[0] == "#!/bin/bash -l" and slurm[0] == "#!/bin/bash"
+    pbs_body = [line for line in pbs[1:] if not line.startswith("#PBS")]
+    slurm_body = [line for line in slurm[1:] if not line.startswith("#SBATCH")]
+    assert [line.replace("(pbs)", "(X)").replace("=pbs", "=X") for line in pbs_body] == \
+        [line.replace("(slurm)", "(X)").replace("=slurm", "=X") for line in slurm_body]
+    assert pbs_body[-1] == "echo a\\ b"
+    assert pbs_submit == f"qsub -W block=true {tmp_path}/build/jobs/j.pbs"
+    assert slurm_submit == f"sbatch --parsable {tmp_path}/build/jobs/j.slurm"
+    assert "#SBATCH --nodes=2" in slurm and "#SBATCH --ntasks-per-node=4" in slurm
+    assert "#SBATCH --gpus-per-node=4" in slurm and "#SBATCH --time=00:15:00" in slurm
+    assert f"#SBATCH --output={tmp_path}/build/jobs/j-%j.log" in slurm
+    assert "#PBS -l select=2:ncpus=8:mpiprocs=4:ngpus=4" in pbs and f"#PBS -o {tmp_path}/build/jobs/j.log" in pbs
+
+
+def test_slurm_overrides_and_options(tmp_path: Path) -> None:
+    out = submit(tmp_path, "--scheduler", "slurm", "--shape", "build", "--", "true", SLURM_ACCOUNT="proj1",
+                 SLURM_PARTITION="gpu", SLURM_CPUS_BUILD="64", SLURM_GPUS_BUILD="1", SLURM_TIME_BUILD="1-00:00:00",
+                 SLURM_EXTRA="--exclusive --constraint=a100").stdout
+    lines, _ = script_lines(out)
+    for line in ("--account=proj1", "--partition=gpu", "--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=64",
+                 "--gpus-per-node=1", "--time=1-00:00:00", "--exclusive", "--constraint=a100"):
+        assert f"#SBATCH {line}" in lines, line
+
+
+@pytest.mark.parametrize(("select", "message"), [
+    ("2:ncpus=64:mpiprocs=4:ngpus=4", ""),
+    ("1:ncpus=64:mem=235GB+1:ncpus=8", ""),
+    ("2:ncpus=lots", "has ncpus=lots (a whole number is needed)"),
+    ("2:ngpus=4.5", "has ngpus=4.5"),
+    ("0:ncpus=4", "asks for 0 chunks"),
+    ("ncpus=4", "is not a PBS select statement"),
+    ("2:ncpus=4 -l walltime=99:00:00", "is not a PBS select statement"),
+    ("2:NCPUS=4", "is not a PBS select statement"),
+])
+def test_pbs_select_syntax(tmp_path: Path, select: str, message: str) -> None:
+    proc = submit(tmp_path, "--scheduler", "pbs", "--shape", "test", "--select", select, "--", "true")
+    if message:
+        assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert f"#PBS -l select={select}" in proc.stdout
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("--walltime", "20min", "is not HH:MM:SS"),
+    ("--walltime", "1:99:00", "is not HH:MM:SS"),
+    ("--queue", "main queue", "is not a PBS queue name"),
+    ("--account", "NTDD 0001", "has characters no scheduler accepts"),
+    ("--submit", "sbatch", "is not qcmd or qsub"),
+])
+def test_pbs_directive_values(tmp_path: Path, option: str, value: str, message: str) -> None:
+    proc = submit(tmp_path, "--scheduler", "pbs", "--shape", "build", option, value, "--", "true")
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_qcmd_carries_resources_on_its_command_line(tmp_path: Path) -> None:
+    out = submit(tmp_path, "--scheduler", "pbs", "--shape", "build", "--submit", "qcmd", "--account", "P1",
+                 "--queue", "develop", "--", "true").stdout
+    _, line = script_lines(out)
+    assert line == (f"qcmd -N j -q develop -l select=1:ncpus=32 -l walltime=04:00:00 -A P1 -- bash -l "
+                    f"{tmp_path}/build/jobs/j.pbs")
+
+
+def test_bad_names_shapes_and_schedulers(tmp_path: Path) -> None:
+    for args, message in ((["--scheduler", "lsf"], "SCHEDULER 'lsf' is not pbs or slurm"),
+                          (["--scheduler", "pbs", "--name", "9lives"], "is not a valid job name"),
+                          (["--scheduler", "slurm", "--shape", "huge"], "--shape 'huge' is not build or test")):
+        shape = [] if "--shape" in args else ["--shape", "build"]
+        proc = submit(tmp_path, *args, *shape, "--", "true")
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+
+
+@pytest.mark.parametrize(("tools", "expected"), [((), "none"), (("qsub",), "pbs"), (("qsub", "sbatch"), "slurm")])
+def test_generic_detects_the_scheduler_on_path(tmp_path: Path, tools: tuple[str, ...], expected: str) -> None:
+    # Only `command -v` looks at these names; nothing runs them.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for tool in Path("/usr/bin").iterdir():  # everything but the schedulers' commands this host may have
+        if tool.name not in ("sbatch", "srun", "qsub", "qcmd"):
+            (bindir / tool.name).symlink_to(tool)
+    for tool in tools:
+        (bindir / tool).write_text("#!/bin/sh\nexit 99\n")
+        (bindir / tool).chmod(0o755)
+    env = {"PATH": str(bindir), "HOME": str(tmp_path), "SITE": "generic", "TORCHHPC_NO_ENV": "1",
+           "TORCHHPC_QUIET": "1", "TORCHHPC_PREFIX": str(tmp_path / "build")}
+    proc = subprocess.run(["bash", "-c", "source ./config_env.sh && echo $TORCHHPC_SCHEDULER"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == expected, proc.stderr
+    if expected == "none":
+        out = subprocess.run(["bash", "utils/submit_job.sh", "--name", "j", "--shape", "build", "--", "true"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "neither sbatch nor qsub is on PATH" in out.stderr
+
+
+def test_derecho_profile_says_pbs(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SITE": "derecho", "TORCHHPC_NO_ENV": "1",
+           "TORCHHPC_NO_MODULES": "1", "TORCHHPC_QUIET": "1"}
+    proc = subprocess.run(["bash", "-c", "source ./config_env.sh && echo $TORCHHPC_SCHEDULER"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "pbs"

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Run a command on compute nodes through the site's batch scheduler (PBS or Slurm), wait for it, show its
+# log and exit with its exit status.  One job script generator for both schedulers.
+#
+#   utils/submit_job.sh --name NAME --shape build|test [--scheduler pbs|slurm] [--walltime HH:MM:SS]
+#                       [--account A] [--queue Q] [--nodes N] [--ranks-per-node N] [--cpus N] [--gpus N]
+#                       [--select PBS_SELECT] [--submit qcmd|qsub] -- COMMAND [ARG...]
+#
+# The scheduler is --scheduler, else SCHEDULER, else the site profile's SITE_SCHEDULER (`generic` detects
+# sbatch or qsub on PATH).  Resources come from the site profile through config_env.sh (TORCHHPC_PBS_* and
+# TORCHHPC_SLURM_*, each overridable as PBS_* / SLURM_* variables, see docs/cluster.md); --shape picks the
+# build or the test set.  The job script ($TORCHHPC_PREFIX/jobs/NAME.pbs|.slurm) re-sources config_env.sh
+# for the same SITE and PYTORCH_VERSION on the compute node, then runs COMMAND from the repository root.
+#   PBS:   `qsub -W block=true SCRIPT` (PBS Pro returns when the job ends, with its exit status), or NCAR's
+#          blocking `qcmd` (resources on its command line: it does not read #PBS lines).
+#   Slurm: `sbatch --parsable SCRIPT`, then polled with squeue/scontrol until the job ends; the job's
+#          state and exit code come from `scontrol show job`.  Ctrl-C (or a kill) cancels the job.
+# Exit status: the job's; 124 when it hit its time limit; 130 when cancelled; 1 for other failures.
+# DRY_RUN=1 prints the job script and the exact submit command instead of submitting.
+set -euo pipefail
+# shellcheck source=utils/lib/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
+# shellcheck source=utils/lib/jobs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/jobs.sh"
+
+JOB_NAME="" JOB_SHAPE="" JOB_SCHEDULER=${SCHEDULER:-} JOB_WALLTIME="" JOB_ACCOUNT="" JOB_QUEUE=""
+JOB_NODES="" JOB_PPN="" JOB_CPUS="" JOB_GPUS="" JOB_SELECT="" JOB_SUBMIT=""
+while (($#)); do
+  case "$1" in
+    --name) JOB_NAME=${2:?--name needs a value}; shift 2 ;;
+    --shape) JOB_SHAPE=${2:?--shape needs a value}; shift 2 ;;
+    --scheduler) JOB_SCHEDULER=${2:?--scheduler needs a value}; shift 2 ;;
+    --walltime) JOB_WALLTIME=${2:?--walltime needs a value}; shift 2 ;;
+    --account) JOB_ACCOUNT=${2:?--account needs a value}; shift 2 ;;
+    --queue | --partition) JOB_QUEUE=${2:?$1 needs a value}; shift 2 ;;
+    --nodes) JOB_NODES=${2:?--nodes needs a value}; shift 2 ;;
+    --ranks-per-node) JOB_PPN=${2:?--ranks-per-node needs a value}; shift 2 ;;
+    --cpus) JOB_CPUS=${2:?--cpus needs a value}; shift 2 ;;
+    --gpus) JOB_GPUS=${2:?--gpus needs a value}; shift 2 ;;
+    --select) JOB_SELECT=${2:?--select needs a value}; shift 2 ;;
+    --submit) JOB_SUBMIT=${2:?--submit needs a value}; shift 2 ;;
+    --) shift; break ;;
+    *) die "unknown option '$1' (see the header of $0)" ;;
+  esac
+done
+(($#)) || die "no command given after --"
+JOB_COMMAND=$(quote_cmd "$@")
+TORCHHPC_NO_ENV=1 TORCHHPC_NO_MODULES=1 TORCHHPC_QUIET=1 load_config
+
+job_resolve
+job_write_script
+job_build_submit
+if [[ "$DRY_RUN" == 1 ]]; then
+  echo "# job script $JOB_SCRIPT:"
+  printf '%s\n' "$JOB_SCRIPT_TEXT"
+  echo "# submit command:"
+  quote_cmd "${JOB_SUBMIT_CMD[@]}"
+  [[ -n "$JOB_ACCOUNT" ]] || echo "# warning: no account; set ${JOB_SCHEDULER^^}_ACCOUNT before submitting for real" >&2
+  exit 0
+fi
+job_run
