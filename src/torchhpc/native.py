@@ -34,7 +34,7 @@ ENGINES: dict[str, NativeEngine] = {
     "thallium": NativeEngine("thallium", "_torchhpc_thallium", "make native-mochi",
                              "RehearsalBuffer(transport='thallium')"),
     "xbraid": NativeEngine("xbraid", "_torchhpc_xbraid", "make native-xbraid",
-                           "mgrit.solve / LayerParallel(engine='xbraid')"),
+                           "torchhpc.braid engine='xbraid'"),
 }
 
 
