@@ -8,10 +8,12 @@ that gives local rank > rank), ``mpich`` (the MPICH that ``make env`` puts in ``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,21 @@ def variant_unavailable(variant: str) -> str | None:
     return None
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (mpiexec's, started with ``start_new_session``): Open MPI
+    puts each rank in a process group of its own, so killing mpiexec's group would leave hung ranks alive."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after "pid (comm)": state ppid pgrp session
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(stat.parent.name), signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(sid, signal.SIGKILL)
+
+
 def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool = False,
             variant: str = "plain") -> subprocess.CompletedProcess:
     """Run ``argv`` under mpiexec with ``nprocs`` ranks; kill the whole job at ``timeout``.
@@ -62,7 +79,8 @@ def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool =
     here = Path(__file__).resolve().parent
     paths = (str(here.parent / "src"), str(here), env.get("PYTHONPATH"))  # torchhpc, and tests/ helpers
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    env["TORCHHPC_TEST_STACKS_AFTER"] = f"{max(timeout - STACKS_MARGIN, 0.6 * timeout):.1f}"
+    # wall-clock time at which every rank dumps its stacks: shortly before the kill, whenever the ranks started
+    env["TORCHHPC_TEST_STACKS_AT"] = f"{time.time() + timeout - min(STACKS_MARGIN, 0.3 * timeout):.1f}"
     mpiexec = None
     extra: tuple[str, ...] = ()
     if variant == "mpich" and mpi_flavor() != "mpich":
@@ -79,10 +97,10 @@ def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool =
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_session(proc.pid)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} did not finish in {timeout:.0f}s (hung?); every rank's Python stacks "
-                    f"were dumped {STACKS_MARGIN:.0f}s before the kill (search 'most recent call first'); "
+                    "were dumped shortly before the kill (search 'most recent call first'); "
                     f"output:\n{out[-40000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 

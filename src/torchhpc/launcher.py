@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 from .errors import LauncherError
 from .waiting import agreed, wait_requests
 
-__all__ = ["LauncherError", "WorldInfo", "world_info", "mpi_launcher", "init_distributed", "agree_on_master"]
+__all__ = ["LauncherError", "WorldInfo", "world_info", "mpi_launcher", "MPI_LAUNCHER_VARS",
+           "init_distributed", "agree_on_master"]
 
 
 
@@ -74,6 +75,10 @@ _MPI_MARKERS: tuple[tuple[str, str], ...] = (
     ("openmpi", "OMPI_COMM_WORLD_SIZE"), ("pmix", "PMIX_RANK"), ("mpich", "PMI_SIZE"),
     ("mpich", "MPI_LOCALNRANKS"), ("mpich", "HYDRA_CONTROL_FD"), ("mvapich", "MV2_COMM_WORLD_SIZE"),
 )
+
+
+MPI_LAUNCHER_VARS: tuple[str, ...] = tuple(dict.fromkeys(var for _, var in _MPI_MARKERS))
+"""Every variable :func:`mpi_launcher` looks for (e.g. to clear them for a plain child process)."""
 
 
 def mpi_launcher(env: Mapping[str, str] | None = None) -> str | None:

@@ -117,13 +117,14 @@ def _rank_label(comm: Any) -> str:
     return f"rank {rank} (world rank {world.Get_rank()})"
 
 
-def agree(comm: Any, error: BaseException | None, timeout: float, what: str) -> None:
+def agree(comm: Any, error: BaseException | None, timeout: float, what: str,
+          message: Callable[[], str] | None = None) -> None:
     """Collective over ``comm``: each rank passes ``None`` (ok) or its exception.
 
     If another rank failed, raise :class:`RemoteError` naming it and its error.  A rank that failed
     itself returns (its caller re-raises its own error, with a note naming any other failing ranks).
     Raises :class:`PeerTimeoutError` (only on ranks that did not fail) if the ranks do not all arrive
-    within ``timeout`` s."""
+    within ``timeout`` s; ``message``, if given, builds its text (a subpackage's own wording)."""
     import numpy as np
     from mpi4py import MPI
 
@@ -138,7 +139,7 @@ def agree(comm: Any, error: BaseException | None, timeout: float, what: str) -> 
             f"rank {comm.Get_rank()} waited for the others to report success or failure")
     try:
         wait_requests([comm.Iallgather([mine, MPI.INT64_T], [lengths, MPI.INT64_T])], timeout, hint,
-                      keep=(mine, lengths))
+                      keep=(mine, lengths), message=message)
         if not lengths.any():
             return
         counts = lengths.astype(np.int64)
@@ -146,7 +147,7 @@ def agree(comm: Any, error: BaseException | None, timeout: float, what: str) -> 
         texts = bytearray(int(counts.sum()))
         send = bytearray(payload)
         wait_requests([comm.Iallgatherv([send, MPI.BYTE], [texts, (counts, displs), MPI.BYTE])], timeout,
-                      hint, keep=(send, texts))
+                      hint, keep=(send, texts), message=message)
     except PeerTimeoutError:
         if error is not None:
             return  # the caller's own error says more than the missing peers
@@ -169,11 +170,11 @@ def agree(comm: Any, error: BaseException | None, timeout: float, what: str) -> 
 
 
 @contextmanager
-def agreed(comm: Any, timeout: float, what: str) -> Iterator[None]:
+def agreed(comm: Any, timeout: float, what: str, message: Callable[[], str] | None = None) -> Iterator[None]:
     """Run the ``with`` body, then :func:`agree` over ``comm``: an exception on any rank becomes one on all."""
     try:
         yield
     except Exception as exc:
-        agree(comm, exc, timeout, what)
+        agree(comm, exc, timeout, what, message)
         raise
-    agree(comm, None, timeout, what)
+    agree(comm, None, timeout, what, message)

@@ -3,7 +3,7 @@
 A failure on one rank would leave the others blocked in a collective, so a failing
 rank prints its report and aborts the whole job: the harness sees a non-zero exit
 at once instead of waiting for its time limit.  A job that hangs anyway: shortly before
-the harness kills it (``TORCHHPC_TEST_STACKS_AFTER`` seconds), every rank dumps the
+the harness kills it (at ``TORCHHPC_TEST_STACKS_AT``, a wall-clock time), every rank dumps the
 Python stacks of all its threads to the job's output (faulthandler), and SIGUSR1 does
 the same on demand.  Each rank prints its place (rank, the launcher's local rank) once at the start.
 """
@@ -14,6 +14,7 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 
 import pytest
 from mpi4py import MPI
@@ -25,9 +26,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     stream = sys.__stderr__  # fd 2 itself: the harness runs pytest with --capture=sys, so it is not captured
-    after = os.environ.get("TORCHHPC_TEST_STACKS_AFTER")
-    if after:
-        faulthandler.dump_traceback_later(float(after), exit=False, file=stream)
+    at = os.environ.get("TORCHHPC_TEST_STACKS_AT")  # wall-clock time, set by the harness before its kill
+    if at:
+        faulthandler.dump_traceback_later(max(1.0, float(at) - time.time()), exit=False, file=stream)
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
     info = world_info()  # the launcher's local rank (e.g. OMPI_COMM_WORLD_LOCAL_RANK), not MPI's split order
     stream.write(f"TORCHHPC-RANK-MAP rank={rank} local_rank={info.local_rank} size={world.Get_size()} "

@@ -22,7 +22,16 @@ from ..waiting import agreed
 from .layers import vjp
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions
-from .transport import Channel, agreement_timeout, allgather_int, allreduce, bcast_tensor, check_timeout, dup
+from .transport import (
+    Channel,
+    agreement_timeout,
+    allgather_int,
+    allreduce,
+    bcast_tensor,
+    check_timeout,
+    dup,
+    timeout_message,
+)
 
 __all__ = ["GRUSerial", "GRUParallel", "gru_coarse_step"]
 
@@ -91,7 +100,9 @@ class GRUParallel(nn.Module):
                  cfactor: int = 4, max_iters: int = 10, tol: float = 1e-9, relax: str | int = "FCF",
                  seed: int = 0, dtype: torch.dtype | None = None, timeout: float | None = None) -> None:
         super().__init__()
-        with agreed(comm, agreement_timeout(timeout), "GRUParallel()"):  # an error on one rank: on all
+        agree_s = agreement_timeout(timeout)
+        with agreed(comm, agree_s, "GRUParallel()", lambda: timeout_message(  # an error on one rank: on all
+                "GRUParallel construction (error agreement, MPI_Iallgather)", comm, agree_s)):
             timeout = check_timeout(timeout)
             settings = dict(max_levels=max_levels, cfactor=cfactor, max_iter=max_iters, tol=tol, relax=relax,
                             nested_iteration=False)

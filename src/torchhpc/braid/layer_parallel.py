@@ -49,6 +49,7 @@ from .transport import (
     check_timeout,
     dup,
     gather_object,
+    timeout_message,
 )
 
 __all__ = ["LayerParallel"]
@@ -96,11 +97,13 @@ class LayerParallel(nn.Module):
                  Tf: float, max_fwd_levels: int = 1, max_bwd_levels: int = 1, max_iters: int = 10, *,
                  seed: int = 0, timeout: float | None = None, engine: str = "python") -> None:
         super().__init__()
-        with agreed(comm, agreement_timeout(timeout), "LayerParallel()"):  # an error on one rank: on all
+        agree_s = agreement_timeout(timeout)
+        with agreed(comm, agree_s, "LayerParallel()", lambda: timeout_message(  # an error on one rank: on all
+                "LayerParallel construction (error agreement, MPI_Iallgather)", comm, agree_s)):
             if engine not in ("python", "xbraid"):
                 raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
             if engine == "xbraid":
-                xbraid.load()  # EngineUnavailableError, naming what is missing, before any collective
+                xbraid.load()  # EngineUnavailableError, naming what is missing and `make native-xbraid`
             if len(layer_blocks) != len(global_steps) or not layer_blocks:
                 raise ValueError(f"need one step count per layer block, got {len(layer_blocks)} blocks and "
                                  f"{len(global_steps)} counts")

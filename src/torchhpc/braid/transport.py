@@ -31,6 +31,7 @@ from torchhpc.mpi_info import cuda_aware_query
 from torchhpc.waiting import wait_requests
 
 __all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "agreement_timeout",
+           "timeout_message",
            "cuda_aware_mpi", "wait_all", "dup", "barrier", "allreduce", "allgather_int", "bcast_tensor",
            "bcast_object", "gather_object"]
 
@@ -72,7 +73,11 @@ def agreement_timeout(timeout: float | None) -> float:
     try:
         return check_timeout(timeout)
     except ValueError:
+        pass
+    try:
         return default_timeout()
+    except ValueError:  # a bad TORCHHPC_BRAID_TIMEOUT is then the error the ranks agree on
+        return DEFAULT_TIMEOUT
 
 
 def cuda_aware_mpi() -> bool:
@@ -90,12 +95,17 @@ def wait_all(requests: Sequence[MPI.Request], timeout: float, what: str, comm: M
     requests if they are given up; ``cancel`` cancels them first (point-to-point receives only:
     MPI forbids cancelling collectives).
     """
-    wait_requests(requests, timeout, what, keep=keep, cancel=cancel, message=lambda: (
-        f"torchhpc.braid: {what} on rank {comm.Get_rank()} of {comm.Get_size()} (world rank "
-        f"{MPI.COMM_WORLD.Get_rank()}) did not complete within {timeout:g} s. Likely cause: a peer "
-        "rank died, is stuck, or did not make the same call (every rank must run the same braid "
-        "operations in the same order). If the peers are only slow, raise timeout= or "
-        "TORCHHPC_BRAID_TIMEOUT; otherwise abort the job, this communicator is no longer usable."))
+    wait_requests(requests, timeout, what, keep=keep, cancel=cancel,
+                  message=lambda: timeout_message(what, comm, timeout))
+
+
+def timeout_message(what: str, comm: MPI.Comm, timeout: float) -> str:
+    """braid's text for a wait on peers that passed its deadline: the operation, the rank, the likely cause."""
+    return (f"torchhpc.braid: {what} on rank {comm.Get_rank()} of {comm.Get_size()} (world rank "
+            f"{MPI.COMM_WORLD.Get_rank()}) did not complete within {timeout:g} s. Likely cause: a peer "
+            "rank died, is stuck, or did not make the same call (every rank must run the same braid "
+            "operations in the same order). If the peers are only slow, raise timeout= or "
+            "TORCHHPC_BRAID_TIMEOUT; otherwise abort the job, this communicator is no longer usable.")
 
 
 # ---------------------------------------------------------------------------- collectives
