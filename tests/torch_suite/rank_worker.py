@@ -84,6 +84,10 @@ def main() -> int:
     from torch.multiprocessing import Pipe
     from torch.testing._internal.distributed import distributed_test as dt
 
+    comm.Barrier()
+    if rank == 0:  # each test gets its own TEMP_DIR below; this one only had to exist for the import
+        shutil.rmtree(os.environ["TEMP_DIR"], ignore_errors=True)
+
     class TestDistBackendMPI(dt.TestDistBackend, dt.DistributedTest._DistTestBase):
         """torch's test class, run by the ranks of an MPI job instead of spawned processes."""
 
