@@ -23,7 +23,7 @@ NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/n
 NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
                   NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-unit test-mpi lint bench doctor clean-env native clean-native
+.PHONY: help env test test-unit test-mpi test-torch-suite lint bench doctor clean-env native clean-native
 
 help: ## List every target with one line each
 	@printf 'torchhpc targets (variables: VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) MPI=$(MPI)):\n\n'
@@ -56,6 +56,9 @@ test-unit: $(PY) ## Run only the single-process unit tests
 
 test-mpi: $(PY) ## Run only the tests launched under mpiexec
 	@$(PY) -m pytest tests/test_mpi_suites.py $(PYTEST_ARGS)
+
+test-torch-suite: $(PY) ## PyTorch's own distributed suite on accl and gloo at 3 ranks (~5 min); torch-suite-results/
+	@$(PY) tests/torch_suite/driver.py --out torch-suite-results $(TORCH_SUITE_ARGS)
 
 lint: $(PY) ## ruff over the Python sources; shellcheck over the shell scripts (when installed)
 	@$(VENV)/bin/ruff check src tests bench examples

@@ -131,8 +131,8 @@ def test_one_rank_group_runs_every_collective(solo) -> None:
 def test_header_exchange_without_persistent_collectives(solo) -> None:
     """MPIs without MPI-4 persistent collectives (Allgather_init raising NotImplementedError): every
     header exchange, fast path and queued, falls back to a nonblocking all-gather."""
-    solo._hdr_preq.Free()
-    solo._hdr_preq = None
+    solo.header.persistent.Free()
+    solo.header.persistent = None
     t = torch.arange(4.0)
     dist.all_reduce(t)  # header slot carries the payload
     big = torch.arange(600.0)

@@ -248,23 +248,30 @@ def test_self_collectives_round_trip() -> None:
 
 
 # ---------------------------------------------------------------------------- engine="xbraid"
-def test_xbraid_missing_extension_names_make_native(tmp_path) -> None:
-    """Without the extension, engine='xbraid' raises EngineUnavailableError naming the file and `make native`."""
-    import os
+def test_xbraid_missing_extension_names_make_native() -> None:
+    """Where the extension does not import, engine='xbraid' raises EngineUnavailableError naming it and the
+    make target, on solve and on LayerParallel, and location() is None."""
     import subprocess
     import sys
 
-    code = ("import torch; from mpi4py import MPI; from torchhpc.braid import solve, xbraid\n"
+    code = ("import sys; sys.modules['_torchhpc_xbraid'] = None  # as if not built\n"
+            "import torch; from mpi4py import MPI; from torch import nn\n"
+            "from torchhpc.braid import LayerParallel, solve, xbraid\n"
+            "from torchhpc.errors import EngineUnavailableError\n"
             "try:\n"
             "    solve(lambda u, a, b: u, torch.ones(1), [0.0, 1.0, 2.0], MPI.COMM_SELF, engine='xbraid')\n"
-            "except xbraid.EngineUnavailableError as e:\n"
+            "except EngineUnavailableError as e:\n"
             "    print('ERR', e)\n"
+            "try:\n"
+            "    LayerParallel(MPI.COMM_SELF, [nn.Identity()], [2], Tf=1.0, engine='xbraid')\n"
+            "except EngineUnavailableError as e:\n"
+            "    print('LPERR', e)\n"
             "print('LOC', xbraid.location())\n")
-    env = {**os.environ, "TORCHHPC_NATIVE_PREFIX": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "ERR engine='xbraid' needs the torchhpc_xbraid extension at " + str(tmp_path) in out.stdout
-    assert "make native" in out.stdout and "LOC None" in out.stdout
+    assert "ERR the native xbraid engine (torchhpc.braid engine='xbraid') is not available" in out.stdout
+    assert "_torchhpc_xbraid" in out.stdout and "make native-xbraid" in out.stdout
+    assert "LPERR the native xbraid engine" in out.stdout and "LOC None" in out.stdout
 
 
 def test_xbraid_adaptor_packs_and_sums_exactly() -> None:

@@ -215,9 +215,9 @@ def compile_harness(tmp_path: Path, compiler: list[str], function: str, stub: st
 
 
 def wrapper(kind: str) -> Path | None:
-    """The C++ wrapper of the Open MPI or MPICH wheel: in the venv's bin/ (the MPI= of make env) or in the side
-    prefix $VENV/opt/<kind> where make env installs the other one."""
-    for cand in (VENV_BIN / "mpicxx", VENV_BIN.parent / "opt" / kind / "bin" / "mpicxx"):
+    """The C++ wrapper of the Open MPI or MPICH wheel: in the venv's bin/ (the MPI= of make env) or, for MPICH,
+    in the side prefix $VENV/mpich where make env installs the pinned MPICH wheel next to Open MPI."""
+    for cand in (VENV_BIN / "mpicxx", VENV_BIN.parent / kind / "bin" / "mpicxx"):
         if not cand.exists():
             continue
         is_mpich = (cand.parent / "mpichversion").exists()
@@ -250,7 +250,7 @@ def test_patched_check_with_real_mpich(tmp_path: Path, fixture: str) -> None:
     its answer when MPICH_GPU_SUPPORT_ENABLED=1 is set -- upstream's Cray branch (r3) would say yes there."""
     mpicxx = wrapper("mpich")
     if mpicxx is None:
-        pytest.skip("no MPICH wheel (make env installs it into $VENV/opt/mpich)")
+        pytest.skip("no MPICH wheel (make env installs it into $VENV/mpich)")
     binary = compile_harness(tmp_path, [str(mpicxx)], patched_region(tmp_path, fixture))
     plain, with_switch = run_binary(binary), run_binary(binary, MPICH_GPU_SUPPORT_ENABLED="1")
     assert plain["library"] == "0", "the MPICH wheel is built without CUDA, so its query must say no"
@@ -263,7 +263,7 @@ def test_upstream_cray_branch_trusts_the_switch_with_real_mpich(tmp_path: Path) 
     without CUDA as soon as MPICH_GPU_SUPPORT_ENABLED=1."""
     mpicxx = wrapper("mpich")
     if mpicxx is None:
-        pytest.skip("no MPICH wheel (make env installs it into $VENV/opt/mpich)")
+        pytest.skip("no MPICH wheel (make env installs it into $VENV/mpich)")
     (r3,) = [f["file"] for f in FIXTURES if f["file"].startswith("ProcessGroupMPI.region-r3")]
     binary = compile_harness(tmp_path, [str(mpicxx)], extract_check((DATA / r3).read_text()))
     assert run_binary(binary, MPICH_GPU_SUPPORT_ENABLED="1")["aware"] == "1"

@@ -245,7 +245,10 @@ def spack_standin(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     builtin_torch = types.ModuleType("spack.pkg.builtin.py_torch")
 
     class PyTorch(PythonPackage, CudaPackage):
-        """Stand-in for Spack's builtin recipe."""
+        """Stand-in for Spack's builtin recipe: the releases the pinned builtin declares (up to 2.12.1)."""
+
+        versions = {v: {} for v in ("2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0", "2.9.1", "2.10.0", "2.11.0",
+                                    "2.12.0", "2.12.1")}
 
     builtin_torch.PyTorch = PyTorch
     for name, module in (("spack", spack), ("spack.package", package), ("spack.pkg", types.ModuleType("x")),
@@ -287,6 +290,9 @@ def test_py_torch_recipe_extends_builtin_and_patches_every_supported_version(
     conflicts = [a[0] for a, _ in directives(recipe, "conflicts")]
     assert "~distributed" in conflicts and "~mpi" in conflicts
     assert not hasattr(recipe, "_version") and not hasattr(recipe, "_patch")
+    # Only the release the builtin lacks is added, at the tag commit of the table.
+    added = directives(recipe, "version")
+    assert added == [(("2.13.0",), {"tag": "v2.13.0", "commit": table_row("2.13.0")["commit"], "submodules": True})]
 
 
 def test_py_torchhpc_recipe_declares_what_pyproject_needs(spack_standin: types.ModuleType) -> None:

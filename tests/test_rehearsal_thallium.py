@@ -1,7 +1,8 @@
 """The Thallium transport of torchhpc.rehearsal in one process: the extension's reads, its lock, its errors.
 
-Two engines in one process stand for two ranks (Mercury's ``na+sm`` between them is the same path as
-between two processes on a node); the transport under mpiexec is tested in tests/mpi/test_rehearsal.py.
+Two engines in one process stand for two ranks, over ``na+sm`` (the same path as between two processes on a
+node) and ``ofi+tcp`` (libfabric's TCP provider, the cross-node path; ``ofi+verbs``/``ofi+cxi`` need their NICs,
+absent here); the transport under mpiexec is tested in tests/mpi/test_rehearsal.py.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ def _extension():
 K, HEADER, RECORD, SLOTS = 2, 64, 192, 5
 
 
-@pytest.fixture
-def pair():
-    """Two transports ("ranks" 0 and 1) over na+sm, each exposing a block whose records hold known bytes."""
+@pytest.fixture(params=["na+sm", "ofi+tcp"])
+def pair(request: pytest.FixtureRequest):
+    """Two transports ("ranks" 0 and 1) over one protocol, each exposing a block whose records hold known bytes."""
     ext = _extension()
     blocks = []
     for r in range(2):
@@ -40,7 +41,7 @@ def pair():
         b[: 8 * K].view(torch.int64).copy_(torch.tensor([3 + r, 5 + r]))
         b[HEADER:].view(SLOTS, RECORD).copy_((torch.arange(SLOTS) + 10 * r + 1).view(SLOTS, 1).to(torch.uint8))
         blocks.append(b)
-    trs = [ext.Transport("na+sm", b.data_ptr(), b.numel(), HEADER, RECORD, K, MARGO_CONFIG) for b in blocks]
+    trs = [ext.Transport(request.param, b.data_ptr(), b.numel(), HEADER, RECORD, K, MARGO_CONFIG) for b in blocks]
     addresses = [t.address() for t in trs]
     for r, t in enumerate(trs):
         t.connect(addresses, r)
@@ -104,6 +105,12 @@ def test_missing_extension_is_engine_unavailable(monkeypatch: pytest.MonkeyPatch
         RehearsalBuffer(2, 3, 2, 2, (4,), transport="thallium")
     doctor = {c.name: c for c in run_checks(probe=False)}["native engines"]
     assert "thallium not built" in doctor.value and "make native-mochi" in doctor.hint
+
+
+def test_every_engine_is_in_the_doctor_line() -> None:
+    doctor = {c.name: c for c in run_checks(probe=False)}["native engines"]
+    for name in native.ENGINES:
+        assert f"{name} " in doctor.value
 
 
 def test_doctor_says_where_the_extension_was_loaded_from() -> None:

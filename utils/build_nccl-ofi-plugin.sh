@@ -67,6 +67,9 @@ if [[ -n "$nccl_home" ]]; then
   # An existing NCCL (a site module, or the nvidia-nccl-cu12 wheel in CI): linked into the prefix as is.
   [[ -e "$nccl_home/include/nccl.h" ]] || die "NCCL_HOME=$nccl_home has no include/nccl.h"
   compgen -G "$nccl_home/lib/libnccl.so*" >/dev/null || die "NCCL_HOME=$nccl_home has no lib/libnccl.so*"
+  have=$(for part in MAJOR MINOR PATCH; do sed -n "s/^#define NCCL_$part \([0-9]*\).*/\1/p" "$nccl_home/include/nccl.h"; done | paste -sd. -)
+  [[ "$have" == "$NCCL_VERSION" ]] \
+    || die "NCCL_HOME=$nccl_home holds NCCL $have, but PyTorch $PYTORCH_VERSION is pinned to NCCL $NCCL_VERSION: use NCCL_VERSION_OVERRIDE=$have to build against it deliberately"
   run mkdir -p "$NCCL_OFI_PREFIX/lib" "$NCCL_OFI_PREFIX/include"
   for f in "$nccl_home"/include/nccl*.h "$nccl_home"/lib/libnccl.so*; do
     [[ "$f" == */include/* ]] && dest="$NCCL_OFI_PREFIX/include" || dest="$NCCL_OFI_PREFIX/lib"

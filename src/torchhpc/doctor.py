@@ -99,6 +99,14 @@ def _nccl() -> list[Check]:
     return checks
 
 
+def _nccl_net_plugin() -> Check:
+    """Which NCCL net plugin NCCL would load here and whether it fits this NCCL (torchhpc.nccl_plugin)."""
+    from torchhpc import nccl_plugin
+
+    status, value, hint = nccl_plugin.diagnose()
+    return Check("nccl plugin", {"ok": OK, "warn": WARN, "fail": FAIL}[status], value, hint)
+
+
 def _mpi(probe: bool) -> list[Check]:
     try:
         from mpi4py import MPI
@@ -231,7 +239,8 @@ def run_checks(probe: bool = True) -> list[Check]:
     if checks[-1].status == FAIL:
         return checks
     checks += _guard("launcher", _launcher)
-    for name, fn in (("gpus", _gpus), ("nccl", _nccl), ("mpi", lambda: _mpi(probe)), ("backends", _backends),
+    for name, fn in (("gpus", _gpus), ("nccl", _nccl), ("nccl plugin", _nccl_net_plugin),
+                     ("mpi", lambda: _mpi(probe)), ("backends", _backends),
                      ("libfabric", _libfabric), ("site profile", _site), ("native engines", _native),
                      ("runtime vars", _runtime_vars)):
         checks += _guard(name, fn)

@@ -191,6 +191,28 @@ def test_monitored_barrier_method() -> None:
     pg.monitored_barrier(timedelta(seconds=30))  # the cancelled receives did not swallow these tokens
 
 
+@pytest.mark.parametrize("wait_all_ranks", [False, True])
+def test_monitored_barrier_names_missing_ranks_as_gloo(wait_all_ranks: bool) -> None:
+    """Odd ranks skip the barrier: rank 0 names the first missing rank, or every one with
+    wait_all_ranks=True, in gloo's words; even ranks that arrived are told to look at rank 0."""
+    pg = dist.group.WORLD
+    rank, p = dist.get_rank(), dist.get_world_size()
+    odd = list(range(1, p, 2))
+    if rank == 0:
+        if wait_all_ranks:
+            want = rf"\[Rank 0\]: Ranks {', '.join(map(str, odd))} failed to pass monitoredBarrier in 400 ms"
+        else:
+            want = r"\[Rank 0\]: Rank 1 failed to pass monitoredBarrier in 400 ms"
+        with pytest.raises(accl.AcclTimeoutError, match=want) as info:
+            pg.monitored_barrier(timedelta(milliseconds=400), wait_all_ranks=wait_all_ranks)
+        assert f"ranks {odd}" in str(info.value)
+    elif rank % 2 == 0:
+        with pytest.raises(accl.AcclTimeoutError, match="successfully reached monitoredBarrier"):
+            pg.monitored_barrier(timedelta(milliseconds=400), wait_all_ranks=wait_all_ranks)
+    MPI.COMM_WORLD.Barrier()
+    pg.monitored_barrier(timedelta(seconds=30), wait_all_ranks=wait_all_ranks)  # still usable
+
+
 @pytest.mark.parametrize("what", ["all_reduce_fused_vs_not", "broadcast", "all_gather", "reduce_scatter",
                                   "all_to_all"])
 def test_fast_path_size_mismatch_raises_on_every_rank(what: str) -> None:

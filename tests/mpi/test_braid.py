@@ -426,7 +426,8 @@ def test_solve_and_layer_parallel_with_a_missing_rank_time_out(comm: MPI.Comm) -
     if comm.Get_size() < 2:
         pytest.skip("needs a second rank that stays away")
     prob, step, u0 = dahlquist(nt=9)
-    # a rank that never calls solve: the others stop at the first collective, naming it
+    # a rank that never calls solve: the others stop at the first collective (the entry point's agreement
+    # on errors), naming it
     _late_rank_case(comm, lambda c: solve(step, u0, prob.t, c, timeout=_TMO),
                     rf"MGRIT solve start \(error agreement, MPI_Iallgather\) on rank {comm.Get_rank()} .*{_CAUSE}")
     # a rank that builds the network but skips a forward pass: the others stop wherever they wait for it

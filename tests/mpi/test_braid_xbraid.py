@@ -20,6 +20,7 @@ from mpi4py import MPI
 from test_braid import Mgrit, dahlquist, heat, simple_setup_problem
 
 from torchhpc.braid import LayerParallel, solve, xbraid
+from torchhpc.errors import EngineUnavailableError, RemoteError
 
 MPI_RANKS = (1, 2, 4)
 MPI_TIMEOUT = 240
@@ -27,7 +28,7 @@ MPI_TIMEOUT = 240
 try:
     xbraid.load()
     MISSING = None
-except xbraid.EngineUnavailableError as exc:
+except EngineUnavailableError as exc:
     MISSING = str(exc)
 needs_xbraid = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 RTOL = 1e-10  # round-off, relative to each entry ...
@@ -37,7 +38,7 @@ ATOL = 1e-14  # ... or to the first residual, for entries near convergence (meas
 def test_engine_loads_or_says_what_is_missing(comm: MPI.Comm) -> None:
     _, step, u0 = dahlquist()
     if MISSING is not None:
-        with pytest.raises(xbraid.EngineUnavailableError, match="make native"):
+        with pytest.raises(EngineUnavailableError, match="make native-xbraid"):
             solve(step, u0, [0.0, 1.0, 2.0], comm, engine="xbraid")
         return
     table = Path(__file__).resolve().parents[2] / "utils" / "native_versions.tsv"
@@ -141,7 +142,7 @@ def test_callback_error_reaches_every_rank(comm: MPI.Comm) -> None:
         with pytest.raises(ArithmeticError, match="refused"):
             solve(bad, u0, t, comm, engine="xbraid", max_levels=3, max_iter=50)
     else:
-        with pytest.raises(xbraid.RemoteCallbackError, match=f"rank {last} raised.*ArithmeticError") as info:
+        with pytest.raises(RemoteError, match=f"rank {last}.*ArithmeticError: step to t=.* refused") as info:
             solve(bad, u0, t, comm, engine="xbraid", max_levels=3, max_iter=50)
         assert info.value.rank == last
     # the engine is usable again afterwards
@@ -175,7 +176,7 @@ def _close() -> nn.Module:
 def test_layer_parallel_gradients_equal_serial(comm: MPI.Comm, levels: int) -> None:
     """Forward and adjoint backward on XBraid: output, input gradient and every parameter gradient equal the
     serial network's (and the Python engine's) once both solves have converged."""
-    blocks, steps = [_open, _Step, _close], [1, 9, 1]
+    blocks, steps = [_open, _Step, _close], [1, 8, 1]  # 11 points: uneven over 2 and 4 ranks
     nets = {}
     for engine in ("python", "xbraid"):
         lp = LayerParallel(comm, blocks, steps, Tf=1.0, max_fwd_levels=levels, max_bwd_levels=levels,

@@ -1,5 +1,5 @@
 """DDP (static graph, unused parameters, small buckets, no_sync, fp16/bf16 compression), ZeroRedundancyOptimizer,
-autograd all_reduce and object collectives on accl, each equal to the same script on gloo.
+autograd all_reduce, object collectives and asymmetric subgroups on accl, each equal to the same script on gloo.
 
 At 2 ranks every reduction is a sum of two terms, the same float in either order: accl must match gloo bit
 for bit.  At 3 ranks gloo's ring and MPI's algorithm may add in different orders: float tolerance (float64,
@@ -165,3 +165,27 @@ def test_object_collectives() -> None:
 
     compare_backends(run_both(workload), bitwise=True, what="object collectives")
 
+
+def test_asymmetric_subgroups() -> None:
+    """Groups of neighbouring pairs (a pipeline) and a subset group: ranks join different numbers of groups."""
+    def workload() -> list[torch.Tensor]:
+        rank, size = dist.get_rank(), dist.get_world_size()
+        pairs = [dist.new_group([i, i + 1]) for i in range(size - 1)]
+        out = []
+        for i, g in enumerate(pairs):
+            if rank in (i, i + 1):
+                t = torch.tensor([float(rank + 1), 2.0 * rank])
+                dist.all_reduce(t, group=g)
+                out.append(t)
+        first = dist.new_group([0, 1])  # a repeat of an earlier membership
+        cur, _ = dist.new_subgroups_by_enumeration([[0], list(range(1, size))])
+        if rank < 2:
+            t = torch.ones(3) * rank
+            dist.all_reduce(t, group=first)
+            out.append(t)
+        t = torch.ones(2) * (rank + 1)
+        dist.all_reduce(t, group=cur)
+        out.append(t)
+        return out
+
+    compare_backends(run_both(workload), bitwise=True, what="asymmetric subgroups")

@@ -13,13 +13,12 @@ See :class:`AcclOptions` for the engine (``mpi``/``accl``), segmentation and che
 from __future__ import annotations
 
 from .backend import create_process_group, register
-from .common import AcclMismatchError
 from .engine import CollectiveEngine, EngineUnavailableError, Request
 from .info import environment_report
 from .mpi_engine import MpiEngine, mpi_cuda_aware
 from .options import AcclOptions
 from .process_group import ProcessGroupACCL
-from .work import AcclPeerFailedError, AcclTimeoutError, AcclWork
+from .work import AcclMismatchError, AcclPeerFailedError, AcclTimeoutError, AcclWork
 
 __all__ = [
     "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",

@@ -11,8 +11,8 @@ The engine reaches the device one of two ways:
 What the driver does itself: SUM reductions and data movement for float16/32/64 and int32/64
 (its default arithmetic configurations).  Everything else (other ops and dtypes, all-to-all,
 barrier) falls back to MPI when listed in ``AcclOptions.sidestep`` (default: every collective).
-Driver calls block, so they run one at a time on a worker thread; the group polls the returned
-request, which keeps ``async_op=True`` truly asynchronous and timeouts enforceable.
+Driver calls block, so they run one at a time on a worker thread whatever the call's ``mode``;
+the group polls the returned request, which keeps ``async_op=True`` truly asynchronous and timeouts enforceable.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .engine import CollectiveEngine, EngineUnavailableError
+from .engine import CollectiveEngine, EngineUnavailableError, Mode
 from .mpi_engine import ThreadRequest
 from .options import AcclOptions
 from .reduction import RedOp
@@ -153,7 +153,7 @@ class AcclEngine(CollectiveEngine):
         return ThreadRequest(self._pool.submit(fn))
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, buf: torch.Tensor, op: RedOp) -> ThreadRequest:
+    def allreduce(self, buf: torch.Tensor, op: RedOp, mode: Mode = Mode.WORKER) -> ThreadRequest:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
@@ -161,7 +161,7 @@ class AcclEngine(CollectiveEngine):
             self._drain(r, buf)
         return self._submit(run)
 
-    def reduce(self, buf: torch.Tensor, op: RedOp, root: int) -> ThreadRequest:
+    def reduce(self, buf: torch.Tensor, op: RedOp, root: int, mode: Mode = Mode.WORKER) -> ThreadRequest:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
@@ -170,7 +170,7 @@ class AcclEngine(CollectiveEngine):
                 self._drain(r, buf)
         return self._submit(run)
 
-    def broadcast(self, buf: torch.Tensor, root: int) -> ThreadRequest:
+    def broadcast(self, buf: torch.Tensor, root: int, mode: Mode = Mode.WORKER) -> ThreadRequest:
         def run() -> None:
             b = self._buffer(buf.numel(), buf.dtype)
             if self.rank == root:
@@ -180,27 +180,29 @@ class AcclEngine(CollectiveEngine):
                 self._drain(b, buf)
         return self._submit(run)
 
-    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> ThreadRequest:
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, mode: Mode = Mode.WORKER) -> ThreadRequest:
         def run() -> None:
             n = send.numel()
             s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
             self._fill(s, send)
             self._drv.allgather(self._comm_id, s, r, n)
             tmp = torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n)
-            recv.copy_(tmp)
+            recv.copy_(tmp.view(recv.shape))
         return self._submit(run)
 
-    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int) -> ThreadRequest:
+    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int,
+               mode: Mode = Mode.WORKER) -> ThreadRequest:
         def run() -> None:
             n = send.numel()
             s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
             self._fill(s, send)
             self._drv.gather(self._comm_id, s, r, n, root)
             if self.rank == root:
-                recv.copy_(torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n))
+                recv.copy_(torch.from_numpy(self._host(r)[: n * self.size].copy()).view(recv.shape))
         return self._submit(run)
 
-    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int) -> ThreadRequest:
+    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int,
+                mode: Mode = Mode.WORKER) -> ThreadRequest:
         def run() -> None:
             n = recv.numel()
             s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
@@ -210,7 +212,8 @@ class AcclEngine(CollectiveEngine):
             self._drain(r, recv)
         return self._submit(run)
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp) -> ThreadRequest:
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp,
+                       mode: Mode = Mode.WORKER) -> ThreadRequest:
         def run() -> None:
             n = recv.numel()
             s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
@@ -236,11 +239,11 @@ class AcclEngine(CollectiveEngine):
     def _absent(self, what: str):
         raise NotImplementedError(f"accl engine: ACCL has no {what}; the group sidesteps it to MPI")
 
-    def alltoall(self, send, recv):
+    def alltoall(self, send, recv, mode=Mode.WORKER):
         self._absent("all-to-all")
 
-    def alltoallv(self, send, scounts, sdispls, recv, rcounts, rdispls):
+    def alltoallv(self, send, scounts, sdispls, recv, rcounts, rdispls, mode=Mode.WORKER):
         self._absent("all-to-all")
 
-    def barrier(self):
+    def barrier(self, mode=Mode.WORKER):
         self._absent("barrier")

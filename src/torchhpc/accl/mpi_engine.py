@@ -17,10 +17,10 @@ import torch
 from mpi4py import MPI
 
 from ..mpi_info import cuda_aware_query
-from .engine import CollectiveEngine
+from .engine import CollectiveEngine, Mode, Request
 from .reduction import RedOp, mpi_reduction
 
-__all__ = ["MpiEngine", "MpiRequest", "mpi_cuda_aware"]
+__all__ = ["MpiEngine", "MpiRequest", "ThreadRequest", "DONE", "mpi_cuda_aware"]
 
 
 @functools.cache
@@ -38,6 +38,10 @@ def _span(t: torch.Tensor) -> int:
     return (sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1) * esz
 
 
+_fromaddress = MPI.buffer.fromaddress
+_BLOCKING, _NONBLOCKING = Mode.BLOCKING, Mode.NONBLOCKING
+
+
 def _bytes(t: torch.Tensor) -> list:
     n = t.numel() * t.element_size()
     return [MPI.buffer.fromaddress(t.data_ptr(), n), n, MPI.BYTE]
@@ -50,8 +54,8 @@ def _blocks(t: torch.Tensor, parts: int) -> list:
 
 
 def _typed(t: torch.Tensor, datatype: MPI.Datatype) -> list:
-    n = t.numel() * t.element_size()
-    return [MPI.buffer.fromaddress(t.data_ptr(), n), t.numel(), datatype]
+    n = t.numel()
+    return [_fromaddress(t.data_ptr(), n * t.element_size()), n, datatype]
 
 
 def _rows(t: torch.Tensor) -> tuple[MPI.buffer, list[int], list[int]]:
@@ -129,8 +133,8 @@ class ThreadRequest:
         return -1
 
 
-class _Done:
-    """An operation that already completed (blocking call made inline)."""
+class Done:
+    """An operation that already completed (a blocking call made in the calling thread)."""
 
     __slots__ = ()
 
@@ -144,7 +148,8 @@ class _Done:
         return -1
 
 
-_DONE = _Done()
+#: the one completed request
+DONE = Done()
 
 
 class MpiEngine(CollectiveEngine):
@@ -158,23 +163,25 @@ class MpiEngine(CollectiveEngine):
         self.rank = self.coll.Get_rank()
         self.size = self.coll.Get_size()
         self.cuda_aware = mpi_cuda_aware()
-        # Large collectives run as MPI's blocking (tuned) algorithms on a worker thread: on Open MPI
-        # the nonblocking ones (libnbc) reach a fraction of the bandwidth.  The group sets this per op.
-        self.threaded: bool | str = False  # False: nonblocking; "worker"; "inline" (caller blocks)
+        # Large collectives run as MPI's blocking (tuned) algorithms on a worker thread (Mode.WORKER):
+        # on Open MPI the nonblocking ones (libnbc) reach a fraction of the bandwidth.
         self._can_thread = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._pool: cf.ThreadPoolExecutor | None = None
 
-    def _run(self, name: str, *args, keep: object = None):
-        """Start collective ``name`` (an ``I*`` mpi4py method): nonblocking, or blocking on the worker."""
-        if self.threaded == "inline" or (self.threaded and not self._can_thread):
-            getattr(self.coll, name[1].upper() + name[2:])(*args)
-            return _DONE
-        if self.threaded:
-            if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="accl-mpi")
-            blocking = getattr(self.coll, name[1].upper() + name[2:])
-            return ThreadRequest(self._pool.submit(blocking, *args), keep)
-        return MpiRequest([getattr(self.coll, name)(*args)], keep=keep)
+    def _run(self, name: str, mode: Mode, *args, keep: object = None):
+        """Carry out collective ``name`` (the blocking mpi4py method's name) as ``mode`` says."""
+        if mode is _BLOCKING:
+            getattr(self.coll, name)(*args)
+            return DONE
+        if mode is _NONBLOCKING:
+            return MpiRequest([getattr(self.coll, "I" + name.lower())(*args)], keep=keep)
+        blocking = getattr(self.coll, name)
+        if not self._can_thread:
+            blocking(*args)
+            return DONE
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="accl-mpi")
+        return ThreadRequest(self._pool.submit(blocking, *args), keep)
 
     def supports(self, collective: str, dtype: torch.dtype | None = None, op: RedOp | None = None) -> bool:
         return True
@@ -182,58 +189,61 @@ class MpiEngine(CollectiveEngine):
     def accepts(self, device: torch.device) -> bool:
         return device.type == "cpu" or (device.type == "cuda" and self.cuda_aware)
 
-    def allreduce(self, buf: torch.Tensor, op: RedOp) -> MpiRequest:
+    def allreduce(self, buf: torch.Tensor, op: RedOp, mode: Mode = Mode.NONBLOCKING) -> Request:
         dt, mop = mpi_reduction(buf.dtype, op)
-        return self._run("Iallreduce", MPI.IN_PLACE, _typed(buf, dt), mop)
+        return self._run("Allreduce", mode, MPI.IN_PLACE, _typed(buf, dt), mop)
 
-    def broadcast(self, buf: torch.Tensor, root: int) -> MpiRequest:
-        return self._run("Ibcast", _bytes(buf), root)
+    def broadcast(self, buf: torch.Tensor, root: int, mode: Mode = Mode.NONBLOCKING) -> Request:
+        return self._run("Bcast", mode, _bytes(buf), root)
 
-    def reduce(self, buf: torch.Tensor, op: RedOp, root: int) -> MpiRequest:
+    def reduce(self, buf: torch.Tensor, op: RedOp, root: int, mode: Mode = Mode.NONBLOCKING) -> Request:
         dt, mop = mpi_reduction(buf.dtype, op)
         if self.rank == root:
-            return self._run("Ireduce", MPI.IN_PLACE, _typed(buf, dt), mop, root)
-        return self._run("Ireduce", _typed(buf, dt), None, mop, root)
+            return self._run("Reduce", mode, MPI.IN_PLACE, _typed(buf, dt), mop, root)
+        return self._run("Reduce", mode, _typed(buf, dt), None, mop, root)
 
-    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> MpiRequest:
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor, mode: Mode = Mode.NONBLOCKING) -> Request:
         if _rows_contiguous(recv):
-            return self._run("Iallgather", _bytes(send), _blocks(recv, self.size))
+            return self._run("Allgather", mode, _bytes(send), _blocks(recv, self.size))
         base, counts, displs = _rows(recv)
-        return self._run("Iallgatherv", _bytes(send), [base, counts, displs, MPI.BYTE])
+        return self._run("Allgatherv", mode, _bytes(send), [base, counts, displs, MPI.BYTE])
 
     # gather/scatter always use the v-variants: a non-root rank cannot know whether the root's rows are
     # strided, and root and non-roots must call the same MPI collective (Gather and Gatherv differ).
-    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int) -> MpiRequest:
+    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int,
+               mode: Mode = Mode.NONBLOCKING) -> Request:
         if self.rank != root:
-            return self._run("Igatherv", _bytes(send), None, root)
+            return self._run("Gatherv", mode, _bytes(send), None, root)
         base, counts, displs = _rows(recv)
-        return self._run("Igatherv", _bytes(send), [base, counts, displs, MPI.BYTE], root)
+        return self._run("Gatherv", mode, _bytes(send), [base, counts, displs, MPI.BYTE], root)
 
-    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int) -> MpiRequest:
+    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int,
+                mode: Mode = Mode.NONBLOCKING) -> Request:
         if self.rank != root:
-            return self._run("Iscatterv", None, _bytes(recv), root)
+            return self._run("Scatterv", mode, None, _bytes(recv), root)
         base, counts, displs = _rows(send)
-        return self._run("Iscatterv", [base, counts, displs, MPI.BYTE], _bytes(recv), root)
+        return self._run("Scatterv", mode, [base, counts, displs, MPI.BYTE], _bytes(recv), root)
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp) -> MpiRequest:
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp,
+                       mode: Mode = Mode.NONBLOCKING) -> Request:
         dt, mop = mpi_reduction(recv.dtype, op)
         sbuf = [MPI.buffer.fromaddress(send.data_ptr(), send.numel() * send.element_size()), recv.numel(), dt]
-        return self._run("Ireduce_scatter_block", sbuf, _typed(recv, dt), mop, keep=send)
+        return self._run("Reduce_scatter_block", mode, sbuf, _typed(recv, dt), mop, keep=send)
 
-    def alltoall(self, send: torch.Tensor, recv: torch.Tensor) -> MpiRequest:
+    def alltoall(self, send: torch.Tensor, recv: torch.Tensor, mode: Mode = Mode.NONBLOCKING) -> Request:
         if _rows_contiguous(send) and _rows_contiguous(recv):
-            return self._run("Ialltoall", _blocks(send, self.size), _blocks(recv, self.size))
+            return self._run("Alltoall", mode, _blocks(send, self.size), _blocks(recv, self.size))
         sbase, scounts, sdispls = _rows(send)
         rbase, rcounts, rdispls = _rows(recv)
-        return self._run("Ialltoallv", [sbase, scounts, sdispls, MPI.BYTE],
-                                                [rbase, rcounts, rdispls, MPI.BYTE])
+        return self._run("Alltoallv", mode, [sbase, scounts, sdispls, MPI.BYTE],
+                         [rbase, rcounts, rdispls, MPI.BYTE])
 
     def alltoallv(self, send: torch.Tensor, scounts: list[int], sdispls: list[int],
-                  recv: torch.Tensor, rcounts: list[int], rdispls: list[int]) -> MpiRequest:
+                  recv: torch.Tensor, rcounts: list[int], rdispls: list[int],
+                  mode: Mode = Mode.NONBLOCKING) -> Request:
         sbuf = MPI.buffer.fromaddress(send.data_ptr(), send.numel())
         rbuf = MPI.buffer.fromaddress(recv.data_ptr(), recv.numel())
-        return self._run("Ialltoallv", [sbuf, scounts, sdispls, MPI.BYTE],
-                                                [rbuf, rcounts, rdispls, MPI.BYTE])
+        return self._run("Alltoallv", mode, [sbuf, scounts, sdispls, MPI.BYTE], [rbuf, rcounts, rdispls, MPI.BYTE])
 
     def send(self, buf: torch.Tensor, dst: int, tag: int, channel: int = 1) -> MpiRequest:
         return MpiRequest([self.p2p[channel].Isend(_bytes(buf), dst, tag)], keep=buf)
@@ -242,8 +252,8 @@ class MpiEngine(CollectiveEngine):
         source = MPI.ANY_SOURCE if src < 0 else src
         return MpiRequest([self.p2p[channel].Irecv(_bytes(buf), source, tag)], keep=buf, status=MPI.Status())
 
-    def barrier(self) -> MpiRequest:
-        return self._run("Ibarrier")
+    def barrier(self, mode: Mode = Mode.NONBLOCKING) -> Request:
+        return self._run("Barrier", mode)
 
     def close(self) -> None:
         if self._pool is not None:

@@ -1,127 +1,124 @@
-"""Point-to-point operations of :class:`~.process_group.ProcessGroupACCL` (a mixin).
+"""Point-to-point plans: ``send`` and ``recv`` over the :mod:`.wire` envelope.
 
-Each message is a header (kind, dtype, size) on one MPI matching space, followed, when larger than
-a header slot, by payload segments on a second one, posted only once the header arrived: a size
-or dtype mismatch is reported on the receiver and the bad payload is drained into scratch memory,
-so it can never be matched by a later receive."""
+Each message is an envelope slot (dtype, size and, up to ``wire.PAYLOAD_BYTES``, the payload) on the
+header channel, followed, when larger, by payload segments on the payload channel, posted by the
+receiver only once the envelope arrived: a size or dtype mismatch is reported on the receiver and
+the bad payload is drained into scratch memory, so it can never be matched by a later receive."""
 
 from __future__ import annotations
 
 import torch
 
-from .common import (
-    _DTYPE_CODE,
-    _DTYPES,
-    _HDR_WORDS,
-    _MAGIC,
-    _SLOT_WORDS,
-    _SMALL_BYTES,
-    AcclMismatchError,
-    _as_bytes,
-    _dtype_name,
-    _ranges,
-    _Tensorish,
-)
-from .engine import Request
-from .work import AcclWork
+from ..errors import MismatchError
+from . import wire
+from .engine import CollectiveEngine, Mode, Request
+from .plans import Context, Plan
+from .tensors import as_bytes, ranges, stage_in, stage_out
+
+__all__ = ["Send", "Recv"]
+
+_PAYLOAD = wire.HEADER_BYTES
 
 
-class PointToPointMixin:
-    """send/recv/recv_anysource and monitored_barrier."""
+def _slot() -> torch.Tensor:
+    return torch.zeros(wire.SLOT_BYTES, dtype=torch.uint8)
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AcclWork:
-        t = _Tensorish.one(tensors, "send")
-        self._check_peer(dst, "send", "dst")
-        self._check_tag(tag)
-        eng = self._engine_for("send", t.dtype)
-        op = self._new_op("send", [t], p2p=True)
-        esz, numel = t.element_size(), t.numel()
-        nbytes = numel * esz
-        op.describe = lambda: f"send({t.dtype}, {numel} elements, to {dst}, tag {tag})"
-        hdr = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
-        hdr[:6] = torch.tensor([_MAGIC, 1, _DTYPE_CODE.get(t.dtype, 99), nbytes, numel, 0])
 
-        def stage0() -> list[Request]:
-            flat = self._stage_in(t, eng)
-            if nbytes <= _SMALL_BYTES:  # header and payload in one message
-                if nbytes:
-                    hdr[_HDR_WORDS:].view(torch.uint8)[:nbytes] = _as_bytes(flat)
-                return [self._call(self._mpi, "send", nbytes, hdr, dst, tag, 0)]
-            reqs = [self._call(self._mpi, "send", 0, hdr, dst, tag, 0)]
-            per = self._per(esz)
-            reqs += [self._call(eng, "send", (b - a) * esz, flat[a:b], dst, tag, 1)
-                     for a, b in _ranges(numel, per) if b > a]
-            state_keep.append(flat)
-            return reqs
+class Send(Plan):
+    """send ``t`` to ``dst`` with ``tag``."""
 
-        state_keep: list[torch.Tensor] = []
-        op.stages = [stage0]
-        return self._submit(op, True)
+    kind = "send"
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AcclWork:
-        t = _Tensorish.one(tensors, "recv")
-        self._check_peer(src, "recv", "src")
-        return self._recv(t, src, tag)
+    def __init__(self, ctx: Context, eng: CollectiveEngine, t: torch.Tensor, dst: int, tag: int) -> None:
+        super().__init__(ctx, eng, False, False, [t])
+        self.t, self.dst, self.tag = t, dst, tag
+        self.numel, self.esz = t.numel(), t.element_size()
+        self.env = _slot()
+        wire.pack_envelope(self.env.numpy().data, wire.dtype_code(t.dtype), self.numel * self.esz, self.numel)
+        self.keep: torch.Tensor | None = None
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AcclWork:
-        t = _Tensorish.one(tensors, "recv")
-        return self._recv(t, -1, tag)
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k:
+            return None
+        buf = stage_in(self.t, self.eng)
+        nbytes = self.numel * self.esz
+        if nbytes <= wire.PAYLOAD_BYTES:  # envelope and payload in one message
+            if nbytes:
+                self.env[_PAYLOAD: _PAYLOAD + nbytes] = as_bytes(buf)
+            return [ctx.call(ctx.mpi, "send", nbytes, None, self.env, self.dst, self.tag, 0)]
+        self.keep = buf
+        reqs = [ctx.call(ctx.mpi, "send", 0, None, self.env, self.dst, self.tag, 0)]
+        reqs += [ctx.call(self.eng, "send", (b - a) * self.esz, None, buf[a:b], self.dst, self.tag, 1)
+                 for a, b in ranges(self.numel, ctx.per(self.esz)) if b > a]
+        return reqs
 
-    def _recv(self, t: torch.Tensor, src: int, tag: int) -> AcclWork:
-        self._check_tag(tag)
-        eng = self._engine_for("recv", t.dtype)
-        op = self._new_op("recv", [t], p2p=True)
-        esz, numel = t.element_size(), t.numel()
-        nbytes = numel * esz
-        frm = "any source" if src < 0 else f"from {src}"
-        op.describe = lambda: f"recv({t.dtype}, {numel} elements, {frm}, tag {tag})"
-        hdr = torch.zeros(_SLOT_WORDS, dtype=torch.int64)
-        state: dict = {}
+    def describe(self, seq: int) -> str:
+        return f"send({self.t.dtype}, {self.numel} elements, to {self.dst}, tag {self.tag})"
 
-        def stage_header() -> list[Request]:
-            req = self._call(self._mpi, "recv", 0, hdr, src, tag, 0)
-            state["hreq"] = req
-            return [req]
 
-        def stage_payload() -> list[Request]:
-            peer = state["hreq"].source()
-            op.source_rank = peer
-            magic, _, dcode, sbytes, snumel = hdr[:5].tolist()
-            if magic != _MAGIC:
-                raise AcclMismatchError(f"accl: recv from rank {peer} tag {tag}: garbled message header")
-            mismatch = None
-            if sbytes != nbytes or dcode != _DTYPE_CODE.get(t.dtype, 99):
-                mismatch = (f"accl: recv {frm} tag {tag} expects {numel} x {t.dtype} ({nbytes} bytes) "
-                            f"but rank {peer} sent {snumel} x {_dtype_name(dcode)} ({sbytes} bytes)")
-            state["mismatch"] = mismatch
-            if sbytes <= _SMALL_BYTES:
-                state["small"] = sbytes
-                return []
-            # receive the sender's segments, in the sender's dtype, on the engine the sender used
-            # (into a scratch buffer on mismatch, so that nothing of the bad message is lost or leaks)
-            sdtype = _DTYPES[dcode - 1] if 0 < dcode <= len(_DTYPES) else torch.uint8
-            if mismatch:
-                dst = torch.empty(sbytes // sdtype.itemsize if sdtype.itemsize else sbytes, dtype=sdtype)
-                peng = self._engine_for("send", sdtype)
-            else:
-                dst = self._stage_in(t, eng, copy=False)
-                peng = eng
-            state["dst"] = dst
-            per = self._per(dst.element_size())
-            return [self._call(peng, "recv", (b - a) * dst.element_size(), dst[a:b], peer, tag, 1)
-                    for a, b in _ranges(dst.numel(), per) if b > a]
+class Recv(Plan):
+    """recv into ``t`` from ``src`` (-1: any source) with ``tag``."""
 
-        def finish() -> None:
-            if state["mismatch"]:
-                raise AcclMismatchError(state["mismatch"])
-            if "small" in state:
-                if nbytes:
-                    flat = torch.empty(numel, dtype=t.dtype)
-                    _as_bytes(flat).copy_(hdr[_HDR_WORDS:].view(torch.uint8)[:nbytes])
-                    t.copy_(flat.view(t.shape))
-                return
-            self._stage_out(state["dst"], t)
+    kind = "recv"
 
-        op.stages, op.finish = [stage_header, stage_payload], finish
-        return self._submit(op, True)
+    def __init__(self, ctx: Context, eng: CollectiveEngine, t: torch.Tensor, src: int, tag: int,
+                 engine_for: object) -> None:
+        super().__init__(ctx, eng, False, False, [t])
+        self.t, self.src, self.tag = t, src, tag
+        self.numel = t.numel()
+        self.env = _slot()
+        self.engine_for = engine_for
+        self.hreq: Request | None = None
+        self.mismatch: str | None = None
+        self.small = -1
+        self.dst: torch.Tensor | None = None
 
+    @property
+    def frm(self) -> str:
+        return "any source" if self.src < 0 else f"from {self.src}"
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k == 0:
+            self.hreq = ctx.call(ctx.mpi, "recv", 0, None, self.env, self.src, self.tag, 0)
+            return [self.hreq]
+        if k > 1:
+            return None
+        peer = self.hreq.source()  # type: ignore[union-attr]
+        self.source_rank = peer
+        env = wire.unpack_envelope(self.env.numpy().data)
+        if env.magic != wire.MAGIC:
+            raise MismatchError(wire.describe_envelope_mismatch(env, peer, self.t.dtype, self.numel, self.frm,
+                                                                self.tag))
+        self.mismatch = wire.describe_envelope_mismatch(env, peer, self.t.dtype, self.numel, self.frm, self.tag)
+        if env.nbytes <= wire.PAYLOAD_BYTES:
+            self.small = env.nbytes
+            return []
+        # receive the sender's segments, in the sender's dtype, on the engine the sender used
+        # (into a scratch buffer on mismatch, so that nothing of the bad message is lost or leaks)
+        sdtype = wire.dtype_of(env.dtype) or torch.uint8
+        if self.mismatch:
+            dst = torch.empty(env.nbytes // sdtype.itemsize if sdtype.itemsize else env.nbytes, dtype=sdtype)
+            peng = self.engine_for("send", sdtype)  # type: ignore[operator]
+        else:
+            dst = stage_in(self.t, self.eng, copy=False)
+            peng = self.eng
+        self.dst = dst
+        esz = dst.element_size()
+        return [ctx.call(peng, "recv", (b - a) * esz, None, dst[a:b], peer, self.tag, 1)
+                for a, b in ranges(dst.numel(), ctx.per(esz)) if b > a]
+
+    def finish(self) -> None:
+        if self.mismatch:
+            raise MismatchError(self.mismatch)
+        t = self.t
+        if self.small >= 0:
+            nbytes = self.small
+            if nbytes:
+                buf = torch.empty(self.numel, dtype=t.dtype)
+                as_bytes(buf).copy_(self.env[_PAYLOAD: _PAYLOAD + nbytes])
+                t.copy_(buf.view(t.shape))
+            return
+        stage_out(self.dst, t)  # type: ignore[arg-type]
+
+    def describe(self, seq: int) -> str:
+        return f"recv({self.t.dtype}, {self.numel} elements, {self.frm}, tag {self.tag})"

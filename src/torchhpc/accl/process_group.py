@@ -1,72 +1,62 @@
 """``ProcessGroupACCL``: the torch.distributed process group behind the ``"accl"`` backend.
 
-Responsibilities, in order of a call's life:
-
-1. **Arguments** are checked on the calling rank (tensor counts, dtypes, sizes, roots, tags,
-   op/dtype pairs) and raise ``ValueError``/``TypeError`` naming the problem.
-2. **Ordering**: collectives are queued and run one after another in issue order (so an op may
-   safely consume the previous op's output, as on a CUDA stream); point-to-point ops start at once.
-   A synchronous call on an idle group skips the queue and runs in the caller's thread
-   (:mod:`.fastpath`), with the same MPI calls, so ranks taking either path still match.
-3. **Consistency**: unless ``AcclOptions.check`` is off, each collective first all-gathers a
-   fixed-size header slot (kind, call number, dtype, op, root, sizes) with one persistent request;
-   a mismatch raises the same clear error on every rank and leaves the group usable.  Small
-   all-reduces carry their payload inside that header exchange and are reduced locally in rank
-   order, so checking them costs nothing extra.  After a header, data move by MPI's blocking
-   (tuned) collectives: the header proved that every rank is in the call.
-4. **Segmentation**: data move in segments of at most ``max_segment_bytes`` per buffer and per
-   engine call, whatever the tensor's shape.
-5. **Completion**: ``Work.wait()`` polls with a deadline (the group timeout); async work nobody
-   waits on is driven by a progress thread.  A timeout aborts the group (MPI cannot cancel a
-   collective): later calls raise at once.
+A thin adapter from torch's process-group API to plans: each method checks its arguments on the
+calling rank (tensor counts, dtypes, sizes, roots, tags, op/dtype pairs; a bad one raises
+``ValueError``/``TypeError`` naming the problem), builds the collective's plan (:mod:`.plans`,
+:mod:`.p2p`) and hands it to the group's :class:`~.executor.Executor`, which runs it inline (a
+synchronous call of contiguous CPU tensors on an idle group) or queued.  Wire behaviour, ordering,
+timeouts and failures live there, once.
 """
-
 
 from __future__ import annotations
 
-import contextlib
-import threading
-import time
-import weakref
-from collections import deque
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
-from mpi4py.run import set_abort_status
 
-from ..waiting import Backoff
-from .collectives import CollectivesMixin
-from .common import (
-    _DTYPE_CODE,
-    _HDR_WORDS,
-    _KIND,
-    _MAGIC,
-    _OP_CODE,
-    _SLOT_WORDS,
-    _flat,
-    _tag_ub,
-    _wrap,
-)
-from .engine import CollectiveEngine, Request
-from .fastpath import FastPathMixin
-from .mpi_engine import MpiEngine
+from . import plans
+from .engine import CollectiveEngine
+from .executor import FALLBACK, Executor
+from .header import Reduction
+from .monitored import monitored_barrier
 from .options import AcclOptions
-from .p2p import PointToPointMixin
-from .reduction import RedOp, op_name
-from .work import AcclPeerFailedError, AcclTimeoutError, AcclWork, Op, now
+from .p2p import Recv, Send
+from .reduction import RedOp, op_name, red_op_of
+from .work import AcclWork
 
 __all__ = ["ProcessGroupACCL"]
 
-# MPI error classes meaning "a peer process died" (ULFM, standard in MPI 5; absent names are skipped)
-_PEER_FAILED = frozenset(getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
-                         if hasattr(MPI, n))
+_R = RedOp
 
 
-class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.ProcessGroup):
+def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    """The single tensor of a one-tensor-per-call argument list."""
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != 1:
+        raise ValueError(f"accl: {what} takes exactly one tensor per call, got {len(tensors)}")
+    t = tensors[0]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"accl: {what} expects a torch.Tensor, got {type(t).__name__}")
+    if t.is_sparse:
+        raise TypeError(f"accl: {what} does not support sparse tensors")
+    return t
+
+
+def _async(opts: object) -> bool:
+    return bool(getattr(opts, "asyncOp", True)) if opts is not None else True
+
+
+def _op(opts: object) -> RedOp:
+    if opts is None:
+        return _R.SUM
+    op = getattr(opts.reduceOp, "op", None)  # type: ignore[attr-defined]
+    return op if type(op) is RedOp else red_op_of(opts.reduceOp)  # type: ignore[attr-defined]
+
+
+class ProcessGroupACCL(dist.ProcessGroup):
     """A process group whose collectives run on an MPI communicator (or an ACCL engine)."""
 
     def __init__(self, comm: MPI.Comm, rank: int, size: int, timeout: timedelta,
@@ -79,34 +69,11 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
         self._rank = rank
         self._size = size
         self._timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
-        self._mpi = MpiEngine(comm)
-        self._ctl = comm.Dup()
-        self._engine: CollectiveEngine = self._mpi
-        if self.options.engine == "accl":
-            from .accl_engine import AcclEngine
-
-            self._engine = AcclEngine(self._mpi.coll, self.options)
-        self._lock = threading.Lock()
-        self._queue: deque[Op] = deque()  # collectives, issue order
-        self._p2p: list[Op] = []  # point-to-point ops in flight, issue order
-        self._seq = 0
-        self._aborted: BaseException | None = None
         self._name = group_name
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
-        self._closed = False
-        self._seg = self.options.max_segment_bytes
-        self._big = self.options.threaded_min_bytes
-        self.stats = {"engine_calls": 0, "sidestep_calls": 0, "max_call_bytes": 0}
-        self._unchecked_one_call = min(self._seg, self._big - 1)  # unchecked: no header up to this size
-        # one header exchange runs at a time (collectives run in order), so two buffers serve all
-        self._init_header()
-        self._hdr_np = np.frombuffer(self._hdr_buf, dtype=np.int64)
-        self._hdr_all_np = np.frombuffer(self._hdr_all_buf, dtype=np.int64).reshape(size, _SLOT_WORDS)
-        self._hdr_mine = torch.frombuffer(self._hdr_buf, dtype=torch.int64)
-        self._hdr_all = torch.frombuffer(self._hdr_all_buf, dtype=torch.int64).view(size, _SLOT_WORDS)
-        self._hdr_bytes = self._hdr_mine[_HDR_WORDS:].view(torch.uint8)
-        self._hdr_all_bytes = self._hdr_all[:, _HDR_WORDS:].view(torch.uint8)
+        self._desc = "undefined"
+        self._ex = Executor(comm, self.options, self._timeout_s, group_name)
+        self._reductions: dict[tuple[torch.dtype, int], Reduction] = {}
+        self._tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 
     # ----------------------------------------------------------------- identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -114,6 +81,8 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
 
     def setGroupName(self, name: str) -> None:  # noqa: N802 (torch's name; a Python PG keeps its own)
         self._name = name
+        self._ex.name = name
+        self._ex.hx.group = name
 
     def getGroupName(self) -> str:  # noqa: N802
         return self._name
@@ -122,317 +91,404 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
         self._desc = desc
 
     def getGroupDesc(self) -> str:  # noqa: N802
-        return getattr(self, "_desc", "undefined")
+        return self._desc
 
     def __repr__(self) -> str:
-        return f"ProcessGroupACCL(rank={self._rank}, size={self._size}, engine={self._engine.name})"
+        return f"ProcessGroupACCL(rank={self._rank}, size={self._size}, engine={self._ex.engine.name})"
 
     @property
     def engine(self) -> CollectiveEngine:
         """The engine carrying out this group's collectives (``mpi`` or ``accl``)."""
-        return self._engine
+        return self._ex.engine
 
-    # ----------------------------------------------------------------- engine choice
+    @property
+    def stats(self) -> dict[str, int]:
+        """Engine calls made, calls sidestepped to MPI, and the largest bytes of one call's buffer."""
+        return self._ex.stats
+
+    @property
+    def header(self):  # noqa: ANN201 - HeaderExchange
+        """The group's header exchange (its ``persistent`` request, for tests and diagnostics)."""
+        return self._ex.hx
+
+    # ----------------------------------------------------------------- plumbing
     def _engine_for(self, coll: str, dtype: torch.dtype | None = None, op: RedOp | None = None
                     ) -> CollectiveEngine:
-        eng = self._engine
-        if eng is self._mpi or eng.supports(coll, dtype, op):
+        ex = self._ex
+        eng = ex.engine
+        if eng is ex.mpi:
+            return eng
+        if eng.supports(coll, dtype, op):
             return eng
         if coll in self.options.sidestep:
-            return self._mpi
+            return ex.mpi
         what = coll + (f" of {dtype}" if dtype is not None else "") + (f" with {op_name(op)}" if op else "")
         raise NotImplementedError(
             f"accl: the {eng.name} engine cannot do {what} and sidestep to MPI is disabled for "
             f"'{coll}' (AcclOptions.sidestep / TORCHHPC_ACCL_SIDESTEP)")
 
-    def _call(self, eng: CollectiveEngine, fn: str, nbytes: int, *args) -> Request:
-        st = self.stats
-        st["engine_calls"] += 1
-        if eng is not self._engine:
-            st["sidestep_calls"] += 1
-        if nbytes > st["max_call_bytes"]:
-            st["max_call_bytes"] = nbytes
-        return getattr(eng, fn)(*args)
+    def _reduction(self, dtype: torch.dtype, op: RedOp, what: str) -> Reduction:
+        key = (dtype, op.value)  # keyed by the op's int value: hashing torch's enum costs more
+        red = self._reductions.get(key)
+        if red is None:
+            red = self._reductions[key] = Reduction(dtype, op, what)
+        return red
 
-    def _per(self, elem: int, parts: int = 1) -> int:
-        """Elements per segment so that ``parts`` blocks of them fit one segment."""
-        return max(1, self._seg // (elem * parts))
+    def _inline_ok(self, opts: object, a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
+        """Whether a call may run inline: synchronous, on the MPI engine, contiguous CPU tensors (the
+        executor still queues it when the group is busy)."""
+        return (not _async(opts) and self._ex.engine is self._ex.mpi and a.is_cpu and a.is_contiguous()
+                and (b is None or (b.is_cpu and b.is_contiguous())))
 
-    # ----------------------------------------------------------------- staging
-    def _stage_in(self, t: torch.Tensor, eng: CollectiveEngine, copy: bool = True) -> torch.Tensor:
-        """A contiguous 1-D tensor the engine can touch: ``t`` itself when possible."""
-        if t.device.type != "cpu" and not eng.accepts(t.device):
-            host = torch.empty(t.numel(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
-            if copy:
-                host.copy_(t.reshape(-1))
-            return host
-        return _flat(t) if copy else (t.view(-1) if t.is_contiguous() else torch.empty(
-            t.numel(), dtype=t.dtype, device=t.device))
+    def _run(self, plan: plans.Plan, opts: object) -> AcclWork | None:
+        if plan.inline:
+            done = self._ex.run_inline(plan)
+            if done is not FALLBACK:
+                return done  # type: ignore[return-value]
+        return self._submit(plan, _async(opts))
+
+    def _submit(self, plan: plans.Plan, async_op: bool = True) -> AcclWork:
+        """Queue ``plan`` (the path of async calls, and of synchronous calls on a busy group)."""
+        return self._ex.submit(plan, async_op)
+
+    # ----------------------------------------------------------------- all_reduce
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
+        t = _one(tensors, "all_reduce")
+        plan = self._allreduce_plan([t], _op(opts), "all_reduce")
+        plan.inline = self._inline_ok(opts, t)
+        return self._run(plan, opts)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
+        if not tensors:
+            raise ValueError("accl: all_reduce_coalesced needs at least one tensor")
+        return self._submit(self._allreduce_plan(list(tensors), _op(opts), "all_reduce_coalesced"),
+                            _async(opts))
+
+    def _allreduce_plan(self, ts: list[torch.Tensor], op: RedOp, kind: str) -> plans.AllReduce:
+        ex = self._ex
+        if ex.aborted is not None:
+            ex.check_open()
+        dtype = ts[0].dtype
+        for t in ts[1:]:
+            if t.dtype != dtype:
+                raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
+            if t.device != ts[0].device:
+                raise ValueError(f"accl: {kind} needs tensors on one device")
+        red = self._reductions.get((dtype, op.value)) or self._reduction(dtype, op, kind)
+        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allreduce", dtype, op)
+        return plans.AllReduce(ex, eng, ts, red, kind, self.options.check)
+
+    # ----------------------------------------------------------------- broadcast / reduce
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
+        t = _one(tensors, "broadcast")
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "broadcast")
+        if opts is not None and opts.rootTensor != 0:
+            raise ValueError(f"accl: broadcast rootTensor must be 0, got {opts.rootTensor}")
+        self._ex.check_open()
+        eng = self._engine_for("broadcast", t.dtype)
+        plan = plans.Broadcast(self._ex, eng, t, root, self._ex.header_needed(eng, t.numel() * t.element_size()))
+        plan.inline = self._inline_ok(opts, t)
+        return self._run(plan, opts)
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
+        t = _one(tensors, "reduce")
+        root = opts.rootRank if opts is not None else 0
+        op = _op(opts)
+        self._check_root(root, "reduce")
+        red = self._reduction(t.dtype, op, "reduce")
+        self._ex.check_open()
+        eng = self._engine_for("reduce", t.dtype, op)
+        return self._submit(plans.Reduce(self._ex, eng, t, red, root, self.options.check), _async(opts))
+
+    # ----------------------------------------------------------------- gathers
+    def _gather_plan(self, kind: str, inp: torch.Tensor, rows: Callable[[], torch.Tensor | None],
+                     deliver: Callable[[torch.Tensor], None] | None, root: int, outputs: list) -> plans.GatherLike:
+        self._ex.check_open()
+        eng = self._engine_for("allgather" if kind == "all_gather" else "gather", inp.dtype)
+        total = inp.numel() * inp.element_size() * self._size
+        header = self.options.check or (kind == "all_gather" and self._ex.header_needed(eng, total))
+        return plans.GatherLike(self._ex, eng, kind, inp, rows, deliver, root, outputs, header)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts=None) -> AcclWork:
+        inp = _one(input_tensors, "all_gather")
+        if len(output_tensors) != 1:
+            raise ValueError(f"accl: all_gather takes one output list, got {len(output_tensors)}")
+        outs = output_tensors[0]
+        self._check_list(outs, inp, "all_gather", "output_tensor_list")
+        p, numel = self._size, inp.numel()
+        mpi = self._ex.mpi
+
+        def rows() -> torch.Tensor:
+            return torch.empty((p, numel), dtype=inp.dtype, device="cpu" if inp.device.type == "cpu"
+                               or not mpi.accepts(inp.device) else inp.device)
+
+        def deliver(dst: torch.Tensor) -> None:
+            for r, o in enumerate(outs):
+                o.copy_(dst[r].view(o.shape))
+
+        return self._submit(self._gather_plan("all_gather", inp, rows, deliver, 0, [outs]), _async(opts))
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], input_list: list[torch.Tensor],
+                            opts=None) -> AcclWork:
+        """``output_lists[r][j]`` receives rank r's ``input_list[j]`` (torch's layout: one list per rank)."""
+        if not input_list:
+            raise ValueError("accl: all_gather_coalesced needs at least one input tensor")
+        if len(output_lists) != self._size or any(len(o) != len(input_list) for o in output_lists):
+            raise ValueError(f"accl: all_gather_coalesced needs {self._size} output lists (one per rank), each "
+                             f"with one tensor per input tensor ({len(input_list)})")
+        works = [self.allgather([[out[j] for out in output_lists]], [inp], opts)
+                 for j, inp in enumerate(input_list)]
+        return works[-1]  # collectives complete in issue order: the last one covers all
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork | None:  # noqa: A002
+        p = self._size
+        for name, t in (("output", output), ("input", input)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"accl: all_gather_into_tensor {name} must be a tensor")
+        if output.dtype != input.dtype:
+            raise TypeError(f"accl: all_gather_into_tensor dtypes differ: output {output.dtype}, "
+                            f"input {input.dtype}")
+        if output.numel() != p * input.numel():
+            raise ValueError(f"accl: all_gather_into_tensor output has {output.numel()} elements, needs "
+                             f"world_size * input = {p} * {input.numel()} = {p * input.numel()}")
+        numel = input.numel()
+        direct = output.is_contiguous() and (output.device.type == "cpu" or self._ex.mpi.accepts(output.device))
+
+        def rows() -> torch.Tensor:
+            return output if direct else torch.empty((p, numel), dtype=input.dtype)
+
+        def deliver(dst: torch.Tensor) -> None:
+            if not direct:
+                output.copy_(dst.view(output.shape))
+
+        plan = self._gather_plan("all_gather", input, rows, deliver, 0, [output])
+        plan.inline = self._inline_ok(opts, input, output)
+        return self._run(plan, opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts=None) -> AcclWork | None:
+        return self._coalesced(self.all_gather_single, "all_gather_into_tensor", outputs, inputs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts=None) -> AcclWork:
+        inp = _one(input_tensors, "gather")
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "gather")
+        p, numel = self._size, inp.numel()
+        if self._rank == root:
+            if len(output_tensors) != 1:
+                raise ValueError("accl: gather on the root takes one gather_list")
+            outs = output_tensors[0]
+            self._check_list(outs, inp, "gather", "gather_list")
+        else:
+            if output_tensors and any(len(x) for x in output_tensors):
+                raise ValueError("accl: gather_list must be empty/None on non-root ranks")
+            outs = []
+        is_root = self._rank == root
+
+        def rows() -> torch.Tensor | None:
+            return torch.empty((p, numel), dtype=inp.dtype) if is_root else None
+
+        def deliver(dst: torch.Tensor) -> None:
+            for r, o in enumerate(outs):
+                o.copy_(dst[r].view(o.shape))
+
+        plan = self._gather_plan("gather", inp, rows, deliver, root, [outs] if outs else [])
+        return self._submit(plan, _async(opts))
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts=None) -> AcclWork:
+        out = _one(output_tensors, "scatter")
+        root = opts.rootRank if opts is not None else 0
+        self._check_root(root, "scatter")
+        if self._rank == root:
+            if len(input_tensors) != 1:
+                raise ValueError("accl: scatter on the root takes one scatter_list")
+            ins = input_tensors[0]
+            self._check_list(ins, out, "scatter", "scatter_list")
+        else:
+            if input_tensors and any(len(x) for x in input_tensors):
+                raise ValueError("accl: scatter_list must be empty/None on non-root ranks")
+            ins = []
+        self._ex.check_open()
+        eng = self._engine_for("scatter", out.dtype)
+        return self._submit(plans.Scatter(self._ex, eng, out, list(ins), root, self.options.check), _async(opts))
+
+    # ----------------------------------------------------------------- reduce_scatter
+    def _reduce_scatter_plan(self, out: torch.Tensor, rows: Callable[[], torch.Tensor], op: RedOp,
+                             ) -> plans.ReduceScatter:
+        red = self._reduction(out.dtype, op, "reduce_scatter")
+        self._ex.check_open()
+        eng = self._engine_for("reduce_scatter", out.dtype, op)
+        return plans.ReduceScatter(self._ex, eng, out, rows, red, lambda n: self._ex.header_needed(eng, n))
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts=None) -> AcclWork:
+        out = _one(output_tensors, "reduce_scatter")
+        if len(input_tensors) != 1:
+            raise ValueError("accl: reduce_scatter takes one input list")
+        ins = input_tensors[0]
+        self._check_list(ins, out, "reduce_scatter", "input_list")
+        plan = self._reduce_scatter_plan(out, lambda: torch.stack([i.reshape(-1).cpu() for i in ins]), _op(opts))
+        return self._submit(plan, _async(opts))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork | None:  # noqa: A002
+        p = self._size
+        if output.dtype != input.dtype:
+            raise TypeError(f"accl: reduce_scatter_tensor dtypes differ: output {output.dtype}, "
+                            f"input {input.dtype}")
+        if input.numel() != p * output.numel():
+            raise ValueError(f"accl: reduce_scatter_tensor input has {input.numel()} elements, needs "
+                             f"world_size * output = {p} * {output.numel()} = {p * output.numel()}")
+        def rows() -> torch.Tensor:
+            return input if input.is_cpu and input.is_contiguous() else input.reshape(-1).contiguous().cpu()
+
+        plan = self._reduce_scatter_plan(output, rows, _op(opts))
+        plan.inline = self._inline_ok(opts, input, output)
+        return self._run(plan, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts=None) -> AcclWork | None:
+        return self._coalesced(self.reduce_scatter_single, "reduce_scatter_tensor", outputs, inputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     @staticmethod
-    def _stage_out(flat: torch.Tensor, t: torch.Tensor) -> None:
-        if flat.data_ptr() != t.data_ptr() or flat.device != t.device or not t.is_contiguous():
-            t.copy_(flat.view(t.shape))
+    def _coalesced(one: Callable, name: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                   opts: object) -> AcclWork | None:
+        """A ``*_coalesced`` call as one call of ``one`` per (output, input) pair, in order: collectives
+        complete in issue order, so the last one's Work covers them all."""
+        if len(outputs) != len(inputs) or not inputs:
+            raise ValueError(f"accl: {name}_coalesced needs matching, non-empty lists")
+        works = [one(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return works[-1]
 
-    # ----------------------------------------------------------------- op construction
-    def _new_op(self, name: str, outputs: list[torch.Tensor], p2p: bool = False) -> Op:
-        if self._aborted is not None:
-            raise dist.DistBackendError(f"accl: process group is aborted ({self._aborted}); "
-                                        f"create a new one (or restart) to communicate again")
-        op = Op(name, outputs, self._timeout_s, p2p)
-        return op
+    # ----------------------------------------------------------------- all_to_all
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                          output_split_sizes: list[int], input_split_sizes: list[int], opts=None
+                          ) -> AcclWork | None:
+        p = self._size
+        if output.dtype != input.dtype:
+            raise TypeError(f"accl: all_to_all_single dtypes differ: output {output.dtype}, "
+                            f"input {input.dtype}")
+        esz = input.element_size()
+        if (not input_split_sizes and not output_split_sizes and input.dim() > 0 and output.dim() > 0
+                and input.shape[0] % p == 0 and output.shape[0] % p == 0 and input.shape[1:] == output.shape[1:]):
+            # even splits (the common case): equal blocks
+            sb, rb = [input.numel() * esz // p] * p, [output.numel() * esz // p] * p
+        else:
+            # elements per dim-0 row (shape arithmetic: indexing a tensor costs more than the whole call)
+            row_in = math.prod(input.shape[1:]) if input.dim() > 0 and input.shape[0] else 0
+            row_out = math.prod(output.shape[1:]) if output.dim() > 0 and output.shape[0] else 0
+            row = max(row_in, row_out, 1) if input.dim() > 1 or output.dim() > 1 else 1
+            s_in = self._splits(list(input_split_sizes), input, "input")
+            s_out = self._splits(list(output_split_sizes), output, "output")
+            sb = [s * row * esz for s in s_in]
+            rb = [s * row * esz for s in s_out]
+        self._ex.check_open()
+        eng = self._engine_for("alltoallv", input.dtype)
+        plan = plans.AllToAll(self._ex, eng, input, output, sb, rb, [output])
+        plan.inline = self._inline_ok(opts, input, output) and p <= plans.MATRIX_MAX_RANKS
+        return self._run(plan, opts)
 
-    def _header(self, kind: str, dtype: torch.dtype | None, numel: int, nbytes: int,
-                op: RedOp | None = None, root: int = 0, extra: int = 0) -> list[int]:
-        return [_MAGIC, _KIND[kind], self._seq, _DTYPE_CODE.get(dtype, 99) if dtype is not None else 0,
-                _OP_CODE.get(op, 0) if op is not None else 0, root, nbytes, numel, extra]
+    alltoall_base = all_to_all_single
 
-    def _submit(self, op: Op, async_op: bool = True) -> AcclWork:
-        work = AcclWork(self, op)
-        done: list[Op] = []
-        with self._lock:
-            if self._aborted is not None:
-                raise dist.DistBackendError(f"accl: process group is aborted ({self._aborted})")
-            if op.p2p:
-                self._p2p.append(op)
-                self._start(op)
-            else:
-                if not async_op:
-                    op.inline_in = threading.get_ident()
-                op.seq = self._seq
-                self._seq += 1
-                self._queue.append(op)
-                if len(self._queue) == 1:
-                    self._start(op)
-            done = self._progress_locked()
-        self._complete(done)
-        if async_op and not op.done:
-            self._kick()
-        return work
+    def _splits(self, sizes: list[int], t: torch.Tensor, name: str) -> list[int]:
+        p = self._size
+        if not sizes:
+            if t.dim() == 0 or t.shape[0] % p:
+                raise ValueError(f"accl: all_to_all_single {name} dim 0 ({tuple(t.shape)}) is not "
+                                 f"divisible by world_size {p}; pass split sizes")
+            return [t.shape[0] // p] * p
+        if len(sizes) != p:
+            raise ValueError(f"accl: all_to_all_single {name}_split_sizes has {len(sizes)} entries, "
+                             f"world_size is {p}")
+        if any(s < 0 for s in sizes):
+            raise ValueError(f"accl: all_to_all_single {name}_split_sizes must be >= 0, got {sizes}")
+        if sum(sizes) != (t.shape[0] if t.dim() else 1):
+            raise ValueError(f"accl: all_to_all_single {name}_split_sizes sum to {sum(sizes)} but "
+                             f"{name} has {t.shape[0] if t.dim() else 1} rows")
+        return list(sizes)
 
-    # ----------------------------------------------------------------- progress
-    def _start(self, op: Op) -> None:
-        """Begin ``op`` (caller holds the lock); errors fail the op, never escape."""
-        op.started = True
-        op.deadline = now() + op.timeout_s
-        try:
-            if op.check is not None:
-                op.stage = -1
-                op.reqs = [op.check[0]()]
-            else:
-                self._next_stage(op, 0)
-        except BaseException as exc:  # noqa: BLE001 - reported through the Work
-            self._fail(op, exc)
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts=None) -> AcclWork:
+        p = self._size
+        if len(output_tensors) != p or len(input_tensors) != p:
+            raise ValueError(f"accl: all_to_all needs {p} input and {p} output tensors, got "
+                             f"{len(input_tensors)} and {len(output_tensors)}")
+        dtype = input_tensors[0].dtype
+        if any(t.dtype != dtype for t in list(input_tensors) + list(output_tensors)):
+            raise TypeError("accl: all_to_all needs every tensor of one dtype")
+        esz = input_tensors[0].element_size()
+        send = torch.cat([t.reshape(-1).cpu() for t in input_tensors]) if p else torch.empty(0, dtype=dtype)
+        recv = torch.empty(sum(t.numel() for t in output_tensors), dtype=dtype)
+        sb = [t.numel() * esz for t in input_tensors]
+        rb = [t.numel() * esz for t in output_tensors]
 
-    def _next_stage(self, op: Op, k: int) -> None:
-        while k < len(op.stages):
-            op.stage = k
-            # MPI's blocking (tuned) algorithms beat the nonblocking ones, and once the header exchange
-            # proved that every rank is in this call they cannot wait on a missing peer: after a header
-            # the data moves by blocking calls (big async ones on the worker thread, the rest by whoever
-            # advances the op), exactly as on the synchronous fast path, so that ranks taking either
-            # path make matching MPI calls. Without a header, small ops run nonblocking.
-            if op.check is not None:
-                self._mpi.threaded = ("worker" if op.big and op.inline_in != threading.get_ident()
-                                      else "inline")
-            elif op.big:
-                self._mpi.threaded = "worker"
-            try:
-                op.reqs = op.stages[k]()
-            finally:
-                self._mpi.threaded = False
-            if op.reqs:
-                return
-            k += 1
-        op.stage = len(op.stages)
-        op.reqs = []
-        if op.finish is not None:
-            op.finish()
-        op.done = True
+        def deliver() -> None:
+            off = 0
+            for t in output_tensors:
+                t.copy_(recv[off: off + t.numel()].view(t.shape))
+                off += t.numel()
 
-    def _advance(self, op: Op) -> None:
-        """Test ``op``'s current requests; move it on when they completed."""
-        try:
-            reqs = op.reqs
-            for r in reqs:
-                if not r.test():
-                    return
-            if op.stage == -1:
-                op.check[1]()
-                self._next_stage(op, 0)
-            else:
-                self._next_stage(op, op.stage + 1)
-        except BaseException as exc:  # noqa: BLE001
-            self._fail(op, exc)
+        self._ex.check_open()
+        eng = self._engine_for("alltoallv", dtype)
+        plan = plans.AllToAll(self._ex, eng, send, recv, sb, rb, list(output_tensors), deliver)
+        return self._submit(plan, _async(opts))
 
-    def _fail(self, op: Op, exc: BaseException) -> None:
-        """Fail ``op`` with ``exc`` (caller holds the lock).  A dead peer also aborts the group: its
-        collectives can never complete, so the pending ones are failed by the caller's next drain."""
-        if isinstance(exc, MPI.Exception) and exc.Get_error_class() in _PEER_FAILED:
-            err = self._peer_failure(op, exc)
-            if self._aborted is None:
-                self._aborted = err
-            op.fail(err)
-            return
-        op.fail(_wrap(exc, op))
+    # ----------------------------------------------------------------- barrier
+    def barrier(self, opts=None) -> AcclWork | None:
+        self._ex.check_open()
+        plan = plans.Barrier(self._ex, self._engine_for("barrier"), self.options.check)
+        plan.inline = not _async(opts) and self._ex.engine is self._ex.mpi
+        return self._run(plan, opts)
 
-    def _peer_failure(self, op: Op, exc: MPI.Exception) -> AcclPeerFailedError:
-        """The error for a peer death that MPI reported during ``op``; revokes the group's communicators
-        so that every survivor's pending and next calls on them fail at once instead of waiting."""
-        comms = (self._mpi.coll, self._ctl, *self._mpi.p2p)
-        for comm in comms:
-            with contextlib.suppress(MPI.Exception, NotImplementedError):
-                comm.Revoke()
-        # A rank told only by a revocation may learn who died from the runtime's notice a moment later.
-        limit = now() + (0.25 if exc.Get_error_class() == getattr(MPI, "ERR_REVOKED", None) else 0.0)
-        pause = Backoff().pause
-        while not (ranks := _failed_ranks(comms)) and now() < limit:
-            pause()
-        # MPI_Finalize would wait for the dead rank forever: end this process with MPI_Abort at exit instead.
-        set_abort_status(1)
-        who = (f"peer rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks
-               else "a peer rank (a survivor revoked the group after seeing it die)")
-        return AcclPeerFailedError(
-            f"accl: {who} of group '{self._name}' died during {op.describe} on rank {self._rank} of "
-            f"{self._size} (MPI: {exc.Get_error_string()}). The group is aborted; later calls on it raise "
-            f"at once. Restart the job (e.g. from a checkpoint) or rebuild the group from the survivors.",
-            ranks)
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0
+        raises for the first missing rank, or for every one with ``wait_all_ranks=True``.
 
-    def _progress_locked(self) -> list[Op]:
-        """Advance everything in flight; return ops that finished (futures are set outside the lock)."""
-        finished: list[Op] = []
-        q = self._queue
-        while q:
-            if self._aborted is not None:  # a peer died: nothing queued can complete
-                finished.extend(self._drain_locked())
-                return finished
-            head = q[0]
-            if not head.started:
-                self._start(head)
-            if not head.done:
-                self._advance(head)
-            if not head.done:
-                if now() > head.deadline:
-                    self._abort_locked(head)
-                    finished.extend(self._drain_locked())
-                break
-            finished.append(q.popleft())
-        if self._p2p:
-            keep = []
-            for op in self._p2p:
-                if not op.done:
-                    self._advance(op)
-                if op.done:
-                    finished.append(op)
-                elif now() > op.deadline:
-                    self._abort_locked(op)
-                    finished.extend(self._drain_locked())
-                    return finished
-                else:
-                    keep.append(op)
-            self._p2p = keep
-            if self._aborted is not None and keep:
-                finished.extend(self._drain_locked())
-        return finished
+        ``dist.monitored_barrier`` itself accepts only gloo groups; call this method on the group.
+        """
+        secs = timeout.total_seconds() if timeout is not None else self._timeout_s
+        monitored_barrier(self._ex.mpi.p2p[0], secs, wait_all_ranks)
 
-    def _abort_locked(self, op: Op) -> None:
-        err = AcclTimeoutError(
-            f"accl: {op.describe} in group '{self._name}' (rank {self._rank} of {self._size}) did not "
-            f"complete within the group timeout of {op.timeout_s:g} s: a peer rank died, hung, or did "
-            f"not make the matching call. The group is aborted; later calls on it raise at once.")
-        self._aborted = err
-        op.fail(err)
+    # ----------------------------------------------------------------- point-to-point
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> AcclWork:
+        t = _one(tensors, "send")
+        self._check_peer(dst, "send", "dst")
+        self._check_tag(tag)
+        self._ex.check_open()
+        return self._ex.submit(Send(self._ex, self._engine_for("send", t.dtype), t, dst, tag), p2p=True)
 
-    def _drain_locked(self) -> list[Op]:
-        out = []
-        for op in list(self._queue) + self._p2p:
-            op.fail(self._aborted if op.error is None else op.error)
-            out.append(op)
-        self._queue.clear()
-        self._p2p = []
-        return out
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> AcclWork:
+        t = _one(tensors, "recv")
+        self._check_peer(src, "recv", "src")
+        return self._recv(t, src, tag)
 
-    @staticmethod
-    def _complete(ops: list[Op]) -> None:
-        for op in ops:
-            op.release()
-            op.settle()
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> AcclWork:
+        return self._recv(_one(tensors, "recv"), -1, tag)
 
-    def _poll(self) -> None:
-        """One non-blocking round of progress (from ``is_completed`` or the progress thread)."""
-        if not self._lock.acquire(blocking=False):
-            return
-        try:
-            done = self._progress_locked()
-        finally:
-            self._lock.release()
-        self._complete(done)
-
-    def _wait(self, op: Op, timeout_s: float | None) -> None:
-        limit = now() + timeout_s if timeout_s is not None else float("inf")
-        pause = Backoff().pause  # spin hot first (MPI progresses inside our Test calls), then back off
-        while not op.done:
-            with self._lock:
-                done = self._progress_locked()
-            self._complete(done)
-            if op.done:
-                break
-            t = now()
-            if t > limit:
-                raise AcclTimeoutError(f"accl: Work.wait({timeout_s:g} s) expired before {op.describe} "
-                                       f"completed in group '{self._name}'")
-            head = self._head()
-            blocker = next((r for r in head.reqs if hasattr(r, "block")), None) if head is not None else None
-            if blocker is not None:  # a blocking MPI call on the worker: sleep on it (GIL released)
-                blocker.block(min(0.005, max(0.0, limit - t)))
-                continue
-            pause()
-        if op.error is not None:
-            raise op.error
-        # "complete in issue order": every earlier collective is done once this one is.
-
-    def _head(self) -> Op | None:
-        q = self._queue
-        return q[0] if q else None
-
-    def _kick(self) -> None:
-        """Make sure the progress thread runs while async work is pending."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=_progress_loop, args=(weakref.ref(self), self._wake),
-                                            name=f"accl-progress-{self._name}", daemon=True)
-            self._thread.start()
-        self._wake.set()
+    def _recv(self, t: torch.Tensor, src: int, tag: int) -> AcclWork:
+        self._check_tag(tag)
+        self._ex.check_open()
+        plan = Recv(self._ex, self._engine_for("recv", t.dtype), t, src, tag, self._engine_for)
+        return self._ex.submit(plan, p2p=True)
 
     # ----------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
         """Stop the progress thread and free communicators (pending work is failed)."""
-        if self._closed:
-            return
-        self._closed = True
-        with self._lock:
-            if self._queue or self._p2p:
-                if self._aborted is None:
-                    self._aborted = dist.DistBackendError("accl: process group shut down")
-                self._drain_locked()
-        self._wake.set()
-        if self._aborted is None:
-            if self._hdr_preq is not None:
-                with contextlib.suppress(MPI.Exception):
-                    self._hdr_preq.Free()
-            self._engine.close()
-            if self._engine is not self._mpi:
-                self._mpi.close()
-            with contextlib.suppress(MPI.Exception):
-                self._ctl.Free()
+        self._ex.shutdown()
 
     def abort(self) -> None:
-        self.shutdown()
-
-    def __del__(self) -> None:
-        self._closed = True
-        wake = getattr(self, "_wake", None)  # absent when __init__ failed
-        if wake is not None:
-            wake.set()
+        self._ex.shutdown()
 
     # ----------------------------------------------------------------- argument checks
     def _check_root(self, root: int, what: str) -> None:
@@ -444,7 +500,7 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
             raise ValueError(f"accl: {what} {name}={peer} is not a rank of this group (size {self._size})")
 
     def _check_tag(self, tag: int) -> None:
-        ub = _tag_ub()
+        ub = self._tag_ub
         if not isinstance(tag, int) or not 0 <= tag <= ub:
             raise ValueError(f"accl: tag {tag} out of range [0, {ub}] (MPI_TAG_UB)")
 
@@ -457,45 +513,3 @@ class ProcessGroupACCL(FastPathMixin, CollectivesMixin, PointToPointMixin, dist.
             if x.numel() != ref.numel():
                 raise ValueError(f"accl: {what} {name}[{i}] has {x.numel()} elements, expected {ref.numel()} "
                                  f"(all ranks' tensors must have the same size)")
-
-
-# --------------------------------------------------------------------- helpers
-
-
-def _failed_ranks(comms: Sequence[MPI.Comm]) -> tuple[int, ...]:
-    """Ranks (in these communicators' common group) that MPI knows to have died; () if none or unknown."""
-    failed: set[int] = set()
-    for comm in comms:
-        with contextlib.suppress(MPI.Exception, NotImplementedError):
-            grp, mine = comm.Get_failed(), comm.Get_group()
-            failed.update(r for r in MPI.Group.Translate_ranks(grp, list(range(grp.Get_size())), mine)
-                          if r >= 0)
-            grp.Free()
-            mine.Free()
-    return tuple(sorted(failed))
-
-
-def _progress_loop(pg_ref: weakref.ref, wake: threading.Event) -> None:
-    """Drive async work of one group while nobody waits on it; exits with the group."""
-    while True:
-        wake.wait()
-        pg = pg_ref()
-        if pg is None or pg._closed:
-            return
-        interval = pg.options.progress_interval_us * 1e-6
-        idle = not (pg._queue or pg._p2p)
-        if idle:
-            wake.clear()
-            if pg._queue or pg._p2p:  # raced with a submit
-                wake.set()
-            del pg
-            continue
-        del pg
-        time.sleep(interval)
-        pg = pg_ref()
-        if pg is None or pg._closed:
-            return
-        pg._poll()
-        del pg
-
-

@@ -87,7 +87,8 @@ def _check_reduction(dtype: torch.dtype, op: RedOp, what: str) -> None:
                         f"{dtype} values is not a {dtype}); got {dtype}")
 
 
-def _half_kernel(dtype: torch.dtype, op: RedOp):
+def _half_kernel(op: RedOp):
+    """torch's in-place kernel for ``op`` on two operands of the tensor's own (16-bit) dtype."""
     if op in (_R.SUM, _R.AVG):
         return lambda acc, x: acc.add_(x)
     if op == _R.PRODUCT:
@@ -99,7 +100,7 @@ def _half_kernel(dtype: torch.dtype, op: RedOp):
 
 @functools.cache
 def _half_op(dtype: torch.dtype, op: RedOp) -> MPI.Op:
-    kernel = _half_kernel(dtype, op)
+    kernel = _half_kernel(op)
 
     def reduce_fn(inbuf, inoutbuf, datatype) -> None:  # MPI semantics: inoutbuf = inbuf op inoutbuf
         if len(inbuf) == 0:  # noqa: SIM102  (frombuffer rejects empty buffers)
@@ -111,10 +112,20 @@ def _half_op(dtype: torch.dtype, op: RedOp) -> MPI.Op:
     return MPI.Op.Create(reduce_fn, commute=True)
 
 
+_MPI_REDUCTION: dict[tuple[torch.dtype, int], tuple[MPI.Datatype, MPI.Op]] = {}
+
+
 def mpi_reduction(dtype: torch.dtype, op: RedOp) -> tuple[MPI.Datatype, MPI.Op]:
     """The MPI datatype and op that carry out ``op`` on ``dtype`` (after :func:`check_reduction`)."""
+    key = (dtype, op.value)  # the enum's int: hashing the enum object costs several times more
+    found = _MPI_REDUCTION.get(key)
+    if found is not None:
+        return found
     if dtype in (torch.float16, torch.bfloat16):
-        return MPI.UINT16_T, _half_op(dtype, op)
-    if dtype == torch.bool:
-        return MPI.UINT8_T, _MPI_BOOL_OP[op]
-    return _MPI_TYPE[dtype], _MPI_OP[op]
+        found = MPI.UINT16_T, _half_op(dtype, op)
+    elif dtype == torch.bool:
+        found = MPI.UINT8_T, _MPI_BOOL_OP[op]
+    else:
+        found = _MPI_TYPE[dtype], _MPI_OP[op]
+    _MPI_REDUCTION[key] = found
+    return found

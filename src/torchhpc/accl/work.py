@@ -1,18 +1,13 @@
 """Operations in flight and the ``Work`` objects torch sees.
 
-An :class:`Op` is one torch-level call (one ``all_reduce``, one ``send``...).  Collective ops run
-one after another in issue order: an op first (optionally) exchanges a consistency header, then
-starts all its segments at once on the engine, then runs its ``finish`` step (copy-back,
-division for AVG...).  Point-to-point ops start when issued.  Whoever polls (a thread in
-``Work.wait()``, or the group's progress thread for ``async_op=True`` work nobody waits on)
-advances them; see :class:`~.process_group.ProcessGroupACCL`.
+An :class:`Op` is the progress of one queued plan (one ``all_reduce``, one ``send``...): its call
+number, current stage, requests, deadline, outcome and future.  The executor (:mod:`.executor`)
+advances it; :class:`AcclWork` is the handle torch gets.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -20,60 +15,55 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..errors import PeerFailedError, PeerTimeoutError
+from ..errors import MismatchError, PeerFailedError, PeerTimeoutError
 from .engine import Request
 
 if TYPE_CHECKING:
-    from .process_group import ProcessGroupACCL
+    from .executor import Executor
+    from .plans import Plan
 
-__all__ = ["Op", "AcclWork", "AcclTimeoutError", "AcclPeerFailedError"]
-
+__all__ = ["Op", "AcclWork", "AcclTimeoutError", "AcclPeerFailedError", "AcclMismatchError"]
 
 # Old names of torchhpc.errors' classes, kept importable from here: an operation did not complete within
-# the group's timeout; MPI reported that peer processes of the group died (the group is aborted).
+# the group's timeout; MPI reported that peer processes of the group died (the group is aborted); ranks
+# called a collective with different arguments.
 AcclTimeoutError = PeerTimeoutError
 AcclPeerFailedError = PeerFailedError
+AcclMismatchError = MismatchError
 
 
 class Op:
-    """State of one operation; only the owning group touches it, under the group's lock."""
+    """A queued (or failed inline) plan's progress; only the owning executor touches it, under its lock."""
 
-    __slots__ = (
-        "name", "seq", "outputs", "check", "stages", "finish", "reqs", "stage", "done", "error",
-        "deadline", "started", "_future", "p2p", "big", "inline_in", "source_rank", "timeout_s", "_desc",
-    )
+    __slots__ = ("plan", "seq", "reqs", "stage", "done", "error", "deadline", "started", "_future", "p2p",
+                 "inline_in", "timeout_s")
 
-    def __init__(self, name: str, outputs: list[torch.Tensor], timeout_s: float, p2p: bool = False):
-        self.name = name
-        self.seq = -1
-        self.outputs = outputs
-        # check: () -> Request | None, verified by finish-of-check callback (set by the group)
-        self.check: tuple[Callable[[], Request], Callable[[], None]] | None = None
-        # stages: list of lists of request starters; stage k starts when stage k-1 completed
-        self.stages: list[Callable[[], list[Request]]] = []
-        self.finish: Callable[[], None] | None = None
+    def __init__(self, plan: Plan, timeout_s: float, p2p: bool = False, seq: int = -1):
+        self.plan = plan
+        self.seq = seq
         self.reqs: list[Request] = []
-        self.stage = -2  # -2 not started, -1 checking, k running stage k
+        self.stage = -2  # -2 not started, -1 header exchange, k running stage k
         self.done = False
         self.error: BaseException | None = None
         self.deadline = float("inf")
         self.started = False
         self._future: Future | None = None  # made on demand: most callers only wait()
         self.p2p = p2p
-        self.big = False  # large enough for the blocking (tuned) MPI algorithms on the worker thread
-        self.inline_in = 0  # thread id that may run those blocking calls itself (synchronous callers)
-        self.source_rank = -1
+        self.inline_in = 0  # thread id of the synchronous caller (it may make blocking calls itself)
         self.timeout_s = timeout_s
-        self._desc: str | Callable[[], str] = name
 
     @property
     def describe(self) -> str:
         """Human description for errors (built lazily: formatting costs more than a small collective)."""
-        return self._desc() if callable(self._desc) else self._desc
+        return self.plan.describe(self.seq)
 
-    @describe.setter
-    def describe(self, value: str | Callable[[], str]) -> None:
-        self._desc = value
+    @property
+    def outputs(self) -> list:
+        return self.plan.outputs
+
+    @property
+    def source_rank(self) -> int:
+        return self.plan.source_rank
 
     @property
     def future(self) -> Future:
@@ -95,12 +85,7 @@ class Op:
                 _settle(self._future, self)
 
     def release(self) -> None:
-        """Drop the closures (they refer back to this op): the op is then freed by reference counting
-        instead of piling up as cyclic garbage for the (slow, with torch loaded) cycle collector."""
-        self.check = None
-        self.stages = []
-        self.finish = None
-        self._desc = self.name
+        """Drop the finished op's requests (and the buffers they keep alive)."""
         self.reqs = []
 
     def fail(self, error: BaseException) -> None:
@@ -134,25 +119,25 @@ def _seconds(timeout: object) -> float | None:
 class AcclWork(dist._Work):
     """Handle of one operation, as returned to torch (``dist.all_reduce(..., async_op=True)``)."""
 
-    def __init__(self, pg: ProcessGroupACCL, op: Op):
+    def __init__(self, ex: Executor, op: Op):
         super().__init__()
-        self._pg = pg
+        self._ex = ex
         self._op = op
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until this operation (and every collective issued before it) completed; raise its error."""
-        self._pg._wait(self._op, _seconds(timeout))
+        self._ex.wait(self._op, _seconds(timeout))
         return True
 
     def is_completed(self) -> bool:
         """Non-blocking: True once finished (successfully or not); also advances pending operations."""
         if not self._op.done:
-            self._pg._poll()
+            self._ex.poll()
         return self._op.done
 
     def is_success(self) -> bool:
         if not self._op.done:
-            self._pg._poll()
+            self._ex.poll()
         return self._op.done and self._op.error is None
 
     def exception(self):
@@ -181,5 +166,3 @@ class AcclWork(dist._Work):
         return f"AcclWork({self._op.describe}, {state})"
 
 
-def now() -> float:
-    return time.monotonic()

@@ -103,7 +103,7 @@ class LayerParallel(nn.Module):
             if engine not in ("python", "xbraid"):
                 raise ValueError(f"engine must be 'python' or 'xbraid', got {engine!r}")
             if engine == "xbraid":
-                xbraid.load()  # EngineUnavailableError, naming what is missing, before any collective
+                xbraid.load()  # EngineUnavailableError, naming what is missing and `make native-xbraid`
             if len(layer_blocks) != len(global_steps) or not layer_blocks:
                 raise ValueError(f"need one step count per layer block, got {len(layer_blocks)} blocks and "
                                  f"{len(global_steps)} counts")

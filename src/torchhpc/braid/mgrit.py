@@ -21,6 +21,7 @@ import torch
 from mpi4py import MPI
 
 from ..waiting import agreed
+from . import xbraid
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
 from .transport import Channel, agreement_timeout, allreduce, check_timeout, dup, timeout_message
@@ -374,13 +375,15 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
                                   skip_downcycle=skip_downcycle, weight_c=weight_c, min_coarse=min_coarse,
                                   print_level=print_level)
         timeout = check_timeout(timeout)
-        if engine == "xbraid":  # option checks and the extension's presence agreed like the rest
-            from . import xbraid
-
+        if engine == "xbraid":  # extension present, settings XBraid can express, its own distribution
             xbraid.load()
             xbraid.check_options(opts)
+            blocks = xbraid.block_counts(len(times), base.Get_size())
+            if partition is not None and list(partition) != blocks:
+                raise ValueError(f"engine='xbraid' distributes time points itself ({blocks} over "
+                                 f"{base.Get_size()} ranks); partition={list(partition)} cannot be honoured")
     if engine == "xbraid":
-        return _solve_xbraid(step, u0, times, base, opts, init, norm, partition, timeout)
+        return _solve_xbraid(step, u0, times, base, opts, init, norm, timeout)
     work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
         with agreed(work, timeout, "torchhpc.braid.mgrit.solve()"):
@@ -395,16 +398,9 @@ def solve(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.
 
 def _solve_xbraid(step: Callable[[torch.Tensor, float, float], torch.Tensor], u0: torch.Tensor, times: list[float],
                   base: MPI.Comm, opts: MGRITOptions, init: Callable[[int], torch.Tensor] | None, norm: float,
-                  partition: Sequence[int] | None, timeout: float) -> MGRITResult:
-    """:func:`solve` on XBraid (its block distribution of the time points)."""
-    from . import xbraid
-
-    xbraid.load()  # EngineUnavailableError before any collective when the extension is not built
-    xbraid.check_options(opts)
+                  timeout: float) -> MGRITResult:
+    """:func:`solve` on XBraid (its block distribution of the time points), arguments already checked."""
     n = len(times)
-    if partition is not None and list(partition) != xbraid.block_counts(n, base.Get_size()):
-        raise ValueError(f"engine='xbraid' distributes time points itself ({xbraid.block_counts(n, base.Get_size())}"
-                         f" over {base.Get_size()} ranks); partition={list(partition)} cannot be honoured")
     work = dup(base, timeout, "MGRIT solve start (MPI_Comm_idup)")
     try:
         out = xbraid.run(lambda u, i0, i1: step(u, times[i0], times[i1]), u0, n, work, opts, init=init, norm=norm,

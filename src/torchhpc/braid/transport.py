@@ -76,7 +76,7 @@ def agreement_timeout(timeout: float | None) -> float:
         pass
     try:
         return default_timeout()
-    except ValueError:
+    except ValueError:  # a bad TORCHHPC_BRAID_TIMEOUT is then the error the ranks agree on
         return DEFAULT_TIMEOUT
 
 

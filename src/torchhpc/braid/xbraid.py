@@ -1,4 +1,4 @@
-"""``engine="xbraid"``: MGRIT on XBraid's C library (the ``torchhpc_xbraid`` pybind11 extension, ``make native``).
+"""``engine="xbraid"``: MGRIT on XBraid's C library (the ``_torchhpc_xbraid`` pybind11 module, ``make native-xbraid``).
 
 Torch tensors are the braid vectors; the extension calls back into :class:`Adaptor` for every vector operation
 (step, init, sum, spatial norm, access, buffer pack/unpack).  Fine point ``j`` is XBraid time ``j`` (times
@@ -16,87 +16,38 @@ blocking): a dead peer hangs it, unlike the Python engine; errors raised in call
 from __future__ import annotations
 
 import math
-import os
-import sys
 import time
 from collections.abc import Callable
-from importlib.machinery import ExtensionFileLoader
-from importlib.util import module_from_spec, spec_from_file_location
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import native
+from ..errors import EngineUnavailableError
+from ..waiting import agree
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
-from .transport import allgather_int, bcast_object
 
-__all__ = ["EngineUnavailableError", "RemoteCallbackError", "Adaptor", "load", "location", "native_prefix",
-           "block_counts", "check_options", "run"]
+__all__ = ["Adaptor", "load", "location", "block_counts", "check_options", "run"]
 
-EXT_NAME = "torchhpc_xbraid"
 _HDR_BYTES = 8 * 12  # int64: valid flag, dtype code, ndim, up to 9 dims
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex128, torch.complex64]
 
 
-class EngineUnavailableError(RuntimeError):
-    """The XBraid extension is not built or cannot be loaded; the message says what is missing and how to get it."""
-
-
-class RemoteCallbackError(RuntimeError):
-    """Another rank's XBraid callback raised; ``rank`` is that rank, the message carries its error."""
-
-    def __init__(self, message: str, rank: int) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-def native_prefix() -> Path:
-    """Where ``make native`` installs: ``TORCHHPC_NATIVE_PREFIX``, else ``<environment>/native``."""
-    env = os.environ.get("TORCHHPC_NATIVE_PREFIX")
-    return Path(env) if env else Path(sys.prefix) / "native"
-
-
-def _ext_path() -> Path:
-    from sysconfig import get_config_var
-
-    return native_prefix() / "python" / f"{EXT_NAME}{get_config_var('EXT_SUFFIX')}"
-
-
-_module: ModuleType | None = None
-
-
 def load() -> ModuleType:
-    """The loaded extension, or :class:`EngineUnavailableError` naming the missing file and ``make native``."""
-    global _module
-    if _module is not None:
-        return _module
-    path = _ext_path()
-    if not path.is_file():
-        raise EngineUnavailableError(
-            f"engine='xbraid' needs the {EXT_NAME} extension at {path}, which is not built: run `make native` "
-            "(or `make native-xbraid`; sources from NATIVE_SOURCES or the upstream v3.1.0 tag), or point "
-            "TORCHHPC_NATIVE_PREFIX at the prefix it was built into")
-    try:
-        spec = spec_from_file_location(EXT_NAME, path, loader=ExtensionFileLoader(EXT_NAME, str(path)))
-        mod = module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    except ImportError as exc:
-        raise EngineUnavailableError(f"engine='xbraid': {path} does not load ({exc}); rebuild it with "
-                                     "`make native-xbraid` in this environment") from exc
-    _module = mod
-    return mod
+    """The ``_torchhpc_xbraid`` extension, or :class:`~torchhpc.errors.EngineUnavailableError` naming it and
+    ``make native-xbraid`` (see :mod:`torchhpc.native`)."""
+    return native.load("xbraid")
 
 
 def location() -> str | None:
-    """Path of the extension when it is built and loads, else None (for doctor)."""
+    """Path the extension loads from, or None when it is not built (for doctor and tests)."""
     try:
-        load()
+        return str(load().__file__)
     except EngineUnavailableError:
         return None
-    return str(_ext_path())
 
 
 def block_counts(n: int, size: int) -> list[int]:
@@ -213,7 +164,8 @@ def run(phi: Callable[[torch.Tensor, int, int], torch.Tensor], u0: torch.Tensor,
         out = ext.run(MPI._addressof(comm), ad, n - 1, nl, max(opts.min_coarse - 1, 0),
                       [int(c) for c in opts.cfactor], [int(r) for r in opts.relax],
                       [float(opts.weight_c)], float(tol), relative, int(opts.max_iter), bool(opts.skip_downcycle),
-                      opts.cycle == "F", tnorm, reverted, ad.bufsize)
+                      opts.cycle == "F", tnorm, reverted, ad.bufsize,
+                      1 if opts.print_level >= 1 and comm.Get_rank() == 0 else 0)
     _agree_on_errors(comm, out["error"], timeout)
     res = [math.nan if r == ext.INVALID_RNORM else float(r) for r in out["residuals"]]
     valid = [r for r in res if not math.isnan(r)]
@@ -224,14 +176,8 @@ def run(phi: Callable[[torch.Tensor, int, int], torch.Tensor], u0: torch.Tensor,
 
 
 def _agree_on_errors(comm: MPI.Comm, error: BaseException | None, timeout: float) -> None:
-    """Every rank raises when any rank's callback raised: the owner its own exception, the others naming it."""
-    flags = allgather_int(comm, 0 if error is None else 1, timeout, "XBraid: agreeing on callback errors")
-    if not any(flags):
-        return
-    first = flags.index(1)
-    msg = bcast_object(comm, f"{type(error).__name__}: {error}" if comm.Get_rank() == first else None, first,
-                       timeout, "XBraid: the failing rank's error")
+    """Every rank raises when any rank's callback raised: that rank its own exception, the others
+    :class:`~torchhpc.errors.RemoteError` naming it and its error."""
+    agree(comm, error, timeout, "XBraid solve (torchhpc.braid engine='xbraid')")
     if error is not None:
         raise error
-    raise RemoteCallbackError(f"torchhpc.braid (engine='xbraid'): rank {first} raised in an XBraid callback: "
-                              f"{msg}", first)

@@ -1,4 +1,4 @@
-// torchhpc_xbraid: XBraid's C library driven from Python, with torch tensors (Python objects) as braid vectors.
+// _torchhpc_xbraid: XBraid's C library driven from Python, with torch tensors (Python objects) as braid vectors.
 //
 // A braid vector holds one reference to an immutable Python object (a tensor): step and sum store a new object
 // instead of writing into the old one, so clone only shares the reference and no tensor a caller passed in is
@@ -159,7 +159,8 @@ void check(braid_Int rc, const char *what) {
 // One XBraid solve over fine points 0..ntime (times 0.0 .. ntime), options as torchhpc.braid names them.
 py::dict run(std::uintptr_t comm_address, py::object adapt, int ntime, int max_levels, int min_coarse,
              std::vector<int> cfactor, std::vector<int> nrelax, std::vector<double> cweight, double tol,
-             bool relative, int max_iter, bool skip, bool fmg, int tnorm, bool reverted_ranks, int bufsize) {
+             bool relative, int max_iter, bool skip, bool fmg, int tnorm, bool reverted_ranks, int bufsize,
+             int print_level) {
   if (ntime < 1) throw py::value_error("ntime must be >= 1");
   if (cfactor.empty() || nrelax.empty() || cweight.empty()) throw py::value_error("per-level lists must not be empty");
   MPI_Comm comm = *reinterpret_cast<MPI_Comm *>(comm_address);
@@ -170,7 +171,7 @@ py::dict run(std::uintptr_t comm_address, py::object adapt, int ntime, int max_l
   check(braid_Init(comm, comm, 0.0, static_cast<double>(ntime), ntime, &app, cb_step, cb_init, cb_clone, cb_free,
                    cb_sum, cb_norm, cb_access, cb_bufsize, cb_bufpack, cb_bufunpack, &core),
         "braid_Init");
-  braid_SetPrintLevel(core, 0);
+  braid_SetPrintLevel(core, print_level);  // 1: XBraid's per-iteration residual line on rank 0
   braid_SetFileIOLevel(core, 0);
   braid_SetAccessLevel(core, 1);
   braid_SetMaxLevels(core, max_levels);
@@ -222,13 +223,13 @@ py::dict run(std::uintptr_t comm_address, py::object adapt, int ntime, int max_l
 
 }  // namespace
 
-PYBIND11_MODULE(torchhpc_xbraid, m) {
+PYBIND11_MODULE(_torchhpc_xbraid, m) {
   m.doc() = "XBraid (MGRIT, C library) with torch tensors as braid vectors; used by torchhpc.braid engine='xbraid'";
   m.attr("XBRAID_VERSION") = TORCHHPC_XBRAID_VERSION;
   m.attr("INVALID_RNORM") = static_cast<double>(braid_INVALID_RNORM);
   m.def("run", &run, py::arg("comm_address"), py::arg("adaptor"), py::arg("ntime"), py::arg("max_levels"),
         py::arg("min_coarse"), py::arg("cfactor"), py::arg("nrelax"), py::arg("cweight"), py::arg("tol"),
         py::arg("relative"), py::arg("max_iter"), py::arg("skip"), py::arg("fmg"), py::arg("tnorm"),
-        py::arg("reverted_ranks"), py::arg("bufsize"),
+        py::arg("reverted_ranks"), py::arg("bufsize"), py::arg("print_level") = 0,
         "Run one XBraid solve; returns residuals (braid_GetRNorms), iterations, levels and a callback error.");
 }

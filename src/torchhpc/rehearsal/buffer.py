@@ -169,6 +169,7 @@ class RehearsalBuffer:
             reads of a window) or ``"thallium"`` (Mochi Thallium RPC + bulk transfers served by
             each owner's Argobots progress; needs ``make native-mochi``, else
             :class:`~torchhpc.errors.EngineUnavailableError`).  Both never return a torn record.
+            Without ``global_sampling`` nothing is read remotely and neither is set up.
         protocol: the Thallium (Mercury) protocol: ``"na+sm"`` (one node), ``"ofi+tcp"``,
             ``"ofi+verbs"`` or ``"ofi+cxi"`` (across nodes); ``None`` picks ``na+sm`` when all
             ranks share a node, else ``ofi+tcp``.  Only with ``transport="thallium"``.

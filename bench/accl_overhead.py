@@ -1,0 +1,114 @@
+"""Per-call cost of the accl backend on a one-rank group: what Python adds to every call.
+
+On one rank MPI's collectives are memory copies at most, so the time per call is the backend's own
+fixed cost (torch's wrapper, argument checks, plan, header exchange, engine call).  Each case is
+timed in ``--repeats`` interleaved rounds against the raw mpi4py call on numpy buffers and against
+an empty Python function call; the table shows medians and the min-max spread.  ``--profile CASE``
+prints a cProfile of that case instead.
+
+    python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--profile all_reduce_8B]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "torchhpc" not in sys.modules:
+    sys.path.insert(0, os.environ.get("ACCL_OVERHEAD_SRC", str(Path(__file__).resolve().parents[1] / "src")))
+
+
+def _cases():
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    out: dict[str, tuple] = {}
+    for n in (2, 1024, 1 << 18):  # 8 B, 4 KiB, 1 MiB of float32
+        label = {2: "8B", 1024: "4KiB", 1 << 18: "1MiB"}[n]
+        t = torch.ones(n)
+        a = t.numpy().copy()
+        o = torch.empty(n)
+        b = o.numpy()
+        out[f"all_reduce_{label}"] = (lambda t=t: dist.all_reduce(t),
+                                      lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM))
+        out[f"broadcast_{label}"] = (lambda t=t: dist.broadcast(t, 0), lambda a=a: comm.Bcast(a, 0))
+        out[f"all_gather_{label}"] = (lambda t=t, o=o: ag(o, t), lambda a=a, b=b: comm.Allgather(a, b))
+        out[f"reduce_scatter_{label}"] = (lambda t=t, o=o: rs(o, t),
+                                          lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM))
+        out[f"all_to_all_{label}"] = (lambda t=t, o=o: dist.all_to_all_single(o, t),
+                                      lambda a=a, b=b: comm.Alltoall(a, b))
+    out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier())
+    return out
+
+
+def _time(fn, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=20000)
+    ap.add_argument("--profile", default=None, help="cProfile this case instead of timing")
+    ap.add_argument("--cases", default="", help="comma-separated subset")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    import torch.distributed as dist
+
+    import torchhpc.accl  # noqa: F401  (registers "accl")
+
+    dist.init_process_group("accl", rank=0, world_size=1)
+    cases = _cases()
+    if args.cases:
+        cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
+    if args.profile:
+        fn = cases[args.profile][0]
+        _time(fn, 1000)
+        prof = cProfile.Profile()
+        prof.enable()
+        _time(fn, args.iters)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return 0
+    empty = lambda: None  # noqa: E731
+    print(f"# accl per-call cost, one rank, us per call: median [min-max] of {args.repeats} interleaved "
+          f"rounds of {args.iters} calls (src {torchhpc_src()})")
+    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'accl - mpi4py':>13}")
+    for name, (accl, raw) in cases.items():
+        iters = args.iters if "1MiB" not in name else max(200, args.iters // 50)
+        for fn in (accl, raw):
+            _time(fn, max(10, iters // 20))
+        ta, tr, te = [], [], []
+        for _ in range(args.repeats):
+            ta.append(_time(accl, iters))
+            tr.append(_time(raw, iters))
+            te.append(_time(empty, iters))
+        ma, mr = statistics.median(ta), statistics.median(tr)
+        print(f"{name:>20} | {ma:8.2f} [{min(ta):5.2f}-{max(ta):5.2f}] | {mr:8.2f} [{min(tr):5.2f}-{max(tr):5.2f}] "
+              f"| {ma - mr:13.2f}")
+    dist.destroy_process_group()
+    return 0
+
+
+def torchhpc_src() -> str:
+    import torchhpc
+
+    return str(Path(torchhpc.__file__).resolve().parents[1])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

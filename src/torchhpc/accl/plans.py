@@ -1,0 +1,491 @@
+"""Collectives as plans: each collective's wire behaviour written once.
+
+A :class:`Plan` is one torch-level collective call: its header (the :mod:`.wire` fields and, for
+small all-reduces and all_to_all, the slot payload), its data stages (the engine calls, segment by
+segment) and its finish (copy-back, AVG division).  The executor (:mod:`.executor`) runs a plan
+either inline in the caller's thread or from the queue and progress thread; both call the same
+``pack``/``verified``/``stage``/``finish`` methods with a :class:`~.engine.Mode` the executor picks
+from the call alone, so ranks taking either path make the same MPI calls.
+
+Protocol of a plan, in order (``header`` false skips the first two):
+
+1. ``pack(hx, seq)``: write this call's header (and payload) into the exchange's slot.
+2. ``verified(hx)``: every rank agreed; use what the slots carried (reduce payloads, split matrix).
+3. ``stage(k, ctx, mode)`` for k = 0, 1, ...: start stage ``k``'s engine calls and return their
+   requests; stage ``k + 1`` starts once they completed; ``None`` ends the data phase.
+4. ``finish()``: deliver the results into the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from itertools import accumulate
+from typing import Protocol
+
+import torch
+from mpi4py import MPI
+
+from ..errors import MismatchError
+from . import wire
+from .engine import CollectiveEngine, Mode, Request
+from .header import HeaderExchange, Reduction
+from .mpi_engine import MpiRequest
+from .reduction import op_name
+from .tensors import as_bytes, ranges, stage_in, stage_out
+
+__all__ = ["Context", "Plan", "AllReduce", "Broadcast", "Reduce", "GatherLike", "Scatter", "ReduceScatter",
+           "AllToAll", "Barrier", "MATRIX_MAX_RANKS"]
+
+#: all_to_all carries its send/recv byte-matrix row (2 x p int64) in the header slot up to this size
+MATRIX_MAX_RANKS = wire.PAYLOAD_BYTES // 16
+
+_K = {k: wire.kind_code(k) for k in wire.KINDS}
+_HEADER = wire.HEADER
+
+
+class Context(Protocol):
+    """What a plan needs from the group running it (the executor provides it)."""
+
+    rank: int
+    size: int
+    seg: int  # max_segment_bytes
+    big: int  # threaded_min_bytes
+    mpi: CollectiveEngine
+    ctl: MPI.Comm
+
+    def call(self, eng: CollectiveEngine, fn: str, nbytes: int, mode: Mode | None, *args) -> Request:
+        """Make one engine call (accounted in the group's stats)."""
+        ...
+
+    def per(self, elem: int, parts: int = 1) -> int:
+        """Elements per segment so that ``parts`` blocks of them fit one segment."""
+        ...
+
+    def header_needed(self, eng: CollectiveEngine, total_bytes: int) -> bool:
+        """Whether a collective moving ``total_bytes`` on ``eng`` exchanges the header."""
+        ...
+
+
+class Plan:
+    """Base of the collective plans (see the module docstring for the protocol)."""
+
+    kind = ""
+    compare = wire.COMPARE_ALL  # header fields every rank must agree on
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, header: bool, big: bool, outputs: list) -> None:
+        self.rank, self.p = ctx.rank, ctx.size
+        self.eng = eng
+        self.header = header  # exchange the consistency header first
+        self.big = big  # large enough for MPI's blocking algorithms on the worker thread when async
+        self.inline = False  # the adapter sets it: a synchronous call the executor may run in the caller
+        self.outputs = outputs
+        self.source_rank = -1
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        """(dtype, op, root, nbytes, numel, extra) codes of the header."""
+        raise NotImplementedError
+
+    def pack(self, hx: HeaderExchange, seq: int) -> None:
+        d, o, root, nbytes, numel, extra = self.fields()
+        wire.pack_header(hx.mine, _K[self.kind], seq, d, o, root, nbytes, numel, extra)
+
+    def verified(self, hx: HeaderExchange) -> None:  # noqa: B027 - most plans need nothing from the slots
+        """Every rank agreed on the header; take what the slots carried."""
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        raise NotImplementedError
+
+    def finish(self) -> None:  # noqa: B027 - optional
+        """Deliver results to the caller's tensors."""
+
+    def describe(self, seq: int) -> str:
+        return f"{self.kind} #{seq}"
+
+
+
+# --------------------------------------------------------------------------- all_reduce
+
+
+class AllReduce(Plan):
+    """all_reduce (and all_reduce_coalesced: several tensors reduced as one flat buffer).  Payloads up
+    to one slot ride in the header exchange and are reduced locally, in rank order, by every rank."""
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, ts: list[torch.Tensor], red: Reduction,
+                 kind: str, check: bool) -> None:
+        # (the base initialiser is inlined: this is the hottest constructor)
+        numel = ts[0].numel() if len(ts) == 1 else sum(t.numel() for t in ts)
+        nbytes = numel * red.esz
+        self.fused = check and eng is ctx.mpi and nbytes <= wire.PAYLOAD_BYTES
+        self.rank, self.p, self.eng, self.outputs, self.source_rank = ctx.rank, ctx.size, eng, ts, -1
+        self.header = self.fused or ctx.header_needed(eng, nbytes)
+        self.big = nbytes >= ctx.big
+        self.inline = False
+        self.kind, self.ts, self.red, self.numel, self.nbytes = kind, ts, red, numel, nbytes
+        self.buf: torch.Tensor | None = None
+
+    def _gather(self) -> torch.Tensor:
+        ts = self.ts
+        if len(ts) == 1:
+            return stage_in(ts[0], self.eng)
+        dev = ts[0].device if self.eng.accepts(ts[0].device) else torch.device("cpu")
+        return torch.cat([t.reshape(-1) for t in ts]).to(dev)
+
+    def pack(self, hx: HeaderExchange, seq: int) -> None:
+        red = self.red
+        _HEADER.pack_into(hx.mine, 0, wire.MAGIC, _K[self.kind], seq, red.dcode, red.ocode, 0, self.nbytes,
+                          self.numel, 0)
+        if self.fused:
+            buf = self._gather()
+            if not buf.is_cpu:
+                buf = buf.cpu()
+            self.buf = buf
+            hx.put_payload(buf.data_ptr(), self.nbytes)
+
+    def verified(self, hx: HeaderExchange) -> None:
+        if self.fused:
+            hx.reduce_payloads(self.red, self.nbytes, self.buf.data_ptr())  # type: ignore[union-attr]
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k or self.fused:
+            return None
+        buf = self.buf = self._gather()
+        esz, numel, op = self.red.esz, self.numel, self.red.engine_op
+        per = ctx.per(esz)
+        if numel <= per:
+            return [ctx.call(self.eng, "allreduce", self.nbytes, mode, buf, op)] if numel else []
+        return [ctx.call(self.eng, "allreduce", (b - a) * esz, mode, buf[a:b], op) for a, b in ranges(numel, per)]
+
+    def finish(self) -> None:
+        buf = self.buf
+        assert buf is not None
+        if self.red.avg:
+            buf.div_(self.p)
+        ts = self.ts
+        if len(ts) == 1:
+            if buf is not ts[0]:
+                stage_out(buf, ts[0])
+            return
+        off = 0
+        for t in ts:
+            t.copy_(buf[off: off + t.numel()].view(t.shape))
+            off += t.numel()
+
+    def describe(self, seq: int) -> str:
+        return f"{self.kind}({self.red.dtype}, {self.numel} elements, {op_name(self.red.op)}) #{seq}"
+
+
+# --------------------------------------------------------------------------- broadcast / reduce
+
+
+class Broadcast(Plan):
+    """broadcast from ``root``, in segments."""
+
+    kind = "broadcast"
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, t: torch.Tensor, root: int, header: bool) -> None:
+        self.t, self.root, self.numel, self.esz = t, root, t.numel(), t.element_size()
+        super().__init__(ctx, eng, header, self.numel * self.esz >= ctx.big, [t])
+        self.buf: torch.Tensor | None = None
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return wire.dtype_code(self.t.dtype), 0, self.root, self.numel * self.esz, self.numel, 0
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k:
+            return None
+        buf = self.buf = stage_in(self.t, self.eng, copy=(self.rank == self.root))
+        esz, numel = self.esz, self.numel
+        per = ctx.per(esz)
+        if numel <= per:
+            return [ctx.call(self.eng, "broadcast", numel * esz, mode, buf, self.root)] if numel else []
+        return [ctx.call(self.eng, "broadcast", (b - a) * esz, mode, buf[a:b], self.root)
+                for a, b in ranges(numel, per)]
+
+    def finish(self) -> None:
+        if self.rank != self.root:
+            stage_out(self.buf, self.t)  # type: ignore[arg-type]
+
+    def describe(self, seq: int) -> str:
+        return f"broadcast({self.t.dtype}, {self.numel} elements, root {self.root}) #{seq}"
+
+
+class Reduce(Plan):
+    """reduce to ``root``, in segments (non-roots reduce from a copy: MPI may use their buffer)."""
+
+    kind = "reduce"
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, t: torch.Tensor, red: Reduction, root: int,
+                 header: bool) -> None:
+        self.t, self.red, self.root, self.numel = t, red, root, t.numel()
+        super().__init__(ctx, eng, header, self.numel * red.esz >= ctx.big, [t])
+        self.buf: torch.Tensor | None = None
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return self.red.dcode, self.red.ocode, self.root, self.numel * self.red.esz, self.numel, 0
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k:
+            return None
+        buf = stage_in(self.t, self.eng)
+        if buf.data_ptr() == self.t.data_ptr() and self.rank != self.root:
+            buf = buf.clone()  # keep the caller's input intact
+        self.buf = buf
+        esz, op = self.red.esz, self.red.engine_op
+        return [ctx.call(self.eng, "reduce", (b - a) * esz, mode, buf[a:b], op, self.root)
+                for a, b in ranges(self.numel, ctx.per(esz)) if b > a]
+
+    def finish(self) -> None:
+        if self.rank == self.root:
+            buf = self.buf
+            assert buf is not None
+            if self.red.avg:
+                buf.div_(self.p)
+            stage_out(buf, self.t)
+
+    def describe(self, seq: int) -> str:
+        return (f"reduce({self.red.dtype}, {self.numel} elements, {op_name(self.red.op)}, root {self.root}) "
+                f"#{seq}")
+
+
+# --------------------------------------------------------------------------- gathers / scatter
+
+
+class GatherLike(Plan):
+    """all_gather and gather: ``rows()`` gives the destination of p x n contiguous elements, any shape
+    (None off-root for gather),
+    ``deliver(rows)`` copies it to the caller's outputs when they are not that memory."""
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, kind: str, inp: torch.Tensor,
+                 rows: Callable[[], torch.Tensor | None], deliver: Callable[[torch.Tensor], None] | None,
+                 root: int, outputs: list, header: bool) -> None:
+        self.kind, self.inp, self.rows, self.deliver, self.root = kind, inp, rows, deliver, root
+        self.numel, self.esz = inp.numel(), inp.element_size()
+        super().__init__(ctx, eng, header, self.numel * self.esz * ctx.size >= ctx.big, outputs)
+        self.dst: torch.Tensor | None = None
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return wire.dtype_code(self.inp.dtype), 0, self.root, self.numel * self.esz, self.numel, 0
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k:
+            return None
+        src = stage_in(self.inp, self.eng)
+        dst = self.dst = self.rows()
+        esz, numel, p = self.esz, self.numel, self.p
+        per = ctx.per(esz, p)
+        if numel <= per:  # one call on the whole rows
+            if self.kind == "all_gather":
+                return [ctx.call(self.eng, "allgather", numel * esz * p, mode, src, dst)]
+            return [ctx.call(self.eng, "gather", numel * esz * p, mode, src, dst, self.root)]
+        rows = dst.view(p, numel) if dst is not None else None
+        reqs = []
+        for a, b in ranges(numel, per):
+            part = rows[:, a:b] if rows is not None else None
+            if self.kind == "all_gather":
+                reqs.append(ctx.call(self.eng, "allgather", (b - a) * esz * p, mode, src[a:b], part))
+            else:
+                reqs.append(ctx.call(self.eng, "gather", (b - a) * esz * p, mode, src[a:b], part, self.root))
+        return reqs
+
+    def finish(self) -> None:
+        if self.deliver is not None and self.dst is not None:
+            self.deliver(self.dst)
+
+    def describe(self, seq: int) -> str:
+        return f"{self.kind}({self.inp.dtype}, {self.numel} elements per rank) #{seq}"
+
+
+class Scatter(Plan):
+    """scatter from ``root``'s list (``ins``, empty off-root) into ``out``."""
+
+    kind = "scatter"
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, out: torch.Tensor, ins: list[torch.Tensor], root: int,
+                 header: bool) -> None:
+        self.out, self.ins, self.root, self.numel, self.esz = out, ins, root, out.numel(), out.element_size()
+        super().__init__(ctx, eng, header, self.numel * self.esz * ctx.size >= ctx.big, [out])
+        self.dst: torch.Tensor | None = None
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return wire.dtype_code(self.out.dtype), 0, self.root, self.numel * self.esz, self.numel, 0
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k:
+            return None
+        src = torch.stack([i.reshape(-1) for i in self.ins]).cpu() if self.ins else None
+        dst = self.dst = stage_in(self.out, self.eng, copy=False)
+        esz, p = self.esz, self.p
+        return [ctx.call(self.eng, "scatter", (b - a) * esz * p, mode,
+                         src[:, a:b] if src is not None else None, dst[a:b], self.root)
+                for a, b in ranges(self.numel, ctx.per(esz, p)) if b > a]
+
+    def finish(self) -> None:
+        stage_out(self.dst, self.out)  # type: ignore[arg-type]
+
+    def describe(self, seq: int) -> str:
+        return f"scatter({self.out.dtype}, {self.numel} elements per rank, root {self.root}) #{seq}"
+
+
+# --------------------------------------------------------------------------- reduce_scatter
+
+
+class ReduceScatter(Plan):
+    """reduce_scatter of ``rows()`` (p x n contiguous elements, any shape) into ``out`` (n elements)."""
+
+    kind = "reduce_scatter"
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, out: torch.Tensor,
+                 rows: Callable[[], torch.Tensor], red: Reduction, header_needed: Callable[[int], bool]) -> None:
+        self.out, self.rows, self.red, self.numel = out, rows, red, out.numel()
+        total = self.numel * red.esz * ctx.size
+        super().__init__(ctx, eng, header_needed(total), total >= ctx.big, [out])
+        self.dst: torch.Tensor | None = None
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return self.red.dcode, self.red.ocode, 0, self.numel * self.red.esz, self.numel, 0
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k:
+            return None
+        src = self.rows()
+        dst = self.dst = stage_in(self.out, self.eng, copy=False)
+        esz, numel, p, op = self.red.esz, self.numel, self.p, self.red.engine_op
+        per = ctx.per(esz, p)
+        if numel <= per:
+            return [ctx.call(self.eng, "reduce_scatter", numel * esz * p, mode, src, dst, op)] if numel else []
+        rows = src.view(p, numel)
+        return [ctx.call(self.eng, "reduce_scatter", (b - a) * esz * p, mode, rows[:, a:b].contiguous(), dst[a:b],
+                         op) for a, b in ranges(numel, per)]
+
+    def finish(self) -> None:
+        dst = self.dst
+        assert dst is not None
+        if self.red.avg:
+            dst.div_(self.p)
+        stage_out(dst, self.out)
+
+    def describe(self, seq: int) -> str:
+        return (f"reduce_scatter({self.red.dtype}, {self.numel} elements per rank, {op_name(self.red.op)}) "
+                f"#{seq}")
+
+
+# --------------------------------------------------------------------------- all_to_all
+
+
+class AllToAll(Plan):
+    """all_to_all of byte counts ``sb`` (to each rank) and ``rb`` (from each rank).  The send/receive
+    byte matrix is always exchanged (in the header slot up to MATRIX_MAX_RANKS ranks, else by a second
+    all-gather): it fixes the number of segment rounds and lets every rank check that sends match
+    receives.  One round of equal blocks everywhere is one MPI Alltoall, else Alltoallv rounds."""
+
+    kind = "all_to_all"
+    compare = wire.COMPARE_CALL  # sizes are checked on the matrix
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, inp: torch.Tensor, out: torch.Tensor, sb: list[int],
+                 rb: list[int], outputs: list, deliver: Callable[[], None] | None = None) -> None:
+        self.inp, self.out, self.sb, self.rb, self.deliver = inp, out, sb, rb, deliver
+        super().__init__(ctx, eng, True, max(sum(sb), sum(rb)) >= ctx.big, outputs)
+        self.in_slot = ctx.size <= MATRIX_MAX_RANKS
+        self.rounds, self.uniform = 1, False
+        self.seg = ctx.seg
+        self.allm: torch.Tensor | None = None
+        self.dst: torch.Tensor | None = None
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return wire.dtype_code(self.inp.dtype), 0, 0, 0, 0, self.p
+
+    def pack(self, hx: HeaderExchange, seq: int) -> None:
+        super().pack(hx, seq)
+        if self.in_slot:
+            hx.put_words(self.sb + self.rb)
+
+    def verified(self, hx: HeaderExchange) -> None:
+        if not self.in_slot:
+            return
+        sb, p = self.sb, self.p
+        if self.sb == self.rb and len(set(sb)) == 1 and hx.payload_equal(16 * p):  # the common even split
+            self.rounds, self.uniform = max(1, math.ceil(sb[0] / max(1, self.seg // p))), True
+        else:
+            self._rounds(hx.payload_words(2 * p))
+
+    def _rounds(self, rows: list[list[int]]) -> None:
+        """Check the gathered matrices (send of i to j == recv of j from i); set rounds and uniform."""
+        p = self.p
+        send = [row[:p] for row in rows]
+        recv = [row[p:] for row in rows]
+        bad = [(i, j) for i in range(p) for j in range(p) if send[i][j] != recv[j][i]]
+        if bad:
+            i, j = bad[0]
+            raise MismatchError(
+                f"accl: {self.kind} split sizes do not match across ranks: rank {i} sends {send[i][j]} bytes "
+                f"to rank {j}, which expects {recv[j][i]} bytes from it ({len(bad)} mismatched pairs)")
+        self.rounds = max(1, math.ceil(max(max(r) for r in send) / max(1, self.seg // p)))
+        self.uniform = len({c for r in send for c in r}) == 1
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if not self.in_slot:
+            if k == 0:  # the matrix by a second all-gather on the control communicator
+                mine = torch.tensor(self.sb + self.rb, dtype=torch.int64)
+                allm = self.allm = torch.empty((self.p, 2 * self.p), dtype=torch.int64)
+                n = mine.numel() * 8
+                sbuf = [MPI.buffer.fromaddress(mine.data_ptr(), n), n, MPI.BYTE]
+                rbuf = [MPI.buffer.fromaddress(allm.data_ptr(), n * self.p), n, MPI.BYTE]
+                return [MpiRequest([ctx.ctl.Iallgather(sbuf, rbuf)], keep=(mine, allm))]
+            if k == 1:
+                self._rounds(self.allm.tolist())  # type: ignore[union-attr]
+            k -= 1
+        if k:
+            return None
+        return self._data(ctx, mode)
+
+    def _data(self, ctx: Context, mode: Mode) -> list[Request]:
+        inp, out, sb, rb, p = self.inp, self.out, self.sb, self.rb, self.p
+        src = stage_in(inp, self.eng)
+        dst = self.dst = (out if out.is_cpu and out.is_contiguous() else
+                          torch.empty(out.numel(), dtype=out.dtype))
+        if self.uniform and self.rounds == 1 and self.eng is ctx.mpi:
+            return [ctx.call(self.eng, "alltoall", sb[0] * p, mode, src, dst)]
+        per_pair = max(1, self.seg // p)
+        sdis = list(accumulate(sb[:-1], initial=0))
+        rdis = list(accumulate(rb[:-1], initial=0))
+        src, dst = as_bytes(src), as_bytes(dst)  # alltoallv counts bytes
+        reqs = []
+        for r in range(self.rounds):
+            lo = r * per_pair
+            sc = [max(0, min(per_pair, s - lo)) for s in sb]
+            rc = [max(0, min(per_pair, x - lo)) for x in rb]
+            reqs.append(ctx.call(self.eng, "alltoallv", max(sum(sc), sum(rc)), mode, src, sc,
+                                 [d + lo for d in sdis], dst, rc, [d + lo for d in rdis]))
+        return reqs
+
+    def finish(self) -> None:
+        if self.deliver is not None:
+            self.deliver()
+            return
+        dst, out = self.dst, self.out
+        if dst is not out and out.numel():
+            out.copy_(dst.view(out.shape))  # type: ignore[union-attr]
+
+    def describe(self, seq: int) -> str:
+        return f"all_to_all({self.inp.dtype}, send bytes {self.sb}, recv bytes {self.rb}) #{seq}"
+
+
+# --------------------------------------------------------------------------- barrier
+
+
+class Barrier(Plan):
+    """barrier: the header exchange when checked (itself a full synchronisation), else MPI's."""
+
+    kind = "barrier"
+
+    def __init__(self, ctx: Context, eng: CollectiveEngine, header: bool) -> None:
+        super().__init__(ctx, eng, header, False, [])
+
+    def fields(self) -> tuple[int, int, int, int, int, int]:
+        return 0, 0, 0, 0, 0, 0
+
+    def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if k or self.header:
+            return None
+        return [ctx.call(self.eng, "barrier", 0, mode)]
