@@ -3,7 +3,7 @@ when cores are short), with a hard time limit.  Before the limit every rank dump
 (see tests/mpi/conftest.py), so the failure report of a hung job shows where each rank was.
 
 Variants: ``plain`` (the default), ``rank-order`` (Open MPI with a non-default ``--map-by``/``--rank-by``
-that gives local rank > rank), ``mpich`` (the MPICH that ``make env`` puts in ``$VENV/opt/mpich``).
+that gives local rank > rank), ``mpich`` (the MPICH that ``make env`` puts in ``$VENV/mpich``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def variant_unavailable(variant: str) -> str | None:
     if variant == "rank-order" and mpi_flavor() != "openmpi":
         return f"the rank-order variant uses Open MPI's --map-by/--rank-by; this mpiexec is {mpi_flavor()}"
     if variant == "mpich" and mpi_flavor() != "mpich" and side_mpich() is None:
-        return "no MPICH: `make env` (MPI=openmpi) puts the pinned mpich wheel's files in $VENV/opt/mpich"
+        return "no MPICH: `make env` (MPI=openmpi) puts the pinned mpich wheel's files in $VENV/mpich"
     return None
 
 

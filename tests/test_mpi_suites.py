@@ -6,7 +6,7 @@ its rank counts with a line ``MPI_RANKS = (2, 4)`` (the default), may raise its
 time limit with ``MPI_TIMEOUT = 240`` (seconds, default 180), and may ask for extra
 runs at its largest rank count with ``MPI_VARIANTS = ("rank-order", "mpich")``:
 under Open MPI with a non-default ``--map-by``/``--rank-by`` (local rank > rank,
-checked from the ranks' printed mapping) and under the MPICH of ``$VENV/opt/mpich``.
+checked from the ranks' printed mapping) and under the MPICH of ``$VENV/mpich``.
 A hung job is killed at the limit and reported as a failure, with every rank's
 Python stacks, never left running.
 

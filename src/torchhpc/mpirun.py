@@ -107,12 +107,12 @@ def mpiexec_argv(
 
 
 def side_mpich(prefix: str | Path | None = None) -> Path | None:
-    """The MPICH that ``make env`` places beside an Open MPI environment (``$VENV/opt/mpich``), if there.
+    """The MPICH that ``make env`` places beside an Open MPI environment (``$VENV/mpich``), if there.
 
     mpi4py's binary wheel carries extension modules for both ABIs and loads the MPI library named by
     ``MPI4PY_LIBMPI`` (mpi4py/_mpiabi.py); :func:`side_mpich_env` sets it for jobs started with this
     MPICH's ``bin/mpiexec``."""
-    root = Path(prefix) if prefix is not None else Path(sys.prefix) / "opt" / "mpich"
+    root = Path(prefix) if prefix is not None else Path(sys.prefix) / "mpich"
     ok = (root / "bin" / "mpiexec").exists() and (root / "lib" / "libmpi.so.12").exists()
     return root if ok else None
 
