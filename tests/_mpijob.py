@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from torchhpc.mpirun import local_job_env, mpi_flavor, mpiexec_argv, side_mpich, side_mpich_env
+from torchhpc.waiting import wait_until
 
 VARIANTS = ("plain", "rank-order", "mpich")
 # Open MPI: map by core and rank round-robin over the mapped objects ("fill"): on one node ranks 1 and 2
@@ -45,19 +46,34 @@ def variant_unavailable(variant: str) -> str | None:
     return None
 
 
-def kill_session(sid: int) -> None:
-    """SIGKILL every process of session ``sid`` (mpiexec's, started with ``start_new_session``): Open MPI
-    puts each rank in a process group of its own, so killing mpiexec's group would leave hung ranks alive."""
+def _session_pids(sid: int) -> list[int]:
+    """Live (not yet zombie) processes of session ``sid``."""
+    pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) == sid:  # after "pid (comm)": state ppid pgrp session
+        if int(fields[3]) == sid and fields[0] != "Z":  # after "pid (comm)": state ppid pgrp session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def kill_session(sid: int, grace: float = 30.0) -> None:
+    """SIGKILL every process of session ``sid`` (mpiexec's, started with ``start_new_session``) and wait, up to
+    ``grace`` seconds, until none is left: Open MPI puts each rank in a process group of its own, so killing
+    mpiexec's group would leave hung ranks alive, and a killed process lingers until the kernel runs it."""
+
+    def all_gone() -> bool:
+        pids = _session_pids(sid)
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(sid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(sid, signal.SIGKILL)
+        return not pids
+
+    wait_until(all_gone, grace, f"SIGKILL of mpiexec's session {sid}")
 
 
 def run_mpi(nprocs: int, argv: list[str], timeout: float, fault_tolerant: bool = False,
