@@ -15,10 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _upstream import PG_MPI, tagged_upstream
 
 ROOT = Path(__file__).resolve().parents[1]
-UPSTREAM = ROOT / "tests" / "data" / "pytorch" / "ProcessGroupMPI.cpp.head"
-PG_MPI = "torch/csrc/distributed/c10d/ProcessGroupMPI.cpp"
 CLUSTER_TARGETS = ["cluster-versions", "build-pytorch-v%", "build-pytorch-v%-pbs", "nccl-ofi", "spack-env",
                    "spack-install", "install-packages", "test-pbs", "clean-pytorch", "clean-pytorch-v%",
                    "clean-nccl-ofi", "clean-cluster-envs", "clean-cluster"]
@@ -218,12 +217,7 @@ def test_clean_targets_only_touch_the_build_prefix(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
 def test_local_build_clones_patches_and_skips_finished_steps(tmp_path: Path) -> None:
     """A real run up to the patched tree: clone from a local 'upstream' tag, git apply, stamps, re-run."""
-    upstream = tmp_path / "upstream"
-    (upstream / PG_MPI).parent.mkdir(parents=True)
-    shutil.copy(UPSTREAM, upstream / PG_MPI)
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "init.defaultBranch=main"]
-    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "upstream"], ["tag", "v2.5.1"]):
-        subprocess.run([*git, *cmd], cwd=upstream, check=True, capture_output=True, timeout=30)
+    upstream = tagged_upstream(tmp_path / "upstream", "v2.5.1")
     env = {"PYTORCH_GIT": f"file://{upstream}", "CUDA_HOME": str(tmp_path / "nocuda"), "ENV_KIND": "venv",
            "TORCHHPC_VENV_ARGS": "--without-pip", "STOP_AFTER": "patches"}
     first = make(tmp_path, "build-pytorch-v2.5.1", "SITE=generic", **env)

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from _upstream import PG_MPI, tagged_upstream
 
 ROOT = Path(__file__).resolve().parents[1]
-UPSTREAM = ROOT / "tests" / "data" / "pytorch" / "ProcessGroupMPI.cpp.head"
-PG_MPI = "torch/csrc/distributed/c10d/ProcessGroupMPI.cpp"
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 # A small, quick all-reduce table: up to 64 KiB, 3 timed iterations.
@@ -282,12 +281,7 @@ def test_failing_test_job_returns_nonzero_and_shows_why(slurm: Slurm, tmp_path: 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
 def test_build_target_runs_under_sbatch(slurm: Slurm, tmp_path: Path) -> None:
     """`make build-pytorch-v2.5.1-slurm`: the real build target in a Slurm job, stopped after the patches."""
-    upstream = tmp_path / "upstream"
-    (upstream / PG_MPI).parent.mkdir(parents=True)
-    shutil.copy(UPSTREAM, upstream / PG_MPI)
-    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-c", "init.defaultBranch=main"]
-    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "upstream"], ["tag", "v2.5.1"]):
-        subprocess.run([*git, *cmd], cwd=upstream, check=True, capture_output=True, timeout=30)
+    upstream = tagged_upstream(tmp_path / "upstream", "v2.5.1")
     proc = run(slurm, tmp_path, ["make", "--no-print-directory", "build-pytorch-v2.5.1-slurm"],
                PYTORCH_GIT=f"file://{upstream}", CUDA_HOME=str(tmp_path / "nocuda"), ENV_KIND="venv",
                TORCHHPC_VENV_ARGS="--without-pip", STOP_AFTER="patches", SLURM_CPUS_BUILD="1")
