@@ -59,7 +59,7 @@ class HeaderExchange:
             self.persistent = ctl.Allgather_init(*self._specs)
         except (NotImplementedError, MPI.Exception):
             self.persistent = None
-        self._row_specs: dict[tuple[int, int], list] = {}
+        self._row_specs: dict[int, tuple[list, list[list], MPI.buffer]] = {}
         self._matrix: dict[int, object] = {}
 
     def start(self) -> MPI.Request:
@@ -100,20 +100,24 @@ class HeaderExchange:
         does, so results do not depend on the message size), and write the result to ``addr``."""
         if not nbytes:
             return
-        specs = self._row_specs.get((red.dcode, nbytes))
-        if specs is None:
-            if len(self._row_specs) >= 256:  # bounded: one entry per (dtype, size) seen
-                self._row_specs.clear()
-            count = nbytes // red.esz
-            base = self.all_mb.address
-            specs = [[_fromaddress(base + r * _SLOT + _PAYLOAD, nbytes), count, red.mpi_type]
-                     for r in range(self.size)]
-            self._row_specs[(red.dcode, nbytes)] = specs
-        acc = specs[0]
+        key = red.dcode << 16 | nbytes  # nbytes <= PAYLOAD_BYTES < 2**16
+        cached = self._row_specs.get(key)
+        if cached is None:
+            cached = self._row_specs[key] = self._rows_of(red, nbytes)
+        acc, rest, result = cached
         mop = red.mpi_op
-        for spec in specs[1:]:
+        for spec in rest:
             mop.Reduce_local(spec, acc)
-        _fromaddress(addr, nbytes)[:] = self.all_mb[_PAYLOAD: _PAYLOAD + nbytes]
+        _fromaddress(addr, nbytes)[:] = result
+
+    def _rows_of(self, red: Reduction, nbytes: int) -> tuple[list, list[list], MPI.buffer]:
+        """Buffer specs of every rank's payload row (the first accumulates) and the result's bytes."""
+        if len(self._row_specs) >= 256:  # bounded: one entry per (dtype, size) seen
+            self._row_specs.clear()
+        count = nbytes // red.esz
+        base = self.all_mb.address
+        specs = [[_fromaddress(base + r * _SLOT + _PAYLOAD, nbytes), count, red.mpi_type] for r in range(self.size)]
+        return specs[0], specs[1:], self.all_mb[_PAYLOAD: _PAYLOAD + nbytes]
 
     def put_words(self, words: list[int]) -> None:
         """Write int64 ``words`` into this rank's payload area (all_to_all's byte-matrix row)."""

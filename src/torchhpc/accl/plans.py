@@ -42,6 +42,8 @@ MATRIX_MAX_RANKS = wire.PAYLOAD_BYTES // 16
 
 _K = {k: wire.kind_code(k) for k in wire.KINDS}
 _HEADER = wire.HEADER
+_MAGIC = wire.MAGIC
+_PAYLOAD = wire.PAYLOAD_BYTES
 
 
 class Context(Protocol):
@@ -73,14 +75,14 @@ class Plan:
     kind = ""
     compare = wire.COMPARE_ALL  # header fields every rank must agree on
 
+    source_rank = -1  # a receive from any source: the rank it came from
+
     def __init__(self, ctx: Context, eng: CollectiveEngine, header: bool, big: bool, outputs: list) -> None:
         self.rank, self.p = ctx.rank, ctx.size
         self.eng = eng
         self.header = header  # exchange the consistency header first
         self.big = big  # large enough for MPI's blocking algorithms on the worker thread when async
-        self.inline = False  # the adapter sets it: a synchronous call the executor may run in the caller
         self.outputs = outputs
-        self.source_rank = -1
 
     def fields(self) -> tuple[int, int, int, int, int, int]:
         """(dtype, op, root, nbytes, numel, extra) codes of the header."""
@@ -111,18 +113,18 @@ class AllReduce(Plan):
     """all_reduce (and all_reduce_coalesced: several tensors reduced as one flat buffer).  Payloads up
     to one slot ride in the header exchange and are reduced locally, in rank order, by every rank."""
 
+    buf: torch.Tensor | None = None
+
     def __init__(self, ctx: Context, eng: CollectiveEngine, ts: list[torch.Tensor], red: Reduction,
                  kind: str, check: bool) -> None:
         # (the base initialiser is inlined: this is the hottest constructor)
         numel = ts[0].numel() if len(ts) == 1 else sum(t.numel() for t in ts)
         nbytes = numel * red.esz
-        self.fused = check and eng is ctx.mpi and nbytes <= wire.PAYLOAD_BYTES
-        self.rank, self.p, self.eng, self.outputs, self.source_rank = ctx.rank, ctx.size, eng, ts, -1
-        self.header = self.fused or ctx.header_needed(eng, nbytes)
+        fused = self.fused = check and nbytes <= _PAYLOAD and eng is ctx.mpi
+        self.rank, self.p, self.eng, self.outputs = ctx.rank, ctx.size, eng, ts
+        self.header = fused or ctx.header_needed(eng, nbytes)
         self.big = nbytes >= ctx.big
-        self.inline = False
-        self.kind, self.ts, self.red, self.numel, self.nbytes = kind, ts, red, numel, nbytes
-        self.buf: torch.Tensor | None = None
+        self.kind, self.kcode, self.ts, self.red, self.numel, self.nbytes = kind, _K[kind], ts, red, numel, nbytes
 
     def _gather(self) -> torch.Tensor:
         ts = self.ts
@@ -133,12 +135,14 @@ class AllReduce(Plan):
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
         red = self.red
-        _HEADER.pack_into(hx.mine, 0, wire.MAGIC, _K[self.kind], seq, red.dcode, red.ocode, 0, self.nbytes,
-                          self.numel, 0)
+        _HEADER.pack_into(hx.mine, 0, _MAGIC, self.kcode, seq, red.dcode, red.ocode, 0, self.nbytes, self.numel, 0)
         if self.fused:
-            buf = self._gather()
-            if not buf.is_cpu:
-                buf = buf.cpu()
+            ts = self.ts
+            buf = ts[0]
+            if len(ts) != 1 or not buf.is_cpu or not buf.is_contiguous():
+                buf = self._gather()
+                if not buf.is_cpu:
+                    buf = buf.cpu()
             self.buf = buf
             hx.put_payload(buf.data_ptr(), self.nbytes)
 

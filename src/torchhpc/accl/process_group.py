@@ -31,6 +31,7 @@ from .work import AcclWork
 __all__ = ["ProcessGroupACCL"]
 
 _R = RedOp
+_SUM = RedOp.SUM
 
 
 def _one(tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
@@ -73,6 +74,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._desc = "undefined"
         self._ex = Executor(comm, self.options, self._timeout_s, group_name)
         self._reductions: dict[tuple[torch.dtype, int], Reduction] = {}
+        self._sums: dict[torch.dtype, Reduction] = {}  # the SUM entries of _reductions, by dtype
         self._tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 
     # ----------------------------------------------------------------- identity
@@ -132,7 +134,18 @@ class ProcessGroupACCL(dist.ProcessGroup):
         red = self._reductions.get(key)
         if red is None:
             red = self._reductions[key] = Reduction(dtype, op, what)
+            if op == _SUM:
+                self._sums[dtype] = red
         return red
+
+    def _red_of(self, opts: object, dtype: torch.dtype, what: str) -> Reduction:
+        """The reduction ``opts`` asks for on ``dtype``.  SUM, the common case, is looked up by dtype alone
+        (comparing torch's ``ReduceOp`` costs far less than unwrapping or hashing it)."""
+        if opts is None or opts.reduceOp == _SUM:  # type: ignore[attr-defined]
+            red = self._sums.get(dtype)
+            if red is not None:
+                return red
+        return self._reduction(dtype, _op(opts), what)
 
     def _inline_ok(self, opts: object, a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
         """Whether a call may run inline: synchronous, on the MPI engine, contiguous CPU tensors (the
@@ -140,8 +153,9 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return (not _async(opts) and self._ex.engine is self._ex.mpi and a.is_cpu and a.is_contiguous()
                 and (b is None or (b.is_cpu and b.is_contiguous())))
 
-    def _run(self, plan: plans.Plan, opts: object) -> AcclWork | None:
-        if plan.inline:
+    def _run(self, plan: plans.Plan, opts: object, inline: bool) -> AcclWork | None:
+        """Run ``plan`` inline when ``inline`` (see :meth:`_inline_ok`) and the group is idle, else queue it."""
+        if inline:
             done = self._ex.run_inline(plan)
             if done is not FALLBACK:
                 return done  # type: ignore[return-value]
@@ -153,29 +167,32 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
     # ----------------------------------------------------------------- all_reduce
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
-        t = _one(tensors, "all_reduce")
-        plan = self._allreduce_plan([t], _op(opts), "all_reduce")
-        plan.inline = self._inline_ok(opts, t)
-        return self._run(plan, opts)
+        t = tensors[0] if type(tensors) is list and len(tensors) == 1 else None
+        if type(t) is not torch.Tensor or t.is_sparse:  # (the exact-type test is the cheap one)
+            t = _one(tensors, "all_reduce")
+        plan = self._allreduce_plan([t], self._red_of(opts, t.dtype, "all_reduce"), "all_reduce")
+        ex = self._ex  # (_inline_ok, spelled out: this is the hottest call)
+        return self._run(plan, opts, opts is not None and not opts.asyncOp and ex.engine is ex.mpi and t.is_cpu
+                         and t.is_contiguous())
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
         if not tensors:
             raise ValueError("accl: all_reduce_coalesced needs at least one tensor")
-        return self._submit(self._allreduce_plan(list(tensors), _op(opts), "all_reduce_coalesced"),
-                            _async(opts))
+        red = self._red_of(opts, tensors[0].dtype, "all_reduce_coalesced")
+        return self._submit(self._allreduce_plan(list(tensors), red, "all_reduce_coalesced"), _async(opts))
 
-    def _allreduce_plan(self, ts: list[torch.Tensor], op: RedOp, kind: str) -> plans.AllReduce:
+    def _allreduce_plan(self, ts: list[torch.Tensor], red: Reduction, kind: str) -> plans.AllReduce:
         ex = self._ex
         if ex.aborted is not None:
             ex.check_open()
-        dtype = ts[0].dtype
-        for t in ts[1:]:
-            if t.dtype != dtype:
-                raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
-            if t.device != ts[0].device:
-                raise ValueError(f"accl: {kind} needs tensors on one device")
-        red = self._reductions.get((dtype, op.value)) or self._reduction(dtype, op, kind)
-        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allreduce", dtype, op)
+        if len(ts) > 1:
+            dtype = ts[0].dtype
+            for t in ts[1:]:
+                if t.dtype != dtype:
+                    raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
+                if t.device != ts[0].device:
+                    raise ValueError(f"accl: {kind} needs tensors on one device")
+        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allreduce", red.dtype, red.op)
         return plans.AllReduce(ex, eng, ts, red, kind, self.options.check)
 
     # ----------------------------------------------------------------- broadcast / reduce
@@ -188,15 +205,14 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._ex.check_open()
         eng = self._engine_for("broadcast", t.dtype)
         plan = plans.Broadcast(self._ex, eng, t, root, self._ex.header_needed(eng, t.numel() * t.element_size()))
-        plan.inline = self._inline_ok(opts, t)
-        return self._run(plan, opts)
+        return self._run(plan, opts, self._inline_ok(opts, t))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
         t = _one(tensors, "reduce")
         root = opts.rootRank if opts is not None else 0
-        op = _op(opts)
         self._check_root(root, "reduce")
-        red = self._reduction(t.dtype, op, "reduce")
+        red = self._red_of(opts, t.dtype, "reduce")
+        op = red.op
         self._ex.check_open()
         eng = self._engine_for("reduce", t.dtype, op)
         return self._submit(plans.Reduce(self._ex, eng, t, red, root, self.options.check), _async(opts))
@@ -264,8 +280,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 output.copy_(dst.view(output.shape))
 
         plan = self._gather_plan("all_gather", input, rows, deliver, 0, [output])
-        plan.inline = self._inline_ok(opts, input, output)
-        return self._run(plan, opts)
+        return self._run(plan, opts, self._inline_ok(opts, input, output))
 
     _allgather_base = all_gather_single
 
@@ -321,9 +336,10 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return self._submit(plans.Scatter(self._ex, eng, out, list(ins), root, self.options.check), _async(opts))
 
     # ----------------------------------------------------------------- reduce_scatter
-    def _reduce_scatter_plan(self, out: torch.Tensor, rows: Callable[[], torch.Tensor], op: RedOp,
+    def _reduce_scatter_plan(self, out: torch.Tensor, rows: Callable[[], torch.Tensor], opts: object,
                              ) -> plans.ReduceScatter:
-        red = self._reduction(out.dtype, op, "reduce_scatter")
+        red = self._red_of(opts, out.dtype, "reduce_scatter")
+        op = red.op
         self._ex.check_open()
         eng = self._engine_for("reduce_scatter", out.dtype, op)
         return plans.ReduceScatter(self._ex, eng, out, rows, red, lambda n: self._ex.header_needed(eng, n))
@@ -335,7 +351,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
             raise ValueError("accl: reduce_scatter takes one input list")
         ins = input_tensors[0]
         self._check_list(ins, out, "reduce_scatter", "input_list")
-        plan = self._reduce_scatter_plan(out, lambda: torch.stack([i.reshape(-1).cpu() for i in ins]), _op(opts))
+        plan = self._reduce_scatter_plan(out, lambda: torch.stack([i.reshape(-1).cpu() for i in ins]), opts)
         return self._submit(plan, _async(opts))
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork | None:  # noqa: A002
@@ -349,9 +365,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
         def rows() -> torch.Tensor:
             return input if input.is_cpu and input.is_contiguous() else input.reshape(-1).contiguous().cpu()
 
-        plan = self._reduce_scatter_plan(output, rows, _op(opts))
-        plan.inline = self._inline_ok(opts, input, output)
-        return self._run(plan, opts)
+        plan = self._reduce_scatter_plan(output, rows, opts)
+        return self._run(plan, opts, self._inline_ok(opts, input, output))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -396,8 +411,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._ex.check_open()
         eng = self._engine_for("alltoallv", input.dtype)
         plan = plans.AllToAll(self._ex, eng, input, output, sb, rb, [output])
-        plan.inline = self._inline_ok(opts, input, output) and p <= plans.MATRIX_MAX_RANKS
-        return self._run(plan, opts)
+        return self._run(plan, opts, self._inline_ok(opts, input, output) and p <= plans.MATRIX_MAX_RANKS)
 
     alltoall_base = all_to_all_single
 
@@ -448,8 +462,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
     def barrier(self, opts=None) -> AcclWork | None:
         self._ex.check_open()
         plan = plans.Barrier(self._ex, self._engine_for("barrier"), self.options.check)
-        plan.inline = not _async(opts) and self._ex.engine is self._ex.mpi
-        return self._run(plan, opts)
+        return self._run(plan, opts, not _async(opts) and self._ex.engine is self._ex.mpi)
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0
