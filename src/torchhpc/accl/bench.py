@@ -190,7 +190,10 @@ def run(args: argparse.Namespace) -> int:
             for _ in range(repeats):  # interleaved: slow phases of a shared machine hit every impl
                 for impl in impls:
                     rounds[impl].append(_time(runners[impl], comm, budget, args.quick))
-            rows.append((size, {impl: statistics.median(ts) for impl, ts in rounds.items()}))
+            # accl's ratio to raw mpi4py round by round (the rounds are paired in time): its spread
+            paired = ([m / a for a, m in zip(rounds["accl"], rounds["mpi4py"], strict=True)]
+                      if "accl" in rounds and "mpi4py" in rounds else [])
+            rows.append((size, {impl: statistics.median(ts) for impl, ts in rounds.items()}, paired))
         results[coll] = rows
         if rank == 0:
             _print_table(coll, rows, impls, n)
@@ -211,9 +214,9 @@ def _print_table(coll: str, rows: list, impls: list[str], n: int) -> None:
     if "accl" in impls and "gloo" in impls:
         head += f" | {'vs gloo':>7}"
     if "accl" in impls and "mpi4py" in impls:
-        head += f" | {'vs mpi4py':>9} {'+us':>7}"
+        head += f" | {'vs mpi4py':>9} {'rounds min-max':>14} {'+us':>7}"
     print(head)
-    for size, times in rows:
+    for size, times, paired in rows:
         line = f"{_human(size):>10}"
         for impl in impls:
             t = times[impl]
@@ -223,7 +226,8 @@ def _print_table(coll: str, rows: list, impls: list[str], n: int) -> None:
             line += f" | {times['gloo'] / times['accl']:6.2f}x"
         if "accl" in impls and "mpi4py" in impls:
             extra_us = (times["accl"] - times["mpi4py"]) * 1e6
-            line += f" | {times['mpi4py'] / times['accl']:8.2f}x {extra_us:7.1f}"
+            spread = f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-"
+            line += f" | {times['mpi4py'] / times['accl']:8.2f}x {spread:>14} {extra_us:7.1f}"
         print(line, flush=True)
 
 
@@ -236,9 +240,9 @@ def _plot(results: dict, impls: list[str], n: int, path: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
     for ax, (coll, rows) in zip(axes[0], results.items(), strict=True):
         fac = bus_factor(coll, n)
-        sizes = [s for s, _ in rows]
+        sizes = [s for s, _, _ in rows]
         for impl in impls:
-            ax.plot(sizes, [s / t[impl] / 1e9 * fac for s, t in rows], marker="o", label=impl)
+            ax.plot(sizes, [s / t[impl] / 1e9 * fac for s, t, _ in rows], marker="o", label=impl)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("message size (bytes)")

@@ -42,20 +42,22 @@ _fromaddress = MPI.buffer.fromaddress
 _BLOCKING, _NONBLOCKING = Mode.BLOCKING, Mode.NONBLOCKING
 
 
+_BYTE = MPI.BYTE
+
+
 def _bytes(t: torch.Tensor) -> list:
-    n = t.numel() * t.element_size()
-    return [MPI.buffer.fromaddress(t.data_ptr(), n), n, MPI.BYTE]
+    n = t.nbytes
+    return [_fromaddress(t.data_ptr(), n), n, _BYTE]
 
 
 def _blocks(t: torch.Tensor, parts: int) -> list:
     """Byte buffer spec for a rank-major buffer of ``parts`` equal blocks (mpi4py counts per block)."""
-    n = t.numel() * t.element_size()
-    return [MPI.buffer.fromaddress(t.data_ptr(), n), n // parts, MPI.BYTE]
+    n = t.nbytes
+    return [_fromaddress(t.data_ptr(), n), n // parts, _BYTE]
 
 
 def _typed(t: torch.Tensor, datatype: MPI.Datatype) -> list:
-    n = t.numel()
-    return [_fromaddress(t.data_ptr(), n * t.element_size()), n, datatype]
+    return [_fromaddress(t.data_ptr(), t.nbytes), t.numel(), datatype]
 
 
 def _rows(t: torch.Tensor) -> tuple[MPI.buffer, list[int], list[int]]:

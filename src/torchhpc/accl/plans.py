@@ -41,8 +41,8 @@ __all__ = ["Context", "Plan", "AllReduce", "Broadcast", "Reduce", "GatherLike", 
 MATRIX_MAX_RANKS = wire.PAYLOAD_BYTES // 16
 
 _K = {k: wire.kind_code(k) for k in wire.KINDS}
-_HEADER = wire.HEADER
-_MAGIC = wire.MAGIC
+_pack = wire.pack_header
+_K_BROADCAST, _K_REDUCE_SCATTER = _K["broadcast"], _K["reduce_scatter"]
 _PAYLOAD = wire.PAYLOAD_BYTES
 
 
@@ -89,8 +89,8 @@ class Plan:
         raise NotImplementedError
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
-        d, o, root, nbytes, numel, extra = self.fields()
-        wire.pack_header(hx.mine, _K[self.kind], seq, d, o, root, nbytes, numel, extra)
+        """Write this call's header (and payload) into the exchange's slot."""
+        _pack(hx.mine, _K[self.kind], seq, *self.fields())
 
     def verified(self, hx: HeaderExchange) -> None:  # noqa: B027 - most plans need nothing from the slots
         """Every rank agreed on the header; take what the slots carried."""
@@ -135,7 +135,7 @@ class AllReduce(Plan):
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
         red = self.red
-        _HEADER.pack_into(hx.mine, 0, _MAGIC, self.kcode, seq, red.dcode, red.ocode, 0, self.nbytes, self.numel, 0)
+        _pack(hx.mine, self.kcode, seq, red.dcode, red.ocode, 0, self.nbytes, self.numel)
         if self.fused:
             ts = self.ts
             buf = ts[0]
@@ -188,12 +188,14 @@ class Broadcast(Plan):
     kind = "broadcast"
 
     def __init__(self, ctx: Context, eng: CollectiveEngine, t: torch.Tensor, root: int, header: bool) -> None:
-        self.t, self.root, self.numel, self.esz = t, root, t.numel(), t.element_size()
-        super().__init__(ctx, eng, header, self.numel * self.esz >= ctx.big, [t])
+        self.t, self.root, self.numel, self.esz, nbytes = t, root, t.numel(), t.element_size(), t.nbytes
+        self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, [t]
+        self.big = nbytes >= ctx.big
         self.buf: torch.Tensor | None = None
 
-    def fields(self) -> tuple[int, int, int, int, int, int]:
-        return wire.dtype_code(self.t.dtype), 0, self.root, self.numel * self.esz, self.numel, 0
+    def pack(self, hx: HeaderExchange, seq: int) -> None:
+        t = self.t
+        _pack(hx.mine, _K_BROADCAST, seq, wire.dtype_code(t.dtype), 0, self.root, t.nbytes, self.numel)
 
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
         if k:
@@ -256,26 +258,29 @@ class Reduce(Plan):
 
 
 class GatherLike(Plan):
-    """all_gather and gather: ``rows()`` gives the destination of p x n contiguous elements, any shape
-    (None off-root for gather),
-    ``deliver(rows)`` copies it to the caller's outputs when they are not that memory."""
+    """all_gather and gather: ``rows`` is the destination of p x n contiguous elements, any shape (a
+    tensor, or a callable making it at the data stage; None off-root for gather), ``deliver(rows)``
+    copies it to the caller's outputs when they are not that memory."""
 
     def __init__(self, ctx: Context, eng: CollectiveEngine, kind: str, inp: torch.Tensor,
-                 rows: Callable[[], torch.Tensor | None], deliver: Callable[[torch.Tensor], None] | None,
+                 rows: torch.Tensor | Callable[[], torch.Tensor | None], deliver: Callable[[torch.Tensor], None] | None,
                  root: int, outputs: list, header: bool) -> None:
-        self.kind, self.inp, self.rows, self.deliver, self.root = kind, inp, rows, deliver, root
+        self.kind, self.kcode, self.inp, self.rows, self.deliver, self.root = kind, _K[kind], inp, rows, deliver, root
         self.numel, self.esz = inp.numel(), inp.element_size()
-        super().__init__(ctx, eng, header, self.numel * self.esz * ctx.size >= ctx.big, outputs)
+        self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, outputs
+        self.big = self.numel * self.esz * ctx.size >= ctx.big
         self.dst: torch.Tensor | None = None
 
-    def fields(self) -> tuple[int, int, int, int, int, int]:
-        return wire.dtype_code(self.inp.dtype), 0, self.root, self.numel * self.esz, self.numel, 0
+    def pack(self, hx: HeaderExchange, seq: int) -> None:
+        numel = self.numel
+        _pack(hx.mine, self.kcode, seq, wire.dtype_code(self.inp.dtype), 0, self.root, numel * self.esz, numel)
 
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
         if k:
             return None
         src = stage_in(self.inp, self.eng)
-        dst = self.dst = self.rows()
+        rows = self.rows
+        dst = self.dst = rows if rows is None or type(rows) is torch.Tensor else rows()
         esz, numel, p = self.esz, self.numel, self.p
         per = ctx.per(esz, p)
         if numel <= per:  # one call on the whole rows
@@ -335,24 +340,27 @@ class Scatter(Plan):
 
 
 class ReduceScatter(Plan):
-    """reduce_scatter of ``rows()`` (p x n contiguous elements, any shape) into ``out`` (n elements)."""
+    """reduce_scatter of ``rows`` (p x n contiguous elements, any shape; a tensor, or a callable making it at
+    the data stage) into ``out`` (n elements)."""
 
     kind = "reduce_scatter"
 
     def __init__(self, ctx: Context, eng: CollectiveEngine, out: torch.Tensor,
-                 rows: Callable[[], torch.Tensor], red: Reduction, header_needed: Callable[[int], bool]) -> None:
+                 rows: torch.Tensor | Callable[[], torch.Tensor], red: Reduction, header: bool) -> None:
         self.out, self.rows, self.red, self.numel = out, rows, red, out.numel()
-        total = self.numel * red.esz * ctx.size
-        super().__init__(ctx, eng, header_needed(total), total >= ctx.big, [out])
+        self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, [out]
+        self.big = self.numel * red.esz * ctx.size >= ctx.big
         self.dst: torch.Tensor | None = None
 
-    def fields(self) -> tuple[int, int, int, int, int, int]:
-        return self.red.dcode, self.red.ocode, 0, self.numel * self.red.esz, self.numel, 0
+    def pack(self, hx: HeaderExchange, seq: int) -> None:
+        red, numel = self.red, self.numel
+        _pack(hx.mine, _K_REDUCE_SCATTER, seq, red.dcode, red.ocode, 0, numel * red.esz, numel)
 
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
         if k:
             return None
-        src = self.rows()
+        rows = self.rows
+        src = rows if type(rows) is torch.Tensor else rows()
         dst = self.dst = stage_in(self.out, self.eng, copy=False)
         esz, numel, p, op = self.red.esz, self.numel, self.p, self.red.engine_op
         per = ctx.per(esz, p)

@@ -150,8 +150,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
     def _inline_ok(self, opts: object, a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
         """Whether a call may run inline: synchronous, on the MPI engine, contiguous CPU tensors (the
         executor still queues it when the group is busy)."""
-        return (not _async(opts) and self._ex.engine is self._ex.mpi and a.is_cpu and a.is_contiguous()
-                and (b is None or (b.is_cpu and b.is_contiguous())))
+        return (opts is not None and not opts.asyncOp and self._ex.engine is self._ex.mpi  # type: ignore[attr-defined]
+                and a.is_cpu and a.is_contiguous() and (b is None or (b.is_cpu and b.is_contiguous())))
 
     def _run(self, plan: plans.Plan, opts: object, inline: bool) -> AcclWork | None:
         """Run ``plan`` inline when ``inline`` (see :meth:`_inline_ok`) and the group is idle, else queue it."""
@@ -197,14 +197,22 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
     # ----------------------------------------------------------------- broadcast / reduce
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
-        t = _one(tensors, "broadcast")
-        root = opts.rootRank if opts is not None else 0
-        self._check_root(root, "broadcast")
-        if opts is not None and opts.rootTensor != 0:
-            raise ValueError(f"accl: broadcast rootTensor must be 0, got {opts.rootTensor}")
-        self._ex.check_open()
-        eng = self._engine_for("broadcast", t.dtype)
-        plan = plans.Broadcast(self._ex, eng, t, root, self._ex.header_needed(eng, t.numel() * t.element_size()))
+        t = tensors[0] if type(tensors) is list and len(tensors) == 1 else None
+        if type(t) is not torch.Tensor or t.is_sparse:
+            t = _one(tensors, "broadcast")
+        if opts is None:
+            root = 0
+        else:
+            root = opts.rootRank
+            if opts.rootTensor != 0:
+                raise ValueError(f"accl: broadcast rootTensor must be 0, got {opts.rootTensor}")
+        if type(root) is not int or not 0 <= root < self._size:
+            self._check_root(root, "broadcast")
+        ex = self._ex
+        if ex.aborted is not None:
+            ex.check_open()
+        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("broadcast", t.dtype)
+        plan = plans.Broadcast(ex, eng, t, root, ex.header_needed(eng, t.nbytes))
         return self._run(plan, opts, self._inline_ok(opts, t))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
@@ -218,13 +226,15 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return self._submit(plans.Reduce(self._ex, eng, t, red, root, self.options.check), _async(opts))
 
     # ----------------------------------------------------------------- gathers
-    def _gather_plan(self, kind: str, inp: torch.Tensor, rows: Callable[[], torch.Tensor | None],
+    def _gather_plan(self, kind: str, inp: torch.Tensor, rows: torch.Tensor | Callable[[], torch.Tensor | None],
                      deliver: Callable[[torch.Tensor], None] | None, root: int, outputs: list) -> plans.GatherLike:
-        self._ex.check_open()
-        eng = self._engine_for("allgather" if kind == "all_gather" else "gather", inp.dtype)
-        total = inp.numel() * inp.element_size() * self._size
-        header = self.options.check or (kind == "all_gather" and self._ex.header_needed(eng, total))
-        return plans.GatherLike(self._ex, eng, kind, inp, rows, deliver, root, outputs, header)
+        ex = self._ex
+        if ex.aborted is not None:
+            ex.check_open()
+        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allgather" if kind == "all_gather" else "gather",
+                                                                     inp.dtype)
+        header = self.options.check or (kind == "all_gather" and ex.header_needed(eng, inp.nbytes * self._size))
+        return plans.GatherLike(ex, eng, kind, inp, rows, deliver, root, outputs, header)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
                   opts=None) -> AcclWork:
@@ -260,27 +270,29 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts=None) -> AcclWork | None:  # noqa: A002
         p = self._size
-        for name, t in (("output", output), ("input", input)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"accl: all_gather_into_tensor {name} must be a tensor")
+        if type(output) is not torch.Tensor or type(input) is not torch.Tensor:
+            for name, t in (("output", output), ("input", input)):
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"accl: all_gather_into_tensor {name} must be a tensor")
         if output.dtype != input.dtype:
             raise TypeError(f"accl: all_gather_into_tensor dtypes differ: output {output.dtype}, "
                             f"input {input.dtype}")
-        if output.numel() != p * input.numel():
-            raise ValueError(f"accl: all_gather_into_tensor output has {output.numel()} elements, needs "
-                             f"world_size * input = {p} * {input.numel()} = {p * input.numel()}")
         numel = input.numel()
-        direct = output.is_contiguous() and (output.device.type == "cpu" or self._ex.mpi.accepts(output.device))
+        if output.numel() != p * numel:
+            raise ValueError(f"accl: all_gather_into_tensor output has {output.numel()} elements, needs "
+                             f"world_size * input = {p} * {numel} = {p * numel}")
+        inline = self._inline_ok(opts, input, output)
+        if inline or (output.is_contiguous() and (output.is_cpu or self._ex.mpi.accepts(output.device))):
+            plan = self._gather_plan("all_gather", input, output, None, 0, [output])  # gathered in place
+        else:
+            def rows() -> torch.Tensor:
+                return torch.empty((p, numel), dtype=input.dtype)
 
-        def rows() -> torch.Tensor:
-            return output if direct else torch.empty((p, numel), dtype=input.dtype)
-
-        def deliver(dst: torch.Tensor) -> None:
-            if not direct:
+            def deliver(dst: torch.Tensor) -> None:
                 output.copy_(dst.view(output.shape))
 
-        plan = self._gather_plan("all_gather", input, rows, deliver, 0, [output])
-        return self._run(plan, opts, self._inline_ok(opts, input, output))
+            plan = self._gather_plan("all_gather", input, rows, deliver, 0, [output])
+        return self._run(plan, opts, inline)
 
     _allgather_base = all_gather_single
 
@@ -336,13 +348,14 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return self._submit(plans.Scatter(self._ex, eng, out, list(ins), root, self.options.check), _async(opts))
 
     # ----------------------------------------------------------------- reduce_scatter
-    def _reduce_scatter_plan(self, out: torch.Tensor, rows: Callable[[], torch.Tensor], opts: object,
+    def _reduce_scatter_plan(self, out: torch.Tensor, rows: torch.Tensor | Callable[[], torch.Tensor], opts: object,
                              ) -> plans.ReduceScatter:
         red = self._red_of(opts, out.dtype, "reduce_scatter")
-        op = red.op
-        self._ex.check_open()
-        eng = self._engine_for("reduce_scatter", out.dtype, op)
-        return plans.ReduceScatter(self._ex, eng, out, rows, red, lambda n: self._ex.header_needed(eng, n))
+        ex = self._ex
+        if ex.aborted is not None:
+            ex.check_open()
+        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("reduce_scatter", out.dtype, red.op)
+        return plans.ReduceScatter(ex, eng, out, rows, red, ex.header_needed(eng, out.nbytes * self._size))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts=None) -> AcclWork:
@@ -362,11 +375,14 @@ class ProcessGroupACCL(dist.ProcessGroup):
         if input.numel() != p * output.numel():
             raise ValueError(f"accl: reduce_scatter_tensor input has {input.numel()} elements, needs "
                              f"world_size * output = {p} * {output.numel()} = {p * output.numel()}")
-        def rows() -> torch.Tensor:
-            return input if input.is_cpu and input.is_contiguous() else input.reshape(-1).contiguous().cpu()
+        inline = self._inline_ok(opts, input, output)
+        if inline or (input.is_cpu and input.is_contiguous()):
+            rows: torch.Tensor | Callable[[], torch.Tensor] = input
+        else:
+            def rows() -> torch.Tensor:
+                return input.reshape(-1).contiguous().cpu()
 
-        plan = self._reduce_scatter_plan(output, rows, opts)
-        return self._run(plan, opts, self._inline_ok(opts, input, output))
+        return self._run(self._reduce_scatter_plan(output, rows, opts), opts, inline)
 
     _reduce_scatter_base = reduce_scatter_single
 
