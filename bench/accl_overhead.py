@@ -2,9 +2,11 @@
 
 On one rank MPI's collectives are memory copies at most, so the time per call is the backend's own
 fixed cost (torch's wrapper, argument checks, plan, header exchange, engine call).  Each case is
-timed in ``--repeats`` interleaved rounds against the raw mpi4py call on numpy buffers and against
-an empty Python function call; the table shows medians and the min-max spread.  ``--profile CASE``
-prints a cProfile of that case instead.
+timed in ``--repeats`` interleaved rounds against the raw mpi4py call on numpy buffers;
+the table shows medians and the min-max spread.  The "torch floor"
+column is the same torch call on a Python backend whose method returns at once: what torch's own
+wrapper and its C++-to-Python dispatch cost any Python-level backend (none for barrier and all_to_all,
+whose wrappers cannot take such a backend).  ``--profile CASE`` prints a cProfile of that case instead.
 
     python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--profile all_reduce_8B]
 """
@@ -24,12 +26,40 @@ if "torchhpc" not in sys.modules:
     sys.path.insert(0, os.environ.get("ACCL_OVERHEAD_SRC", str(Path(__file__).resolve().parents[1] / "src")))
 
 
+def _null_group():
+    """A one-rank group of a Python backend that does nothing: the floor of torch's dispatch."""
+    import torch.distributed as dist
+
+    class Null(dist.ProcessGroup):
+        def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+            return "null"
+
+        def allreduce(self, tensors, opts=None):
+            return None
+
+        def broadcast(self, tensors, opts=None):
+            return None
+
+        def all_gather_single(self, output, input, opts=None):  # noqa: A002
+            return None
+
+        def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
+            return None
+
+        _allgather_base = all_gather_single
+        _reduce_scatter_base = reduce_scatter_single
+
+    dist.Backend.register_backend("null", lambda store, rank, size, timeout: Null(rank, size), devices=["cpu"])
+    return dist.new_group([0], backend="null")
+
+
 def _cases():
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
+    null = _null_group()
     ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     out: dict[str, tuple] = {}
@@ -40,14 +70,18 @@ def _cases():
         o = torch.empty(n)
         b = o.numpy()
         out[f"all_reduce_{label}"] = (lambda t=t: dist.all_reduce(t),
-                                      lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM))
-        out[f"broadcast_{label}"] = (lambda t=t: dist.broadcast(t, 0), lambda a=a: comm.Bcast(a, 0))
-        out[f"all_gather_{label}"] = (lambda t=t, o=o: ag(o, t), lambda a=a, b=b: comm.Allgather(a, b))
+                                      lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
+                                      lambda t=t: dist.all_reduce(t, group=null))
+        out[f"broadcast_{label}"] = (lambda t=t: dist.broadcast(t, 0), lambda a=a: comm.Bcast(a, 0),
+                                     lambda t=t: dist.broadcast(t, 0, group=null))
+        out[f"all_gather_{label}"] = (lambda t=t, o=o: ag(o, t), lambda a=a, b=b: comm.Allgather(a, b),
+                                      lambda t=t, o=o: ag(o, t, group=null))
         out[f"reduce_scatter_{label}"] = (lambda t=t, o=o: rs(o, t),
-                                          lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM))
+                                          lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM),
+                                          lambda t=t, o=o: rs(o, t, group=null))
         out[f"all_to_all_{label}"] = (lambda t=t, o=o: dist.all_to_all_single(o, t),
-                                      lambda a=a, b=b: comm.Alltoall(a, b))
-    out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier())
+                                      lambda a=a, b=b: comm.Alltoall(a, b), None)
+    out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier(), None)
     return out
 
 
@@ -87,19 +121,24 @@ def main(argv: list[str]) -> int:
     empty = lambda: None  # noqa: E731
     print(f"# accl per-call cost, one rank, us per call: median [min-max] of {args.repeats} interleaved "
           f"rounds of {args.iters} calls (src {torchhpc_src()})")
-    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'accl - mpi4py':>13}")
-    for name, (accl, raw) in cases.items():
+    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'accl - mpi4py':>13} "
+          f"| {'accl - floor':>12}")
+    for name, (accl, raw, floor) in cases.items():
         iters = args.iters if "1MiB" not in name else max(200, args.iters // 50)
-        for fn in (accl, raw):
+        fns = (accl, raw, floor or empty)
+        for fn in fns:
             _time(fn, max(10, iters // 20))
-        ta, tr, te = [], [], []
+        times: list[list[float]] = [[], [], []]
         for _ in range(args.repeats):
-            ta.append(_time(accl, iters))
-            tr.append(_time(raw, iters))
-            te.append(_time(empty, iters))
-        ma, mr = statistics.median(ta), statistics.median(tr)
-        print(f"{name:>20} | {ma:8.2f} [{min(ta):5.2f}-{max(ta):5.2f}] | {mr:8.2f} [{min(tr):5.2f}-{max(tr):5.2f}] "
-              f"| {ma - mr:13.2f}")
+            for ts, fn in zip(times, fns, strict=True):
+                ts.append(_time(fn, iters))
+        ma, mr, mf = (statistics.median(ts) for ts in times)
+        cells = [f"{statistics.median(ts):8.2f} [{min(ts):5.2f}-{max(ts):5.2f}]" for ts in times]
+        if floor is None:
+            cells[2], gap = f"{'-':>20}", f"{'-':>12}"
+        else:
+            gap = f"{ma - mf:12.2f}"
+        print(f"{name:>20} | {cells[0]} | {cells[1]} | {cells[2]} | {ma - mr:13.2f} | {gap}")
     dist.destroy_process_group()
     return 0
 
