@@ -583,3 +583,29 @@ def test_fast_path_float_overflow_is_inf_without_warnings(groups) -> None:
             t = torch.full((4,), big, dtype=dtype)
             dist.all_reduce(t, group=groups["world"])
             assert torch.all(torch.isinf(t)), dtype
+
+
+@pytest.mark.parametrize("n", [1, 5, 100, 700])
+def test_fused_and_staged_paths_agree_when_ranks_take_different_ones(groups, n: int) -> None:
+    """Small broadcast, all_gather and reduce_scatter ride in the header slot (the exchange is the whole
+    collective); a rank that queues the call (async) or stages a non-contiguous output must make the same
+    MPI calls as one that runs it inline, inside the slot (n <= 64 at 4 ranks) and above it."""
+    g = groups["world"]
+    rank, p = dist.get_rank(), dist.get_world_size()
+    asynchronous = rank % 2 == 1
+    everyone = [rank_data(r, n, torch.float32, n) for r in range(p)]
+
+    def done(work) -> None:
+        if asynchronous:
+            work.wait()
+
+    t = everyone[rank].clone() if rank == 1 % p else torch.zeros(n)
+    done(dist.broadcast(t, 1 % p, group=g, async_op=asynchronous))
+    assert torch.equal(t, everyone[1 % p])
+    out = torch.empty(n, p).t() if rank == 0 else torch.empty(p, n)  # rank 0: strided, staged
+    done(dist.all_gather_into_tensor(out, everyone[rank].clone(), group=g, async_op=asynchronous))
+    assert torch.equal(out.reshape(-1), torch.cat(everyone))
+    full = [rank_data(r + 10, p * n, torch.float32, n) for r in range(p)]
+    red = torch.empty(n)
+    done(dist.reduce_scatter_tensor(red, full[rank].clone(), group=g, async_op=asynchronous))
+    assert torch.equal(red, reference(full, R.SUM).view(p, n)[rank].to(torch.float32))

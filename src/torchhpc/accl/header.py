@@ -95,29 +95,36 @@ class HeaderExchange:
         if nbytes:
             self.mine_mb[_PAYLOAD: _PAYLOAD + nbytes] = _fromaddress(addr, nbytes)
 
-    def reduce_payloads(self, red: Reduction, nbytes: int, addr: int) -> None:
-        """Reduce every rank's ``nbytes`` payload, in rank order, with MPI's own op (as the large path
-        does, so results do not depend on the message size), and write the result to ``addr``."""
+    def reduce_payloads(self, red: Reduction, nbytes: int, addr: int, offset: int = 0) -> None:
+        """Reduce every rank's ``nbytes`` of payload from byte ``offset`` on, in rank order, with MPI's own
+        op (as the large path does, so results do not depend on the message size), and write the result
+        to ``addr``."""
         if not nbytes:
             return
-        key = red.dcode << 16 | nbytes  # nbytes <= PAYLOAD_BYTES < 2**16
+        key = (red.dcode << 16 | nbytes) << 16 | offset  # nbytes, offset < PAYLOAD_BYTES < 2**16
         cached = self._row_specs.get(key)
         if cached is None:
-            cached = self._row_specs[key] = self._rows_of(red, nbytes)
+            cached = self._row_specs[key] = self._rows_of(red, nbytes, offset)
         acc, rest, result = cached
         mop = red.mpi_op
         for spec in rest:
             mop.Reduce_local(spec, acc)
         _fromaddress(addr, nbytes)[:] = result
 
-    def _rows_of(self, red: Reduction, nbytes: int) -> tuple[list, list[list], MPI.buffer]:
+    def _rows_of(self, red: Reduction, nbytes: int, offset: int) -> tuple[list, list[list], MPI.buffer]:
         """Buffer specs of every rank's payload row (the first accumulates) and the result's bytes."""
-        if len(self._row_specs) >= 256:  # bounded: one entry per (dtype, size) seen
+        if len(self._row_specs) >= 256:  # bounded: one entry per (dtype, size, offset) seen
             self._row_specs.clear()
         count = nbytes // red.esz
-        base = self.all_mb.address
-        specs = [[_fromaddress(base + r * _SLOT + _PAYLOAD, nbytes), count, red.mpi_type] for r in range(self.size)]
-        return specs[0], specs[1:], self.all_mb[_PAYLOAD: _PAYLOAD + nbytes]
+        base = self.all_mb.address + _PAYLOAD + offset
+        specs = [[_fromaddress(base + r * _SLOT, nbytes), count, red.mpi_type] for r in range(self.size)]
+        return specs[0], specs[1:], self.all_mb[_PAYLOAD + offset: _PAYLOAD + offset + nbytes]
+
+    def get_payload(self, rank: int, addr: int, nbytes: int) -> None:
+        """Copy the first ``nbytes`` of ``rank``'s gathered payload to address ``addr``."""
+        if nbytes:
+            at = rank * _SLOT + _PAYLOAD
+            _fromaddress(addr, nbytes)[:] = self.all_mb[at: at + nbytes]
 
     def put_words(self, words: list[int]) -> None:
         """Write int64 ``words`` into this rank's payload area (all_to_all's byte-matrix row)."""

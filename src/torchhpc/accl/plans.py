@@ -1,7 +1,9 @@
 """Collectives as plans: each collective's wire behaviour written once.
 
 A :class:`Plan` is one torch-level collective call: its header (the :mod:`.wire` fields and, for
-small all-reduces and all_to_all, the slot payload), its data stages (the engine calls, segment by
+small all_reduce, broadcast, all_gather and reduce_scatter calls on the MPI engine, the data itself in
+the slot payload, so that the header exchange is the whole collective; for all_to_all, the byte
+matrix), its data stages (the engine calls, segment by
 segment) and its finish (copy-back, AVG division).  The executor (:mod:`.executor`) runs a plan
 either inline in the caller's thread or from the queue and progress thread; both call the same
 ``pack``/``verified``/``stage``/``finish`` methods with a :class:`~.engine.Mode` the executor picks
@@ -32,7 +34,7 @@ from .engine import CollectiveEngine, Mode, Request
 from .header import HeaderExchange, Reduction
 from .mpi_engine import MpiRequest
 from .reduction import op_name
-from .tensors import as_bytes, ranges, stage_in, stage_out
+from .tensors import as_bytes, host, ranges, stage_in, stage_out
 
 __all__ = ["Context", "Plan", "AllReduce", "Broadcast", "Reduce", "GatherLike", "Scatter", "ReduceScatter",
            "AllToAll", "Barrier", "MATRIX_MAX_RANKS"]
@@ -191,14 +193,23 @@ class Broadcast(Plan):
         self.t, self.root, self.numel, self.esz, nbytes = t, root, t.numel(), t.element_size(), t.nbytes
         self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, [t]
         self.big = nbytes >= ctx.big
+        self.fused = header and eng is ctx.mpi and nbytes <= _PAYLOAD  # the root's data rides in its slot
         self.buf: torch.Tensor | None = None
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
         t = self.t
         _pack(hx.mine, _K_BROADCAST, seq, wire.dtype_code(t.dtype), 0, self.root, t.nbytes, self.numel)
+        if self.fused and self.rank == self.root:
+            src = host(t)
+            hx.put_payload(src.data_ptr(), src.nbytes)
+
+    def verified(self, hx: HeaderExchange) -> None:
+        if self.fused and self.rank != self.root:
+            buf = self.buf = host(self.t, copy=False)
+            hx.get_payload(self.root, buf.data_ptr(), buf.nbytes)
 
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
-        if k:
+        if k or self.fused:
             return None
         buf = self.buf = stage_in(self.t, self.eng, copy=(self.rank == self.root))
         esz, numel = self.esz, self.numel
@@ -269,14 +280,30 @@ class GatherLike(Plan):
         self.numel, self.esz = inp.numel(), inp.element_size()
         self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, outputs
         self.big = self.numel * self.esz * ctx.size >= ctx.big
+        # all_gather of at most one slot payload per rank: the header exchange carries the data
+        self.fused = header and kind == "all_gather" and eng is ctx.mpi and inp.nbytes <= _PAYLOAD
         self.dst: torch.Tensor | None = None
+        self.src: torch.Tensor | None = None
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
-        numel = self.numel
-        _pack(hx.mine, self.kcode, seq, wire.dtype_code(self.inp.dtype), 0, self.root, numel * self.esz, numel)
+        numel, inp = self.numel, self.inp
+        _pack(hx.mine, self.kcode, seq, wire.dtype_code(inp.dtype), 0, self.root, numel * self.esz, numel)
+        if self.fused:
+            src = self.src = host(inp)
+            hx.put_payload(src.data_ptr(), src.nbytes)
+
+    def verified(self, hx: HeaderExchange) -> None:
+        if self.fused:
+            rows = self.rows
+            dst = self.dst = rows if type(rows) is torch.Tensor else rows()  # type: ignore[operator]
+            out = host(dst, copy=False)  # type: ignore[arg-type]
+            n, addr = self.numel * self.esz, out.data_ptr()
+            for r in range(self.p):
+                hx.get_payload(r, addr + r * n, n)
+            stage_out(out, dst)  # type: ignore[arg-type]
 
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
-        if k:
+        if k or self.fused:
             return None
         src = stage_in(self.inp, self.eng)
         rows = self.rows
@@ -350,14 +377,27 @@ class ReduceScatter(Plan):
         self.out, self.rows, self.red, self.numel = out, rows, red, out.numel()
         self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, [out]
         self.big = self.numel * red.esz * ctx.size >= ctx.big
+        # a whole input of at most one slot payload rides in the header; each rank reduces its own block
+        self.fused = header and eng is ctx.mpi and self.numel * red.esz * ctx.size <= _PAYLOAD
         self.dst: torch.Tensor | None = None
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
         red, numel = self.red, self.numel
         _pack(hx.mine, _K_REDUCE_SCATTER, seq, red.dcode, red.ocode, 0, numel * red.esz, numel)
+        if self.fused:
+            rows = self.rows
+            src = host(rows if type(rows) is torch.Tensor else rows())  # type: ignore[operator]
+            self.src = src
+            hx.put_payload(src.data_ptr(), src.nbytes)
+
+    def verified(self, hx: HeaderExchange) -> None:
+        if self.fused:
+            dst = self.dst = host(self.out, copy=False)
+            n = self.numel * self.red.esz
+            hx.reduce_payloads(self.red, n, dst.data_ptr(), self.rank * n)
 
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
-        if k:
+        if k or self.fused:
             return None
         rows = self.rows
         src = rows if type(rows) is torch.Tensor else rows()

@@ -6,7 +6,7 @@ import torch
 
 from .engine import CollectiveEngine
 
-__all__ = ["flat", "as_bytes", "ranges", "stage_in", "stage_out"]
+__all__ = ["flat", "as_bytes", "ranges", "stage_in", "stage_out", "host"]
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:
@@ -46,3 +46,14 @@ def stage_out(buf: torch.Tensor, t: torch.Tensor) -> None:
     if buf.data_ptr() == t.data_ptr() and buf.is_cpu == t.is_cpu and t.is_contiguous():
         return
     t.copy_(buf.view(t.shape))
+
+
+def host(t: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A contiguous 1-D CPU tensor with ``t``'s elements: ``t``'s own memory when it is a contiguous CPU
+    tensor, else a host copy (``copy=False``: uninitialised, for outputs; deliver with :func:`stage_out`)."""
+    if t.is_cpu and t.is_contiguous():
+        return t if t.dim() == 1 else t.view(-1)
+    h = torch.empty(t.numel(), dtype=t.dtype)
+    if copy:
+        h.copy_(t.reshape(-1))
+    return h
