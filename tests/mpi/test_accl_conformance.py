@@ -609,3 +609,36 @@ def test_fused_and_staged_paths_agree_when_ranks_take_different_ones(groups, n: 
     red = torch.empty(n)
     done(dist.reduce_scatter_tensor(red, full[rank].clone(), group=g, async_op=asynchronous))
     assert torch.equal(red, reference(full, R.SUM).view(p, n)[rank].to(torch.float32))
+
+
+@pytest.mark.parametrize("m", [1, 4, 40, 400])
+def test_all_to_all_in_and_above_the_slot_with_mixed_paths(groups, m: int) -> None:
+    """all_to_all_single whose sends fit the header slot carries them there; uneven (and empty) splits,
+    even splits, and ranks that queue the call (async) or stage a strided output must agree."""
+    g = groups["world"]
+    rank, p = dist.get_rank(), dist.get_world_size()
+    asynchronous = rank % 2 == 1
+
+    def count(i: int, j: int) -> int:  # elements rank i sends to rank j
+        return (i + 2 * j) % 3 * m
+
+    def data(i: int) -> torch.Tensor:  # rank i's send buffer, blocks in rank order
+        return torch.cat([torch.full((count(i, j),), float(100 * i + j)) for j in range(p)])
+
+    want = torch.cat([torch.full((count(i, rank),), float(100 * i + rank)) for i in range(p)])
+    out = torch.empty(want.numel())
+    calls = g.stats["engine_calls"]
+    work = dist.all_to_all_single(out, data(rank), [count(i, rank) for i in range(p)],
+                                  [count(rank, j) for j in range(p)], group=g, async_op=asynchronous)
+    if asynchronous:
+        work.wait()
+    assert torch.equal(out, want)
+    in_slot = max(sum(count(i, j) for j in range(p)) for i in range(p)) * 4 <= 1024 - 16 * p
+    assert (g.stats["engine_calls"] == calls) == in_slot, "sends that fit the slot ride in it, others do not"
+    even = torch.arange(p * m, dtype=torch.float64) + 1000 * rank
+    got = torch.empty(2 * p * m, dtype=torch.float64)[::2] if rank == 0 else torch.empty(p * m, dtype=torch.float64)
+    work = dist.all_to_all_single(got, even, group=g, async_op=asynchronous)
+    if asynchronous:
+        work.wait()
+    assert torch.equal(got.reshape(-1), torch.cat([torch.arange(rank * m, rank * m + m, dtype=torch.float64)
+                                                   + 1000 * i for i in range(p)]))

@@ -90,10 +90,11 @@ class HeaderExchange:
             raise MismatchError(wire.describe_mismatch(heads, compare, self.group))
 
     # ------------------------------------------------------------------ payloads
-    def put_payload(self, addr: int, nbytes: int) -> None:
-        """Copy ``nbytes`` at address ``addr`` into this rank's payload area."""
+    def put_payload(self, addr: int, nbytes: int, offset: int = 0) -> None:
+        """Copy ``nbytes`` at address ``addr`` into this rank's payload area, from byte ``offset`` on."""
         if nbytes:
-            self.mine_mb[_PAYLOAD: _PAYLOAD + nbytes] = _fromaddress(addr, nbytes)
+            at = _PAYLOAD + offset
+            self.mine_mb[at: at + nbytes] = _fromaddress(addr, nbytes)
 
     def reduce_payloads(self, red: Reduction, nbytes: int, addr: int, offset: int = 0) -> None:
         """Reduce every rank's ``nbytes`` of payload from byte ``offset`` on, in rank order, with MPI's own
@@ -120,10 +121,10 @@ class HeaderExchange:
         specs = [[_fromaddress(base + r * _SLOT, nbytes), count, red.mpi_type] for r in range(self.size)]
         return specs[0], specs[1:], self.all_mb[_PAYLOAD + offset: _PAYLOAD + offset + nbytes]
 
-    def get_payload(self, rank: int, addr: int, nbytes: int) -> None:
-        """Copy the first ``nbytes`` of ``rank``'s gathered payload to address ``addr``."""
+    def get_payload(self, rank: int, addr: int, nbytes: int, offset: int = 0) -> None:
+        """Copy ``nbytes`` of ``rank``'s gathered payload, from byte ``offset`` on, to address ``addr``."""
         if nbytes:
-            at = rank * _SLOT + _PAYLOAD
+            at = rank * _SLOT + _PAYLOAD + offset
             _fromaddress(addr, nbytes)[:] = self.all_mb[at: at + nbytes]
 
     def put_words(self, words: list[int]) -> None:

@@ -56,6 +56,7 @@ class Context(Protocol):
     seg: int  # max_segment_bytes
     big: int  # threaded_min_bytes
     mpi: CollectiveEngine
+    engine: CollectiveEngine  # the group's engine (``mpi`` or ACCL)
     ctl: MPI.Comm
 
     def call(self, eng: CollectiveEngine, fn: str, nbytes: int, mode: Mode | None, *args) -> Request:
@@ -439,10 +440,16 @@ class AllToAll(Plan):
         self.inp, self.out, self.sb, self.rb, self.deliver = inp, out, sb, rb, deliver
         super().__init__(ctx, eng, True, max(sum(sb), sum(rb)) >= ctx.big, outputs)
         self.in_slot = ctx.size <= MATRIX_MAX_RANKS
+        # small sends ride in the slot after the matrix; the call is fused when every rank's did (the
+        # matrix, agreed by all, says so)
+        self.slot_data = self.in_slot and eng is ctx.mpi is ctx.engine  # (an ACCL group counts its sidesteps)
+        self.packs_data = self.slot_data and sum(sb) <= _PAYLOAD - 16 * ctx.size
+        self.fused = False
         self.rounds, self.uniform = 1, False
         self.seg = ctx.seg
         self.allm: torch.Tensor | None = None
         self.dst: torch.Tensor | None = None
+        self.src: torch.Tensor | None = None
 
     def fields(self) -> tuple[int, int, int, int, int, int]:
         return wire.dtype_code(self.inp.dtype), 0, 0, 0, 0, self.p
@@ -451,6 +458,9 @@ class AllToAll(Plan):
         super().pack(hx, seq)
         if self.in_slot:
             hx.put_words(self.sb + self.rb)
+            if self.packs_data:
+                src = self.src = host(self.inp)
+                hx.put_payload(src.data_ptr(), src.nbytes, 16 * self.p)
 
     def verified(self, hx: HeaderExchange) -> None:
         if not self.in_slot:
@@ -458,8 +468,24 @@ class AllToAll(Plan):
         sb, p = self.sb, self.p
         if self.sb == self.rb and len(set(sb)) == 1 and hx.payload_equal(16 * p):  # the common even split
             self.rounds, self.uniform = max(1, math.ceil(sb[0] / max(1, self.seg // p))), True
+            if self.packs_data:  # every rank's matrix is this one: every rank packed its data
+                self._unpack(hx, [sb] * p)
         else:
-            self._rounds(hx.payload_words(2 * p))
+            rows = hx.payload_words(2 * p)
+            self._rounds(rows)
+            if self.slot_data and all(sum(row[:p]) <= _PAYLOAD - 16 * p for row in rows):
+                self._unpack(hx, [row[:p] for row in rows])
+
+    def _unpack(self, hx: HeaderExchange, send: list[list[int]]) -> None:
+        """Take this rank's blocks from every rank's slot (``send``: the agreed send byte matrix)."""
+        out, me, p = self.out, self.rank, self.p
+        dst = self.dst = out if out.is_cpu and out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
+        addr = dst.data_ptr()
+        for r in range(p):
+            row = send[r]
+            hx.get_payload(r, addr, row[me], 16 * p + sum(row[:me]))
+            addr += row[me]
+        self.fused = True
 
     def _rounds(self, rows: list[list[int]]) -> None:
         """Check the gathered matrices (send of i to j == recv of j from i); set rounds and uniform."""
@@ -476,6 +502,8 @@ class AllToAll(Plan):
         self.uniform = len({c for r in send for c in r}) == 1
 
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
+        if self.fused:
+            return None
         if not self.in_slot:
             if k == 0:  # the matrix by a second all-gather on the control communicator
                 mine = torch.tensor(self.sb + self.rb, dtype=torch.int64)
