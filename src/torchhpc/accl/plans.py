@@ -3,7 +3,7 @@
 A :class:`Plan` is one torch-level collective call: its header (the :mod:`.wire` fields and, for
 small all_reduce, broadcast, all_gather and reduce_scatter calls on the MPI engine, the data itself in
 the slot payload, so that the header exchange is the whole collective; for all_to_all, the byte
-matrix), its data stages (the engine calls, segment by
+matrix and, when every rank's sends fit after it, the sends), its data stages (the engine calls, segment by
 segment) and its finish (copy-back, AVG division).  The executor (:mod:`.executor`) runs a plan
 either inline in the caller's thread or from the queue and progress thread; both call the same
 ``pack``/``verified``/``stage``/``finish`` methods with a :class:`~.engine.Mode` the executor picks

@@ -3,8 +3,9 @@
 **Collective header.**  Before a checked collective every rank contributes one fixed-size *slot*
 to an all-gather on the group's control communicator.  A slot is ``SLOT_BYTES`` long: a header of
 ``HEADER_BYTES`` (nine int64 fields, :data:`FIELDS`, then zero padding) followed by a payload area
-of ``PAYLOAD_BYTES`` (small all-reduce payloads ride there; all_to_all puts its send/receive byte
-matrix row there).  Once gathered, every rank compares the leading fields of every slot; a
+of ``PAYLOAD_BYTES`` (the data of small all_reduce, broadcast, all_gather and reduce_scatter calls
+rides there, so the exchange is the whole collective; all_to_all puts its send/receive byte matrix row
+there, followed by its sends when they fit).  Once gathered, every rank compares the leading fields of every slot; a
 difference is reported by :func:`describe_mismatch`, which names the field, the ranks and their
 values.
 
