@@ -105,6 +105,14 @@ class Executor:
             return getattr(eng, fn)(*args)
         return getattr(eng, fn)(*args, mode)
 
+    def _verified(self, plan: Plan) -> None:
+        """The header exchange completed: check agreement, let ``plan`` take what the slots carried.  A
+        call whose data rode in the slots, on a group whose engine is not MPI, was sidestepped to MPI."""
+        self.hx.check(plan.compare)
+        plan.verified(self.hx)
+        if plan.fused and plan.eng is not self.engine:
+            self.stats["sidestep_calls"] += 1
+
     def per(self, elem: int, parts: int = 1) -> int:
         """Elements per segment so that ``parts`` blocks of them fit one segment."""
         return max(1, self.seg // (elem * parts))
@@ -134,9 +142,7 @@ class Executor:
                     req = hx.start()
                     if not req.Test():
                         self._await_inline(req.Test, finished)
-                    if not hx.agrees(plan.compare):
-                        hx.check(plan.compare)
-                    plan.verified(hx)
+                    self._verified(plan)
                 mode = mode_for(plan, True)
                 k = 0
                 while (reqs := plan.stage(k, self, mode)) is not None:
@@ -240,8 +246,7 @@ class Executor:
                 if not r.test():
                     return
             if op.stage == -1:
-                self.hx.check(op.plan.compare)
-                op.plan.verified(self.hx)
+                self._verified(op.plan)
                 self._next_stage(op, 0)
             else:
                 self._next_stage(op, op.stage + 1)

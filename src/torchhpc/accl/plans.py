@@ -48,6 +48,25 @@ _K_BROADCAST, _K_REDUCE_SCATTER = _K["broadcast"], _K["reduce_scatter"]
 _PAYLOAD = wire.PAYLOAD_BYTES
 
 
+def _rides(ctx: Context, eng: CollectiveEngine, header: bool, nbytes: int) -> bool:
+    """Whether a call's ``nbytes`` of data ride in its header slot (on the MPI engine, when the header is
+    exchanged and the data fit the payload area): the exchange is then the whole collective."""
+    return header and nbytes <= _PAYLOAD and eng is ctx.mpi
+
+
+def _made(x: torch.Tensor | Callable[[], torch.Tensor | None] | None) -> torch.Tensor | None:
+    """A plan's buffer given as a tensor, or as a callable that makes it when it is needed."""
+    return x if x is None or type(x) is torch.Tensor else x()  # type: ignore[operator]
+
+
+def _reduced(buf: torch.Tensor | None, red: Reduction, p: int, t: torch.Tensor) -> None:
+    """Deliver a reduction's result ``buf`` into ``t``, divided by the group size ``p`` for AVG."""
+    assert buf is not None
+    if red.avg:
+        buf.div_(p)
+    stage_out(buf, t)
+
+
 class Context(Protocol):
     """What a plan needs from the group running it (the executor provides it)."""
 
@@ -56,7 +75,6 @@ class Context(Protocol):
     seg: int  # max_segment_bytes
     big: int  # threaded_min_bytes
     mpi: CollectiveEngine
-    engine: CollectiveEngine  # the group's engine (``mpi`` or ACCL)
     ctl: MPI.Comm
 
     def call(self, eng: CollectiveEngine, fn: str, nbytes: int, mode: Mode | None, *args) -> Request:
@@ -79,6 +97,7 @@ class Plan:
     compare = wire.COMPARE_ALL  # header fields every rank must agree on
 
     source_rank = -1  # a receive from any source: the rank it came from
+    fused = False  # the data rode in the header slots: the exchange was the whole collective
 
     def __init__(self, ctx: Context, eng: CollectiveEngine, header: bool, big: bool, outputs: list) -> None:
         self.rank, self.p = ctx.rank, ctx.size
@@ -123,7 +142,7 @@ class AllReduce(Plan):
         # (the base initialiser is inlined: this is the hottest constructor)
         numel = ts[0].numel() if len(ts) == 1 else sum(t.numel() for t in ts)
         nbytes = numel * red.esz
-        fused = self.fused = check and nbytes <= _PAYLOAD and eng is ctx.mpi
+        fused = self.fused = _rides(ctx, eng, check, nbytes)
         self.rank, self.p, self.eng, self.outputs = ctx.rank, ctx.size, eng, ts
         self.header = fused or ctx.header_needed(eng, nbytes)
         self.big = nbytes >= ctx.big
@@ -194,7 +213,7 @@ class Broadcast(Plan):
         self.t, self.root, self.numel, self.esz, nbytes = t, root, t.numel(), t.element_size(), t.nbytes
         self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, [t]
         self.big = nbytes >= ctx.big
-        self.fused = header and eng is ctx.mpi and nbytes <= _PAYLOAD  # the root's data rides in its slot
+        self.fused = _rides(ctx, eng, header, nbytes)  # the root's data in its slot
         self.buf: torch.Tensor | None = None
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
@@ -255,11 +274,7 @@ class Reduce(Plan):
 
     def finish(self) -> None:
         if self.rank == self.root:
-            buf = self.buf
-            assert buf is not None
-            if self.red.avg:
-                buf.div_(self.p)
-            stage_out(buf, self.t)
+            _reduced(self.buf, self.red, self.p, self.t)
 
     def describe(self, seq: int) -> str:
         return (f"reduce({self.red.dtype}, {self.numel} elements, {op_name(self.red.op)}, root {self.root}) "
@@ -282,7 +297,7 @@ class GatherLike(Plan):
         self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, outputs
         self.big = self.numel * self.esz * ctx.size >= ctx.big
         # all_gather of at most one slot payload per rank: the header exchange carries the data
-        self.fused = header and kind == "all_gather" and eng is ctx.mpi and inp.nbytes <= _PAYLOAD
+        self.fused = kind == "all_gather" and _rides(ctx, eng, header, inp.nbytes)
         self.dst: torch.Tensor | None = None
         self.src: torch.Tensor | None = None
 
@@ -295,8 +310,7 @@ class GatherLike(Plan):
 
     def verified(self, hx: HeaderExchange) -> None:
         if self.fused:
-            rows = self.rows
-            dst = self.dst = rows if type(rows) is torch.Tensor else rows()  # type: ignore[operator]
+            dst = self.dst = _made(self.rows)
             out = host(dst, copy=False)  # type: ignore[arg-type]
             n, addr = self.numel * self.esz, out.data_ptr()
             for r in range(self.p):
@@ -307,8 +321,7 @@ class GatherLike(Plan):
         if k or self.fused:
             return None
         src = stage_in(self.inp, self.eng)
-        rows = self.rows
-        dst = self.dst = rows if rows is None or type(rows) is torch.Tensor else rows()
+        dst = self.dst = _made(self.rows)
         esz, numel, p = self.esz, self.numel, self.p
         per = ctx.per(esz, p)
         if numel <= per:  # one call on the whole rows
@@ -379,16 +392,14 @@ class ReduceScatter(Plan):
         self.rank, self.p, self.eng, self.header, self.outputs = ctx.rank, ctx.size, eng, header, [out]
         self.big = self.numel * red.esz * ctx.size >= ctx.big
         # a whole input of at most one slot payload rides in the header; each rank reduces its own block
-        self.fused = header and eng is ctx.mpi and self.numel * red.esz * ctx.size <= _PAYLOAD
+        self.fused = _rides(ctx, eng, header, self.numel * red.esz * ctx.size)
         self.dst: torch.Tensor | None = None
 
     def pack(self, hx: HeaderExchange, seq: int) -> None:
         red, numel = self.red, self.numel
         _pack(hx.mine, _K_REDUCE_SCATTER, seq, red.dcode, red.ocode, 0, numel * red.esz, numel)
         if self.fused:
-            rows = self.rows
-            src = host(rows if type(rows) is torch.Tensor else rows())  # type: ignore[operator]
-            self.src = src
+            src = self.src = host(_made(self.rows))  # type: ignore[arg-type]
             hx.put_payload(src.data_ptr(), src.nbytes)
 
     def verified(self, hx: HeaderExchange) -> None:
@@ -400,8 +411,7 @@ class ReduceScatter(Plan):
     def stage(self, k: int, ctx: Context, mode: Mode) -> list[Request] | None:
         if k or self.fused:
             return None
-        rows = self.rows
-        src = rows if type(rows) is torch.Tensor else rows()
+        src = _made(self.rows)
         dst = self.dst = stage_in(self.out, self.eng, copy=False)
         esz, numel, p, op = self.red.esz, self.numel, self.p, self.red.engine_op
         per = ctx.per(esz, p)
@@ -412,11 +422,7 @@ class ReduceScatter(Plan):
                          op) for a, b in ranges(numel, per)]
 
     def finish(self) -> None:
-        dst = self.dst
-        assert dst is not None
-        if self.red.avg:
-            dst.div_(self.p)
-        stage_out(dst, self.out)
+        _reduced(self.dst, self.red, self.p, self.out)
 
     def describe(self, seq: int) -> str:
         return (f"reduce_scatter({self.red.dtype}, {self.numel} elements per rank, {op_name(self.red.op)}) "
@@ -442,7 +448,7 @@ class AllToAll(Plan):
         self.in_slot = ctx.size <= MATRIX_MAX_RANKS
         # small sends ride in the slot after the matrix; the call is fused when every rank's did (the
         # matrix, agreed by all, says so)
-        self.slot_data = self.in_slot and eng is ctx.mpi is ctx.engine  # (an ACCL group counts its sidesteps)
+        self.slot_data = self.in_slot and eng is ctx.mpi
         self.packs_data = self.slot_data and sum(sb) <= _PAYLOAD - 16 * ctx.size
         self.fused = False
         self.rounds, self.uniform = 1, False
@@ -476,11 +482,16 @@ class AllToAll(Plan):
             if self.slot_data and all(sum(row[:p]) <= _PAYLOAD - 16 * p for row in rows):
                 self._unpack(hx, [row[:p] for row in rows])
 
+    def _destination(self) -> torch.Tensor:
+        """Where the blocks arrive: the caller's output when MPI can write it directly, else a host buffer."""
+        out = self.out
+        dst = self.dst = out if out.is_cpu and out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
+        return dst
+
     def _unpack(self, hx: HeaderExchange, send: list[list[int]]) -> None:
         """Take this rank's blocks from every rank's slot (``send``: the agreed send byte matrix)."""
-        out, me, p = self.out, self.rank, self.p
-        dst = self.dst = out if out.is_cpu and out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype)
-        addr = dst.data_ptr()
+        me, p = self.rank, self.p
+        addr = self._destination().data_ptr()
         for r in range(p):
             row = send[r]
             hx.get_payload(r, addr, row[me], 16 * p + sum(row[:me]))
@@ -520,10 +531,9 @@ class AllToAll(Plan):
         return self._data(ctx, mode)
 
     def _data(self, ctx: Context, mode: Mode) -> list[Request]:
-        inp, out, sb, rb, p = self.inp, self.out, self.sb, self.rb, self.p
+        inp, sb, rb, p = self.inp, self.sb, self.rb, self.p
         src = stage_in(inp, self.eng)
-        dst = self.dst = (out if out.is_cpu and out.is_contiguous() else
-                          torch.empty(out.numel(), dtype=out.dtype))
+        dst = self._destination()
         if self.uniform and self.rounds == 1 and self.eng is ctx.mpi:
             return [ctx.call(self.eng, "alltoall", sb[0] * p, mode, src, dst)]
         per_pair = max(1, self.seg // p)

@@ -308,15 +308,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         root = opts.rootRank if opts is not None else 0
         self._check_root(root, "gather")
         p, numel = self._size, inp.numel()
-        if self._rank == root:
-            if len(output_tensors) != 1:
-                raise ValueError("accl: gather on the root takes one gather_list")
-            outs = output_tensors[0]
-            self._check_list(outs, inp, "gather", "gather_list")
-        else:
-            if output_tensors and any(len(x) for x in output_tensors):
-                raise ValueError("accl: gather_list must be empty/None on non-root ranks")
-            outs = []
+        outs = self._root_list(output_tensors, inp, root, "gather", "gather_list")
         is_root = self._rank == root
 
         def rows() -> torch.Tensor | None:
@@ -334,15 +326,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         out = _one(output_tensors, "scatter")
         root = opts.rootRank if opts is not None else 0
         self._check_root(root, "scatter")
-        if self._rank == root:
-            if len(input_tensors) != 1:
-                raise ValueError("accl: scatter on the root takes one scatter_list")
-            ins = input_tensors[0]
-            self._check_list(ins, out, "scatter", "scatter_list")
-        else:
-            if input_tensors and any(len(x) for x in input_tensors):
-                raise ValueError("accl: scatter_list must be empty/None on non-root ranks")
-            ins = []
+        ins = self._root_list(input_tensors, out, root, "scatter", "scatter_list")
         self._ex.check_open()
         eng = self._engine_for("scatter", out.dtype)
         return self._submit(plans.Scatter(self._ex, eng, out, list(ins), root, self.options.check), _async(opts))
@@ -532,6 +516,19 @@ class ProcessGroupACCL(dist.ProcessGroup):
         ub = self._tag_ub
         if not isinstance(tag, int) or not 0 <= tag <= ub:
             raise ValueError(f"accl: tag {tag} out of range [0, {ub}] (MPI_TAG_UB)")
+
+    def _root_list(self, lists: list[list[torch.Tensor]], ref: torch.Tensor, root: int, what: str, name: str
+                   ) -> list[torch.Tensor]:
+        """The root's one tensor list of gather/scatter (checked against ``ref``); [] on the other ranks,
+        which must pass none."""
+        if self._rank == root:
+            if len(lists) != 1:
+                raise ValueError(f"accl: {what} on the root takes one {name}")
+            self._check_list(lists[0], ref, what, name)
+            return lists[0]
+        if lists and any(len(x) for x in lists):
+            raise ValueError(f"accl: {name} must be empty/None on non-root ranks")
+        return []
 
     def _check_list(self, lst: Sequence[torch.Tensor], ref: torch.Tensor, what: str, name: str) -> None:
         if len(lst) != self._size:
