@@ -8,7 +8,11 @@ column is the same torch call on a Python backend whose method returns at once: 
 wrapper and its C++-to-Python dispatch cost any Python-level backend (none for barrier and all_to_all,
 whose wrappers cannot take such a backend).  ``--profile CASE`` prints a cProfile of that case instead.
 
-    python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--profile all_reduce_8B]
+``--cold`` times every call after a copy of 4 MiB (twice this machine class's L2), as a large collective
+leaves the caches, and subtracts the copy's own time measured in the same rounds: the per-call cost a
+1 MiB collective pays on top of its data movement (code and data of the call path come from L3/DRAM).
+
+    python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--cold] [--profile all_reduce_8B]
 """
 
 from __future__ import annotations
@@ -85,6 +89,14 @@ def _cases():
     return out
 
 
+def _evictor():
+    """A callable that copies 4 MiB: afterwards the next call's code and data come from L3 or DRAM."""
+    import torch
+
+    src, dst = torch.ones(1 << 20), torch.empty(1 << 20)
+    return lambda: dst.copy_(src)
+
+
 def _time(fn, iters: int) -> float:
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -98,6 +110,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--iters", type=int, default=20000)
     ap.add_argument("--profile", default=None, help="cProfile this case instead of timing")
     ap.add_argument("--cases", default="", help="comma-separated subset")
+    ap.add_argument("--cold", action="store_true", help="evict the caches before every call (see above)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -119,19 +132,29 @@ def main(argv: list[str]) -> int:
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
     empty = lambda: None  # noqa: E731
-    print(f"# accl per-call cost, one rank, us per call: median [min-max] of {args.repeats} interleaved "
-          f"rounds of {args.iters} calls (src {torchhpc_src()})")
+    evict = _evictor() if args.cold else empty
+    print(f"# accl per-call cost, one rank, us per call{', caches evicted before each call' if args.cold else ''}: "
+          f"median [min-max] of {args.repeats} interleaved rounds of {args.iters} calls (src {torchhpc_src()})")
     print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'accl - mpi4py':>13} "
           f"| {'accl - floor':>12}")
     for name, (accl, raw, floor) in cases.items():
         iters = args.iters if "1MiB" not in name else max(200, args.iters // 50)
-        fns = (accl, raw, floor or empty)
+        if args.cold:
+            if "1MiB" in name:
+                continue  # a 1 MiB call evicts the caches itself
+            iters = max(500, iters // 4)
+        fns = [accl, raw, floor or empty, evict]
+        if args.cold:  # each call after the eviction; the eviction's own time is taken off below
+            fns[:3] = [lambda f=f: (evict(), f()) for f in fns[:3]]
         for fn in fns:
             _time(fn, max(10, iters // 20))
-        times: list[list[float]] = [[], [], []]
+        times: list[list[float]] = [[], [], [], []]
         for _ in range(args.repeats):
             for ts, fn in zip(times, fns, strict=True):
                 ts.append(_time(fn, iters))
+        if args.cold:  # paired by round
+            times = [[t - e for t, e in zip(ts, times[3], strict=True)] for ts in times[:3]]
+        times = times[:3]
         ma, mr, mf = (statistics.median(ts) for ts in times)
         cells = [f"{statistics.median(ts):8.2f} [{min(ts):5.2f}-{max(ts):5.2f}]" for ts in times]
         if floor is None:

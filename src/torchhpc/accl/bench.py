@@ -71,9 +71,10 @@ def _under_mpi() -> bool:
 
 
 def _relaunch(argv: list[str], nprocs: int) -> int:
-    from torchhpc.mpirun import local_job_env, mpiexec_argv
+    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
 
-    env = local_job_env()
+    # Open MPI's yield-when-idle only where ranks share cores: it slows large blocking calls otherwise
+    env = local_job_env(oversubscribed=nprocs > available_cores())
     if os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
