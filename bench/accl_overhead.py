@@ -8,7 +8,7 @@ column is the same torch call on a Python backend whose method returns at once: 
 wrapper and its C++-to-Python dispatch cost any Python-level backend (none for barrier and all_to_all,
 whose wrappers cannot take such a backend).  ``--profile CASE`` prints a cProfile of that case instead.
 
-``--cold`` times every call after a copy of 4 MiB (twice this machine class's L2), as a large collective
+``--cold`` times every call after a copy of 4 MiB (four times a core's L2 here), as a large collective
 leaves the caches, and subtracts the copy's own time measured in the same rounds: the per-call cost a
 1 MiB collective pays on top of its data movement (code and data of the call path come from L3/DRAM).
 
