@@ -184,6 +184,7 @@ def _check(core_group, comm) -> None:
     import torch.distributed as dist
 
     r, p = comm.Get_rank(), comm.Get_size()
+    ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13 name
     for n in (2, 1 << 16):
         x = torch.arange(n * p, dtype=torch.float32) + r
         y = x.clone()
@@ -191,8 +192,8 @@ def _check(core_group, comm) -> None:
         dist.all_reduce(y, group=core_group)
         assert torch.equal(x, y), "all_reduce differs"
         g1, g2 = torch.empty(n * p * p), torch.empty(n * p * p)
-        dist.all_gather_into_tensor(g1, x)
-        dist.all_gather_into_tensor(g2, x, group=core_group)
+        ag(g1, x)
+        ag(g2, x, group=core_group)
         assert torch.equal(g1, g2), "all_gather differs"
         a1, a2 = torch.empty(n * p), torch.empty(n * p)
         dist.all_to_all_single(a1, x)
