@@ -23,7 +23,6 @@ import statistics
 import subprocess
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -77,6 +76,14 @@ def _group_class():
         if opts is None or opts.asyncOp:  # type: ignore[attr-defined]
             raise NotImplementedError(f"acclcore prototype: synchronous {what} only")
 
+    def _pair(output: torch.Tensor, input: torch.Tensor, opts: object, what: str) -> int:  # noqa: A002
+        """Checks of a synchronous output/input call; the input's wire dtype code."""
+        _sync(opts, what)
+        if type(output) is not torch.Tensor or type(input) is not torch.Tensor or output.dtype != input.dtype:
+            raise TypeError(f"acclcore: {what} needs two tensors of one dtype")
+        _cpu(output, what)
+        return _cpu(input, what)
+
     class CoreGroup(dist.ProcessGroup):
         """torch's adapter in Python (the checks accl makes before a plan), the rest in acclcore."""
 
@@ -100,26 +107,20 @@ def _group_class():
             self._core.all_reduce(t.data_ptr(), t.numel(), code, self._seq)
 
         def all_gather_single(self, output, input, opts=None):  # noqa: A002
-            _sync(opts, "all_gather")
-            if type(output) is not torch.Tensor or type(input) is not torch.Tensor or output.dtype != input.dtype:
-                raise TypeError("acclcore: all_gather_into_tensor needs two tensors of one dtype")
+            code = _pair(output, input, opts, "all_gather_into_tensor")
             if output.numel() != self._size * input.numel():
                 raise ValueError("acclcore: all_gather_into_tensor output must be world_size x input")
-            code = _cpu(input, "all_gather")
-            _cpu(output, "all_gather")
             self._seq += 1
             self._core.all_gather(input.data_ptr(), output.data_ptr(), input.nbytes, code, input.numel(), self._seq)
 
         _allgather_base = all_gather_single
 
         def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
-            _sync(opts, "all_to_all")
+            code = _pair(output, input, opts, "all_to_all_single")
             if output_split_sizes or input_split_sizes:
                 raise NotImplementedError("acclcore prototype: even all_to_all only")
             if output.numel() != input.numel() or input.numel() % self._size:
                 raise ValueError("acclcore: all_to_all_single needs equal, evenly divisible buffers")
-            code = _cpu(input, "all_to_all")
-            _cpu(output, "all_to_all")
             self._seq += 1
             self._core.all_to_all(input.data_ptr(), output.data_ptr(), input.nbytes, code, input.numel(), self._seq)
 
@@ -160,24 +161,6 @@ def _runners(coll: str, nbytes: int, p: int, core_group, comm) -> dict:
     return out
 
 
-def _time(fn, comm, budget_s: float) -> float:
-    """Mean seconds per call on the slowest rank; the iteration count is agreed across ranks."""
-    from mpi4py import MPI
-
-    for _ in range(3):
-        fn()
-    comm.Barrier()
-    t0 = time.perf_counter()
-    fn()
-    one = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-    iters = int(max(5, min(20000, budget_s / max(one, 1e-7))))
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return comm.allreduce((time.perf_counter() - t0) / iters, op=MPI.MAX)
-
-
 def _check(core_group, comm) -> None:
     """The prototype's results equal accl's (so the figures time correct work)."""
     import torch
@@ -206,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     import torchhpc.accl  # noqa: F401  (registers "accl")
+    from torchhpc.accl.bench import mean_call_time
 
     comm = MPI.COMM_WORLD.Dup()
     rank, p = comm.Get_rank(), comm.Get_size()
@@ -238,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             rounds = {k: [] for k in impls}
             for _ in range(args.repeats):
                 for k in impls:
-                    rounds[k].append(_time(fns[k], comm, args.time_per_point / args.repeats))
+                    rounds[k].append(mean_call_time(fns[k], comm, args.time_per_point / args.repeats, max_iters=20000))
             if rank == 0:
                 med = {k: statistics.median(v) for k, v in rounds.items()}
                 cells = " | ".join(f"{med[k] * 1e6:8.2f} [{min(rounds[k]) * 1e6:.1f}-{max(rounds[k]) * 1e6:.1f}]"

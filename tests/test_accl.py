@@ -230,7 +230,7 @@ def test_bench_rejects_bad_np() -> None:
     assert bench.main(["allreduce", "--repeats", "0"]) == 2
 
 
-def test_compiled_core_prototype_builds_and_matches_accl(tmp_path) -> None:
+def test_compiled_core_prototype_builds_and_matches_accl() -> None:
     """bench/accl_compiled_core.py (issue 13's measured prototype) compiles with the environment's mpicc and
     gives accl's results for all_reduce, all_gather and all_to_all, in and above the slot payload."""
     mpicc = Path(sys.executable).parent / "mpicc"

@@ -114,6 +114,34 @@ static int exchange(Core *self, long kind, long seq, long dtype, long op, long r
     return 0;
 }
 
+/* The result of a blocking MPI data call (made with the GIL released): 0, or -1 with the error set. */
+static int data_call(int rc, const char *what) {
+    if (rc == MPI_SUCCESS)
+        return 0;
+    PyErr_Format(PyExc_RuntimeError, "%s failed", what);
+    return -1;
+}
+
+/* The arguments of the two-buffer calls: (src, dst, nbytes, dtype_code, numel, seq); 0, or -1 with the error set. */
+typedef struct {
+    char *src, *dst;
+    long nbytes, dcode, numel, seq;
+} Pair;
+
+static int parse_pair(PyObject *const *args, Py_ssize_t nargs, const char *what, Pair *a) {
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "%s(src, dst, nbytes, dtype_code, numel, seq)", what);
+        return -1;
+    }
+    a->src = (char *)PyLong_AsVoidPtr(args[0]);
+    a->dst = (char *)PyLong_AsVoidPtr(args[1]);
+    a->nbytes = PyLong_AsLong(args[2]);
+    a->dcode = PyLong_AsLong(args[3]);
+    a->numel = PyLong_AsLong(args[4]);
+    a->seq = PyLong_AsLong(args[5]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 /* all_reduce(addr, numel, dtype_code, seq): SUM in place */
 static PyObject *Core_all_reduce(Core *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
@@ -143,70 +171,56 @@ static PyObject *Core_all_reduce(Core *self, PyObject *const *args, Py_ssize_t n
         Py_BEGIN_ALLOW_THREADS
         rc = MPI_Allreduce(MPI_IN_PLACE, addr, (int)numel, dt, MPI_SUM, self->comm);
         Py_END_ALLOW_THREADS
-        if (rc != MPI_SUCCESS) {
-            PyErr_SetString(PyExc_RuntimeError, "MPI_Allreduce failed");
+        if (data_call(rc, "MPI_Allreduce") < 0)
             return NULL;
-        }
     }
     Py_RETURN_NONE;
 }
 
 /* all_gather(src, dst, nbytes_per_rank, dtype_code, numel, seq) */
 static PyObject *Core_all_gather(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "all_gather(src, dst, nbytes, dtype_code, numel, seq)");
+    Pair a;
+    if (parse_pair(args, nargs, "all_gather", &a) < 0)
         return NULL;
-    }
-    char *src = (char *)PyLong_AsVoidPtr(args[0]), *dst = (char *)PyLong_AsVoidPtr(args[1]);
-    long nbytes = PyLong_AsLong(args[2]), dcode = PyLong_AsLong(args[3]), numel = PyLong_AsLong(args[4]);
-    long seq = PyLong_AsLong(args[5]);
-    int fused = nbytes <= PAYLOAD_BYTES;
-    if (exchange(self, 4, seq, dcode, 0, 0, nbytes, numel, src, fused ? (size_t)nbytes : 0) < 0)
+    int fused = a.nbytes <= PAYLOAD_BYTES;
+    if (exchange(self, 4, a.seq, a.dcode, 0, 0, a.nbytes, a.numel, a.src, fused ? (size_t)a.nbytes : 0) < 0)
         return NULL;
     if (fused) {
         for (int r = 0; r < self->size; r++)
-            memcpy(dst + (size_t)r * (size_t)nbytes, self->all + (size_t)r * SLOT_BYTES + HEADER_BYTES,
-                   (size_t)nbytes);
+            memcpy(a.dst + (size_t)r * (size_t)a.nbytes, self->all + (size_t)r * SLOT_BYTES + HEADER_BYTES,
+                   (size_t)a.nbytes);
     } else {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = MPI_Allgather(src, (int)nbytes, MPI_BYTE, dst, (int)nbytes, MPI_BYTE, self->comm);
+        rc = MPI_Allgather(a.src, (int)a.nbytes, MPI_BYTE, a.dst, (int)a.nbytes, MPI_BYTE, self->comm);
         Py_END_ALLOW_THREADS
-        if (rc != MPI_SUCCESS) {
-            PyErr_SetString(PyExc_RuntimeError, "MPI_Allgather failed");
+        if (data_call(rc, "MPI_Allgather") < 0)
             return NULL;
-        }
     }
     Py_RETURN_NONE;
 }
 
 /* all_to_all(src, dst, nbytes_total, dtype_code, numel, seq): even split */
 static PyObject *Core_all_to_all(Core *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "all_to_all(src, dst, nbytes, dtype_code, numel, seq)");
+    Pair a;
+    if (parse_pair(args, nargs, "all_to_all", &a) < 0)
         return NULL;
-    }
-    char *src = (char *)PyLong_AsVoidPtr(args[0]), *dst = (char *)PyLong_AsVoidPtr(args[1]);
-    long nbytes = PyLong_AsLong(args[2]), dcode = PyLong_AsLong(args[3]), numel = PyLong_AsLong(args[4]);
-    long seq = PyLong_AsLong(args[5]);
-    long block = nbytes / self->size;
-    int fused = nbytes <= PAYLOAD_BYTES;
-    if (exchange(self, 8, seq, dcode, 0, 0, nbytes, numel, src, fused ? (size_t)nbytes : 0) < 0)
+    long block = a.nbytes / self->size;
+    int fused = a.nbytes <= PAYLOAD_BYTES;
+    if (exchange(self, 8, a.seq, a.dcode, 0, 0, a.nbytes, a.numel, a.src, fused ? (size_t)a.nbytes : 0) < 0)
         return NULL;
     if (fused) {
         for (int r = 0; r < self->size; r++)
-            memcpy(dst + (size_t)r * (size_t)block,
+            memcpy(a.dst + (size_t)r * (size_t)block,
                    self->all + (size_t)r * SLOT_BYTES + HEADER_BYTES + (size_t)self->rank * (size_t)block,
                    (size_t)block);
     } else {
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = MPI_Alltoall(src, (int)block, MPI_BYTE, dst, (int)block, MPI_BYTE, self->comm);
+        rc = MPI_Alltoall(a.src, (int)block, MPI_BYTE, a.dst, (int)block, MPI_BYTE, self->comm);
         Py_END_ALLOW_THREADS
-        if (rc != MPI_SUCCESS) {
-            PyErr_SetString(PyExc_RuntimeError, "MPI_Alltoall failed");
+        if (data_call(rc, "MPI_Alltoall") < 0)
             return NULL;
-        }
     }
     Py_RETURN_NONE;
 }

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 
-__all__ = ["main", "COLLECTIVES", "bus_factor"]
+__all__ = ["main", "COLLECTIVES", "bus_factor", "mean_call_time"]
 
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 FULL_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -140,8 +140,10 @@ def _runners(coll: str, nbytes: int, n: int, groups: dict, comm) -> dict[str, Ca
     return out
 
 
-def _time(fn: Callable[[], None], comm, budget_s: float, quick: bool) -> float:
-    """Mean seconds per call on the slowest rank; iteration count agreed across ranks."""
+def mean_call_time(fn: Callable[[], None], comm, budget_s: float, quick: bool = False,
+                   max_iters: int = 2000) -> float:
+    """Mean seconds per call of ``fn`` on the slowest rank of ``comm``, over as many calls as fit ``budget_s``
+    (at most ``max_iters``); the iteration count is agreed across ranks, so collectives stay matched."""
     from mpi4py import MPI
 
     fn()
@@ -150,7 +152,7 @@ def _time(fn: Callable[[], None], comm, budget_s: float, quick: bool) -> float:
     t0 = time.perf_counter()
     fn()
     one = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
-    iters = int(max(3 if quick else 5, min(2000, budget_s / max(one, 1e-7))))
+    iters = int(max(3 if quick else 5, min(max_iters, budget_s / max(one, 1e-7))))
     comm.Barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -190,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             rounds: dict[str, list[float]] = {impl: [] for impl in impls}
             for _ in range(repeats):  # interleaved: slow phases of a shared machine hit every impl
                 for impl in impls:
-                    rounds[impl].append(_time(runners[impl], comm, budget, args.quick))
+                    rounds[impl].append(mean_call_time(runners[impl], comm, budget, args.quick))
             # accl's ratio to raw mpi4py round by round (the rounds are paired in time): its spread
             paired = ([m / a for a, m in zip(rounds["accl"], rounds["mpi4py"], strict=True)]
                       if "accl" in rounds and "mpi4py" in rounds else [])
