@@ -25,7 +25,8 @@ class PyTorchhpc(PythonPackage):
     depends_on("python@3.10:", type=("build", "run"))
     depends_on("py-setuptools@68:", type="build")
     depends_on("py-numpy@1.23:", type=("build", "run"))
-    depends_on("py-mpi4py@3.1:", type=("build", "run"))
+    depends_on("py-mpi4py@4:", type=("build", "run"))
+    depends_on("mpi", type=("build", "link", "run"))  # accl's compiled core links the MPI mpi4py uses
     depends_on("py-psutil@5.9:", type=("build", "run"))
     # torch is left out of pyproject.toml on purpose (the environment provides it); here it is explicit.
     depends_on("py-torch+distributed+mpi", type=("build", "run"))
@@ -34,3 +35,10 @@ class PyTorchhpc(PythonPackage):
     depends_on("py-pytest@7:", type="test")
 
     import_modules = ["torchhpc"]
+
+    @run_after("install")
+    def build_accl_core(self):
+        """accl's compiled core (torchhpc/accl/_core.c) for this MPI, into the installed package."""
+        python = which(self.spec["python"].command.path)
+        python("-m", "torchhpc.accl.corebuild", "--mpicc", self.spec["mpi"].mpicc,
+               "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"))

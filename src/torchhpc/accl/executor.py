@@ -32,7 +32,8 @@ from mpi4py import MPI
 from mpi4py.run import set_abort_status
 
 from ..errors import PeerFailedError, PeerTimeoutError
-from ..waiting import Backoff, wait_until
+from ..waiting import ABANDONED, Backoff, wait_until
+from . import core, wire
 from .engine import CollectiveEngine, Mode, Request
 from .header import HeaderExchange
 from .mpi_engine import MpiEngine
@@ -81,8 +82,15 @@ class Executor:
         self.seg = options.max_segment_bytes
         self.big = options.threaded_min_bytes
         self.unchecked_one_call = min(self.seg, self.big - 1)  # unchecked: no header up to this size
-        self.hx = HeaderExchange(self.ctl, name)
+        #: engine calls made, calls sidestepped to MPI, the largest bytes of one call (the core counts its own)
         self.stats = {"engine_calls": 0, "sidestep_calls": 0, "max_call_bytes": 0}
+        mod = core.load()
+        #: the compiled core: this group's header exchange and its MPI-engine calls (:mod:`.calls`)
+        self.core = mod.Group(self.mpi.coll.handle, self.ctl.handle, wire.HEADER_BYTES, wire.PAYLOAD_BYTES, wire.MAGIC,
+                              self.seg, self.stats, Backoff.SPINS, Backoff.YIELD_S, Backoff.SLEEP_S, Backoff.CAP_S)
+        self.core.sidestep = int(self.engine is not self.mpi)
+        self._core_call = mod.Call
+        self.hx = HeaderExchange(self.core, name)
         self.lock = threading.Lock()
         self.queue: deque[Op] = deque()  # collectives, issue order
         self.p2p: list[Op] = []  # point-to-point ops in flight, issue order
@@ -136,12 +144,16 @@ class Executor:
             seq = self.seq
             self.seq = seq + 1
             try:
+                if type(plan) is self._core_call and not self.p2p:  # the whole call in the core
+                    if not self.core.run(plan, seq, self.timeout_s, mode_for(plan, True)):
+                        self.hx.check(plan.compare)  # the headers disagree: raise the mismatch
+                    return None
                 if plan.header:
                     hx = self.hx
                     plan.pack(hx, seq)
-                    req = hx.start()
-                    if not req.Test():
-                        self._await_inline(req.Test, finished)
+                    hx.start()
+                    if not hx.test():
+                        self._await_inline(hx.test, finished)
                     self._verified(plan)
                 mode = mode_for(plan, True)
                 k = 0
@@ -152,7 +164,8 @@ class Executor:
                     k += 1
                 plan.finish()
                 return None
-            except _Expired:
+            except (_Expired, core.Expired):
+                ABANDONED.append(([plan], None))  # MPI may still complete its requests into its buffers
                 op = Op(plan, self.timeout_s, seq=seq)
                 self._abort_locked(op)
                 finished += self._drain_locked()
@@ -219,7 +232,8 @@ class Executor:
             if op.plan.header:
                 op.stage = -1
                 op.plan.pack(self.hx, op.seq)
-                op.reqs = [_Started(self.hx.start())]
+                self.hx.start()
+                op.reqs = [_Started(self.hx)]
             else:
                 self._next_stage(op, 0)
         except BaseException as exc:  # noqa: BLE001 - reported through the Work
@@ -433,15 +447,15 @@ class Executor:
 
 
 class _Started:
-    """The header exchange's request as an engine :class:`~.engine.Request`."""
+    """The header exchange in flight as an engine :class:`~.engine.Request`."""
 
-    __slots__ = ("_req",)
+    __slots__ = ("_hx",)
 
-    def __init__(self, req: MPI.Request) -> None:
-        self._req = req
+    def __init__(self, hx: HeaderExchange) -> None:
+        self._hx = hx
 
     def test(self) -> bool:
-        return self._req.Test()
+        return self._hx.test()
 
     def source(self) -> int:
         return -1

@@ -1,13 +1,9 @@
-"""A group's header exchange: the slot buffers, one all-gather of them per checked collective, the
-agreement check and the local reduction of payloads that rode in the slots (layout: :mod:`.wire`)."""
+"""A group's header exchange, as the Python side sees it: the compiled core's slots (layout: :mod:`.wire`),
+the agreement check with its error text, and the per-(dtype, op) reduction facts the calls need."""
 
 from __future__ import annotations
 
-import contextlib
-
-import numpy as np
 import torch
-from mpi4py import MPI
 
 from ..errors import MismatchError
 from . import wire
@@ -15,15 +11,13 @@ from .reduction import RedOp, check_reduction, mpi_reduction
 
 __all__ = ["HeaderExchange", "Reduction"]
 
-_fromaddress = MPI.buffer.fromaddress
 _SLOT = wire.SLOT_BYTES
-_PAYLOAD = wire.HEADER_BYTES
 
 
 class Reduction:
     """What a (dtype, op) reduction needs on the hot path, computed once per group and pair."""
 
-    __slots__ = ("dtype", "dcode", "ocode", "esz", "mpi_type", "mpi_op", "avg", "op", "engine_op")
+    __slots__ = ("dtype", "dcode", "ocode", "esz", "mpi_type", "mpi_op", "avg", "op", "engine_op", "type_h", "op_h")
 
     def __init__(self, dtype: torch.dtype, op: RedOp, what: str):
         check_reduction(dtype, op, what)  # raises a clear error for a bad pair
@@ -33,122 +27,53 @@ class Reduction:
         self.ocode = wire.op_code(op)
         self.esz = dtype.itemsize
         self.avg = op == RedOp.AVG
-        self.engine_op = RedOp.SUM if self.avg else op  # AVG runs as SUM; the plan divides afterwards
+        self.engine_op = RedOp.SUM if self.avg else op  # AVG runs as SUM; the call divides afterwards
         self.mpi_type, self.mpi_op = mpi_reduction(dtype, self.engine_op)
+        self.type_h, self.op_h = self.mpi_type.handle, self.mpi_op.handle  # for the core
+
+
+class _Persistent:
+    """The exchange's persistent request, as a handle whose ``Free()`` makes it fall back to Iallgather."""
+
+    def __init__(self, core) -> None:  # noqa: ANN001 - the core's Group
+        self._core = core
+
+    def Free(self) -> None:  # noqa: N802 - MPI's name
+        self._core.drop_persistent()
 
 
 class HeaderExchange:
-    """One slot per rank, all-gathered on the group's control communicator (one exchange at a time:
-    collectives run in order, so two buffers serve the group)."""
+    """One slot per rank, all-gathered on the group's control communicator by the compiled core (one
+    exchange at a time: collectives run in order, so two buffers serve the group)."""
 
-    def __init__(self, ctl: MPI.Comm, group: str = ""):
-        self.rank, self.size = ctl.Get_rank(), ctl.Get_size()
+    def __init__(self, core, group: str = "") -> None:  # noqa: ANN001 - the core's Group
+        self.core = core
+        self.rank, self.size = core.rank, core.size
         self.group = group
-        p = self.size
-        self.mine = bytearray(_SLOT)
-        self.all = bytearray(_SLOT * p)
-        self.mine_mb = MPI.buffer(self.mine)  # slice-assignable from another MPI.buffer
-        self.all_mb = MPI.buffer(self.all)
-        self._all_np = np.frombuffer(self.all, dtype=np.int64).reshape(p, _SLOT // 8)
-        self._peer_offsets = [r * _SLOT for r in range(p) if r != self.rank]
-        self._specs = ([self.mine, _SLOT, MPI.BYTE], [self.all, _SLOT, MPI.BYTE])
-        self._ctl = ctl
-        #: MPI-4 persistent all-gather, the cheapest to start; None where the MPI library lacks it
-        self.persistent: MPI.Prequest | None
-        try:
-            self.persistent = ctl.Allgather_init(*self._specs)
-        except (NotImplementedError, MPI.Exception):
-            self.persistent = None
-        self._row_specs: dict[int, tuple[list, list[list], MPI.buffer]] = {}
-        self._matrix: dict[int, object] = {}
+        self.mine, self.all = core.mine, core.all  # bytearrays the core owns
+        self.start = core.start
+        self.test = core.test
 
-    def start(self) -> MPI.Request:
-        """Start the all-gather of the packed slot ``mine`` (complete it before the next start)."""
-        req = self.persistent
-        if req is not None:
-            req.Start()
-            return req
-        return self._ctl.Iallgather(*self._specs)
+    @property
+    def persistent(self) -> _Persistent | None:
+        """The MPI-4 persistent all-gather in use, or None where the library lacks it (or it was freed)."""
+        return _Persistent(self.core) if self.core.persistent else None
+
+    @persistent.setter
+    def persistent(self, value: object) -> None:
+        if value is None:
+            self.core.drop_persistent()
 
     def agrees(self, compare: int = wire.COMPARE_ALL) -> bool:
-        """Whether every rank's leading ``compare`` header fields equal this rank's (byte compare)."""
-        if len(self._peer_offsets) > 8:  # many ranks: one vectorised compare
-            h = self._all_np[:, :compare]
-            return bool((h == h[self.rank]).all())
-        n = compare * 8
-        key = self.mine[:n]
-        allb = self.all
-        for off in self._peer_offsets:  # noqa: SIM110 - a plain loop is the cheapest for few ranks
-            if allb[off: off + n] != key:
-                return False
-        return True
+        """Whether every rank's leading ``compare`` header fields equal this rank's."""
+        return self.core.agrees(compare)
 
     def check(self, compare: int = wire.COMPARE_ALL) -> None:
         """Raise :class:`MismatchError` naming the differing fields unless every rank agrees."""
-        if not self.agrees(compare):
+        if not self.core.agrees(compare):
             heads = [wire.unpack_header(self.all, r * _SLOT) for r in range(self.size)]
             raise MismatchError(wire.describe_mismatch(heads, compare, self.group))
 
-    # ------------------------------------------------------------------ payloads
-    def put_payload(self, addr: int, nbytes: int, offset: int = 0) -> None:
-        """Copy ``nbytes`` at address ``addr`` into this rank's payload area, from byte ``offset`` on."""
-        if nbytes:
-            at = _PAYLOAD + offset
-            self.mine_mb[at: at + nbytes] = _fromaddress(addr, nbytes)
-
-    def reduce_payloads(self, red: Reduction, nbytes: int, addr: int, offset: int = 0) -> None:
-        """Reduce every rank's ``nbytes`` of payload from byte ``offset`` on, in rank order, with MPI's own
-        op (as the large path does, so results do not depend on the message size), and write the result
-        to ``addr``."""
-        if not nbytes:
-            return
-        key = (red.dcode << 16 | nbytes) << 16 | offset  # nbytes, offset < PAYLOAD_BYTES < 2**16
-        cached = self._row_specs.get(key)
-        if cached is None:
-            cached = self._row_specs[key] = self._rows_of(red, nbytes, offset)
-        acc, rest, result = cached
-        mop = red.mpi_op
-        for spec in rest:
-            mop.Reduce_local(spec, acc)
-        _fromaddress(addr, nbytes)[:] = result
-
-    def _rows_of(self, red: Reduction, nbytes: int, offset: int) -> tuple[list, list[list], MPI.buffer]:
-        """Buffer specs of every rank's payload row (the first accumulates) and the result's bytes."""
-        if len(self._row_specs) >= 256:  # bounded: one entry per (dtype, size, offset) seen
-            self._row_specs.clear()
-        count = nbytes // red.esz
-        base = self.all_mb.address + _PAYLOAD + offset
-        specs = [[_fromaddress(base + r * _SLOT, nbytes), count, red.mpi_type] for r in range(self.size)]
-        return specs[0], specs[1:], self.all_mb[_PAYLOAD + offset: _PAYLOAD + offset + nbytes]
-
-    def get_payload(self, rank: int, addr: int, nbytes: int, offset: int = 0) -> None:
-        """Copy ``nbytes`` of ``rank``'s gathered payload, from byte ``offset`` on, to address ``addr``."""
-        if nbytes:
-            at = rank * _SLOT + _PAYLOAD + offset
-            _fromaddress(addr, nbytes)[:] = self.all_mb[at: at + nbytes]
-
-    def put_words(self, words: list[int]) -> None:
-        """Write int64 ``words`` into this rank's payload area (all_to_all's byte-matrix row)."""
-        st = self._matrix.get(len(words))
-        if st is None:
-            import struct
-
-            st = self._matrix[len(words)] = struct.Struct(f"={len(words)}q")
-        st.pack_into(self.mine, _PAYLOAD, *words)  # type: ignore[attr-defined]
-
-    def payload_equal(self, nbytes: int) -> bool:
-        """Whether every rank's first ``nbytes`` of payload equal this rank's."""
-        mine = self.mine[_PAYLOAD: _PAYLOAD + nbytes]
-        allb = self.all
-        return all(allb[o + _PAYLOAD: o + _PAYLOAD + nbytes] == mine for o in self._peer_offsets)
-
-    def payload_words(self, n: int) -> list[list[int]]:
-        """Every rank's first ``n`` int64 payload words."""
-        return self._all_np[:, _PAYLOAD // 8: _PAYLOAD // 8 + n].tolist()
-
     def free(self) -> None:
         """Release the persistent request."""
-        if self.persistent is not None:
-            with contextlib.suppress(MPI.Exception):
-                self.persistent.Free()
-            self.persistent = None
+        self.core.drop_persistent()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import functools
+from collections.abc import Callable
 
 import torch
 from mpi4py import MPI
@@ -178,12 +179,17 @@ class MpiEngine(CollectiveEngine):
         if mode is _NONBLOCKING:
             return MpiRequest([getattr(self.coll, "I" + name.lower())(*args)], keep=keep)
         blocking = getattr(self.coll, name)
+        return self.in_worker(lambda: blocking(*args), keep)
+
+    def in_worker(self, run: Callable[[], object], keep: object = None) -> Request:
+        """Run blocking MPI calls (``run``) on the engine's worker thread and return a request to poll; in
+        the calling thread where MPI is not thread-safe (no THREAD_MULTIPLE)."""
         if not self._can_thread:
-            blocking(*args)
+            run()
             return DONE
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="accl-mpi")
-        return ThreadRequest(self._pool.submit(blocking, *args), keep)
+        return ThreadRequest(self._pool.submit(run), keep)
 
     def supports(self, collective: str, dtype: torch.dtype | None = None, op: RedOp | None = None) -> bool:
         return True

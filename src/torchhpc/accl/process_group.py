@@ -4,8 +4,9 @@ A thin adapter from torch's process-group API to plans: each method checks its a
 calling rank (tensor counts, dtypes, sizes, roots, tags, op/dtype pairs; a bad one raises
 ``ValueError``/``TypeError`` naming the problem), builds the collective's plan (:mod:`.plans`,
 :mod:`.p2p`) and hands it to the group's :class:`~.executor.Executor`, which runs it inline (a
-synchronous call of contiguous CPU tensors on an idle group) or queued.  Wire behaviour, ordering,
-timeouts and failures live there, once.
+synchronous call of contiguous CPU tensors on an idle group) or queued.  On the MPI engine the
+collectives are the compiled core's calls (:mod:`.calls`).  Wire behaviour, ordering, timeouts and
+failures live there, once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import plans
+from . import calls, plans
 from .engine import CollectiveEngine
 from .executor import FALLBACK, Executor
 from .header import Reduction
@@ -153,7 +154,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return (opts is not None and not opts.asyncOp and self._ex.engine is self._ex.mpi  # type: ignore[attr-defined]
                 and a.is_cpu and a.is_contiguous() and (b is None or (b.is_cpu and b.is_contiguous())))
 
-    def _run(self, plan: plans.Plan, opts: object, inline: bool) -> AcclWork | None:
+    def _run(self, plan: object, opts: object, inline: bool) -> AcclWork | None:
         """Run ``plan`` inline when ``inline`` (see :meth:`_inline_ok`) and the group is idle, else queue it."""
         if inline:
             done = self._ex.run_inline(plan)
@@ -161,7 +162,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 return done  # type: ignore[return-value]
         return self._submit(plan, _async(opts))
 
-    def _submit(self, plan: plans.Plan, async_op: bool = True) -> AcclWork:
+    def _submit(self, plan: object, async_op: bool = True) -> AcclWork:
         """Queue ``plan`` (the path of async calls, and of synchronous calls on a busy group)."""
         return self._ex.submit(plan, async_op)
 
@@ -181,7 +182,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         red = self._red_of(opts, tensors[0].dtype, "all_reduce_coalesced")
         return self._submit(self._allreduce_plan(list(tensors), red, "all_reduce_coalesced"), _async(opts))
 
-    def _allreduce_plan(self, ts: list[torch.Tensor], red: Reduction, kind: str) -> plans.AllReduce:
+    def _allreduce_plan(self, ts: list[torch.Tensor], red: Reduction, kind: str) -> object:
         ex = self._ex
         if ex.aborted is not None:
             ex.check_open()
@@ -192,8 +193,9 @@ class ProcessGroupACCL(dist.ProcessGroup):
                     raise TypeError(f"accl: {kind} needs tensors of one dtype, got {dtype} and {t.dtype}")
                 if t.device != ts[0].device:
                     raise ValueError(f"accl: {kind} needs tensors on one device")
-        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allreduce", red.dtype, red.op)
-        return plans.AllReduce(ex, eng, ts, red, kind, self.options.check)
+        if ex.engine is ex.mpi or self._engine_for("allreduce", red.dtype, red.op) is ex.mpi:
+            return calls.all_reduce(ex, ts, red, kind)
+        return plans.AllReduce(ex, ex.engine, ts, red, kind)
 
     # ----------------------------------------------------------------- broadcast / reduce
     def broadcast(self, tensors: list[torch.Tensor], opts=None) -> AcclWork | None:
@@ -211,8 +213,10 @@ class ProcessGroupACCL(dist.ProcessGroup):
         ex = self._ex
         if ex.aborted is not None:
             ex.check_open()
-        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("broadcast", t.dtype)
-        plan = plans.Broadcast(ex, eng, t, root, ex.header_needed(eng, t.nbytes))
+        if ex.engine is ex.mpi or self._engine_for("broadcast", t.dtype) is ex.mpi:
+            plan = calls.broadcast(ex, t, root)
+        else:
+            plan = plans.Broadcast(ex, ex.engine, t, root)
         return self._run(plan, opts, self._inline_ok(opts, t))
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
@@ -227,13 +231,15 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
     # ----------------------------------------------------------------- gathers
     def _gather_plan(self, kind: str, inp: torch.Tensor, rows: torch.Tensor | Callable[[], torch.Tensor | None],
-                     deliver: Callable[[torch.Tensor], None] | None, root: int, outputs: list) -> plans.GatherLike:
+                     deliver: Callable[[torch.Tensor], None] | None, root: int, outputs: list) -> object:
         ex = self._ex
         if ex.aborted is not None:
             ex.check_open()
         eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allgather" if kind == "all_gather" else "gather",
                                                                      inp.dtype)
         header = self.options.check or (kind == "all_gather" and ex.header_needed(eng, inp.nbytes * self._size))
+        if kind == "all_gather" and eng is ex.mpi:
+            return calls.all_gather(ex, inp, rows, deliver, outputs, header)  # type: ignore[arg-type]
         return plans.GatherLike(ex, eng, kind, inp, rows, deliver, root, outputs, header)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
@@ -333,13 +339,14 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
     # ----------------------------------------------------------------- reduce_scatter
     def _reduce_scatter_plan(self, out: torch.Tensor, rows: torch.Tensor | Callable[[], torch.Tensor], opts: object,
-                             ) -> plans.ReduceScatter:
+                             ) -> object:
         red = self._red_of(opts, out.dtype, "reduce_scatter")
         ex = self._ex
         if ex.aborted is not None:
             ex.check_open()
-        eng = ex.engine if ex.engine is ex.mpi else self._engine_for("reduce_scatter", out.dtype, red.op)
-        return plans.ReduceScatter(ex, eng, out, rows, red, ex.header_needed(eng, out.nbytes * self._size))
+        if ex.engine is ex.mpi or self._engine_for("reduce_scatter", out.dtype, red.op) is ex.mpi:
+            return calls.reduce_scatter(ex, out, rows, red)
+        return plans.ReduceScatter(ex, ex.engine, out, rows, red)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts=None) -> AcclWork:
@@ -409,9 +416,9 @@ class ProcessGroupACCL(dist.ProcessGroup):
             sb = [s * row * esz for s in s_in]
             rb = [s * row * esz for s in s_out]
         self._ex.check_open()
-        eng = self._engine_for("alltoallv", input.dtype)
-        plan = plans.AllToAll(self._ex, eng, input, output, sb, rb, [output])
-        return self._run(plan, opts, self._inline_ok(opts, input, output) and p <= plans.MATRIX_MAX_RANKS)
+        self._engine_for("alltoallv", input.dtype)  # the MPI engine's (a sidestep on an ACCL group)
+        plan = calls.all_to_all(self._ex, input, output, sb, rb, [output])
+        return self._run(plan, opts, self._inline_ok(opts, input, output) and p <= calls.MATRIX_MAX_RANKS)
 
     alltoall_base = all_to_all_single
 
@@ -454,14 +461,15 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 off += t.numel()
 
         self._ex.check_open()
-        eng = self._engine_for("alltoallv", dtype)
-        plan = plans.AllToAll(self._ex, eng, send, recv, sb, rb, list(output_tensors), deliver)
+        self._engine_for("alltoallv", dtype)  # the MPI engine's (a sidestep on an ACCL group)
+        plan = calls.all_to_all(self._ex, send, recv, sb, rb, list(output_tensors), deliver)
         return self._submit(plan, _async(opts))
 
     # ----------------------------------------------------------------- barrier
     def barrier(self, opts=None) -> AcclWork | None:
         self._ex.check_open()
-        plan = plans.Barrier(self._ex, self._engine_for("barrier"), self.options.check)
+        self._engine_for("barrier")  # the MPI engine's (a sidestep on an ACCL group)
+        plan = calls.barrier(self._ex, self.options.check)
         return self._run(plan, opts, not _async(opts) and self._ex.engine is self._ex.mpi)
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
