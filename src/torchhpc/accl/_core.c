@@ -417,23 +417,35 @@ static int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
     return 0;
 }
 
-/* all_reduce(kind, keep, outputs, eng, post, addr, count, esz, dcode, ocode, type_h, op_h, header, big) */
+/* a reduction's core tuple (torchhpc.accl.header.Reduction.core): (esz, dcode, ocode, type_h, op_h) */
+static int parse_red(Call *c, PyObject *red) {
+    if (!PyTuple_Check(red) || PyTuple_GET_SIZE(red) != 5) {
+        PyErr_SetString(PyExc_TypeError, "accl core: a reduction is (esz, dcode, ocode, type_h, op_h)");
+        return -1;
+    }
+    c->esz = PyLong_AsLongLong(PyTuple_GET_ITEM(red, 0));
+    c->f[0] = PyLong_AsLongLong(PyTuple_GET_ITEM(red, 1));
+    c->f[1] = PyLong_AsLongLong(PyTuple_GET_ITEM(red, 2));
+    c->dt = (MPI_Datatype)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(red, 3));
+    c->op = (MPI_Op)(uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(red, 4));
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* all_reduce(kind, keep, outputs, eng, post, addr, count, red, header, big) */
 static PyObject *Group_all_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 14, "all_reduce(kind, keep, outputs, eng, post, addr, count, esz, dcode, ocode, type_h, "
-                             "op_h, header, big)"))
+    if (!nargs_is(nargs, 10, "all_reduce(kind, keep, outputs, eng, post, addr, count, red, header, big)"))
         return NULL;
     Call *c = new_call(g, C_ALLREDUCE, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
     if (!c)
         return NULL;
     c->src = c->dst = ARG_PTR(5);
     c->count = ARG_LL(6);
-    c->esz = ARG_LL(7);
-    c->f[0] = ARG_LL(8);
-    c->f[1] = ARG_LL(9);
-    c->dt = (MPI_Datatype)ARG_H(10);
-    c->op = (MPI_Op)ARG_H(11);
-    c->header = PyObject_IsTrue(args[12]);
-    c->big = PyObject_IsTrue(args[13]);
+    if (parse_red(c, args[7]) < 0) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    c->header = PyObject_IsTrue(args[8]);
+    c->big = PyObject_IsTrue(args[9]);
     c->f[3] = c->count * c->esz;
     c->f[4] = c->count;
     c->fused = c->header && c->f[3] <= g->pay;
@@ -469,11 +481,13 @@ static PyObject *Group_broadcast(Group *g, PyObject *const *args, Py_ssize_t nar
     return (PyObject *)c;
 }
 
-/* all_gather / reduce_scatter(kind, keep, outputs, eng, post, src, dst, count, esz, dcode, ocode, type_h, op_h,
- * header, big): ``count`` elements per rank; all_gather's dst and reduce_scatter's src hold p blocks */
+/* all_gather(kind, keep, outputs, eng, post, src, dst, count, esz, dcode, header, big) and
+ * reduce_scatter(kind, keep, outputs, eng, post, src, dst, count, red, header, big): ``count`` elements per
+ * rank; all_gather's dst and reduce_scatter's src hold p blocks */
 static PyObject *two_buffer(Group *g, int ck, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 15, "all_gather/reduce_scatter(kind, keep, outputs, eng, post, src, dst, count, esz, dcode, "
-                             "ocode, type_h, op_h, header, big)"))
+    int ag = ck == C_ALLGATHER, n = ag ? 12 : 11;
+    if (!nargs_is(nargs, n, ag ? "all_gather(kind, keep, outputs, eng, post, src, dst, count, esz, dcode, header, big)"
+                               : "reduce_scatter(kind, keep, outputs, eng, post, src, dst, count, red, header, big)"))
         return NULL;
     Call *c = new_call(g, ck, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
     if (!c)
@@ -481,13 +495,15 @@ static PyObject *two_buffer(Group *g, int ck, PyObject *const *args, Py_ssize_t 
     c->src = ARG_PTR(5);
     c->dst = ARG_PTR(6);
     c->count = ARG_LL(7);
-    c->esz = ARG_LL(8);
-    c->f[0] = ARG_LL(9);
-    c->f[1] = ARG_LL(10);
-    c->dt = (MPI_Datatype)ARG_H(11);
-    c->op = (MPI_Op)ARG_H(12);
-    c->header = PyObject_IsTrue(args[13]);
-    c->big = PyObject_IsTrue(args[14]);
+    if (ag) {
+        c->esz = ARG_LL(8);
+        c->f[0] = ARG_LL(9);
+    } else if (parse_red(c, args[8]) < 0) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    c->header = PyObject_IsTrue(args[n - 2]);
+    c->big = PyObject_IsTrue(args[n - 1]);
     c->f[3] = c->count * c->esz;
     c->f[4] = c->count;
     /* all_gather: one rank's block rides; reduce_scatter: the whole input (p blocks) rides */
@@ -1036,6 +1052,24 @@ static PyObject *data_stage(Call *c, PyObject *ctx, int mode) {
     return out;
 }
 
+/* all_to_all above the slot's matrix size: start the all-gather of every rank's byte-matrix row */
+static int matrix_start(Call *c) {
+    Group *g = c->g;
+    int p = g->size;
+    PyMem_Free(c->mat);
+    c->mat = PyMem_Malloc(sizeof(long long) * 2 * (size_t)p * (size_t)p);
+    if (!c->mat) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    c->nreq = 0;
+    MPI_Request r = MPI_REQUEST_NULL;
+    int rc = MPI_Iallgather(c->sb, 2 * p, MPI_LONG_LONG, c->mat, 2 * p, MPI_LONG_LONG, g->ctl, &r);
+    if (rc != MPI_SUCCESS)
+        return mpi_error(rc);
+    return add_req(c, r, 1);
+}
+
 /* stage(k, ctx, mode): start stage k's MPI calls and return their requests; None ends the data phase.
  * all_to_all above the slot's matrix size gathers the byte matrix first (stage 0), then checks it. */
 static PyObject *Call_stage(Call *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1051,16 +1085,7 @@ static PyObject *Call_stage(Call *self, PyObject *const *args, Py_ssize_t nargs)
         Group *g = self->g;
         int p = g->size;
         if (k == 0) {
-            PyMem_Free(self->mat);
-            self->mat = PyMem_Malloc(sizeof(long long) * 2 * (size_t)p * (size_t)p);
-            if (!self->mat)
-                return PyErr_NoMemory();
-            self->nreq = 0;
-            MPI_Request r = MPI_REQUEST_NULL;
-            int rc = MPI_Iallgather(self->sb, 2 * p, MPI_LONG_LONG, self->mat, 2 * p, MPI_LONG_LONG, g->ctl, &r);
-            if (rc != MPI_SUCCESS)
-                return mpi_error(rc), NULL;
-            if (add_req(self, r, 1) < 0)
+            if (matrix_start(self) < 0)
                 return NULL;
             Reqs *q = PyObject_New(Reqs, &ReqsType);
             if (!q)
@@ -1116,8 +1141,21 @@ static PyObject *Call_get_minus_one(Call *self, void *closure) {
     return PyLong_FromLong(-1);
 }
 
+/* How the caller's thread makes a call's data calls inline: torchhpc.accl.executor.mode_for(call, owner=True)
+ * (tested equal): blocking after a header; without one, nonblocking unless big (then blocking: the queued
+ * path's worker makes the same blocking call). */
+static int inline_mode(const Call *c) {
+    return c->header ? BLOCKING : c->big ? WORKER : NONBLOCKING;
+}
+
+static PyObject *Call_get_inline_mode(Call *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(inline_mode(self));
+}
+
 static PyGetSetDef Call_getset[] = {
     {"kcode", (getter)Call_get_kind, NULL, "wire kind code", NULL},
+    {"inline_mode", (getter)Call_get_inline_mode, NULL, "the mode of its data calls when run inline", NULL},
     {"source_rank", (getter)Call_get_minus_one, NULL, "-1: not a receive", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
@@ -1128,6 +1166,7 @@ static PyMemberDef Call_members[] = {
     {"big", T_INT, offsetof(Call, big), READONLY, "large enough for blocking MPI on the worker when async"},
     {"compare", T_INT, offsetof(Call, compare), READONLY, "header fields every rank must agree on"},
     {"rounds", T_INT, offsetof(Call, rounds), READONLY, "all_to_all rounds"},
+    {"in_slot", T_INT, offsetof(Call, in_slot), READONLY, "all_to_all: the byte matrix rides in the header slot"},
     {"outputs", T_OBJECT_EX, offsetof(Call, outputs), READONLY, "what the call's future yields"},
     {"eng", T_OBJECT_EX, offsetof(Call, eng), READONLY, "the engine object (MPI)"},
     {NULL, 0, 0, 0, NULL},
@@ -1155,13 +1194,12 @@ static PyTypeObject CallType = {
     .tp_doc = "one collective call on the MPI engine (the plan protocol of torchhpc.accl.plans)",
 };
 
-/* run(call, seq, timeout_s, mode): the call inline in the caller's thread: pack, exchange, check, data,
- * finish.  ``mode`` is the executor's choice for the call (torchhpc.accl.executor.mode_for): nonblocking
- * calls are started and waited for; blocking ones, and those the queued path would give the worker
- * thread, are made here.  Returns True, or False when the headers disagree (the slots hold every rank's;
- * the caller raises the mismatch).  Raises Expired past the timeout, MPI's exception on an MPI error. */
+/* run(call, seq, timeout_s): the call inline in the caller's thread: pack, exchange, check, data (as
+ * inline_mode says: nonblocking calls are started and waited for), finish.  Returns True, or False when
+ * the headers disagree (the slots hold every rank's; the caller raises the mismatch).  Raises Expired
+ * past the timeout, MPI's exception on an MPI error. */
 static PyObject *Group_run(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 4, "run(call, seq, timeout_s, mode)"))
+    if (!nargs_is(nargs, 3, "run(call, seq, timeout_s)"))
         return NULL;
     if (!PyObject_TypeCheck(args[0], &CallType)) {
         PyErr_SetString(PyExc_TypeError, "accl core: run() takes a core Call");
@@ -1170,7 +1208,7 @@ static PyObject *Group_run(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     Call *c = (Call *)args[0];
     long long seq = PyLong_AsLongLong(args[1]);
     double timeout = PyFloat_AsDouble(args[2]);
-    long mode = PyLong_AsLong(args[3]);
+    int mode = inline_mode(c);
     if (PyErr_Occurred())
         return NULL;
     double deadline = -1.0;
@@ -1186,17 +1224,20 @@ static PyObject *Group_run(Group *g, PyObject *const *args, Py_ssize_t nargs) {
         if (call_verified(c) < 0)
             return NULL;
     }
-    if (c->ck == C_ALLTOALL && !c->in_slot) {
-        PyErr_SetString(PyExc_RuntimeError, "accl core: run() takes all_to_all only with its matrix in the slot");
-        return NULL;
+    if (deadline < 0)
+        deadline = now() + timeout;
+    if (c->ck == C_ALLTOALL && !c->in_slot) {  /* the byte matrix by a second all-gather, then its check */
+        int done;
+        if (matrix_start(c) < 0 || (done = reqs_test(c)) < 0 || (!done && wait_for(g, reqs_test_v, c, deadline) < 0))
+            return NULL;
+        if (a2a_rounds(c, c->mat, 2 * (Py_ssize_t)g->size) < 0)
+            return NULL;
     }
     if (!c->fused && !(c->ck == C_BARRIER && c->header)) {
         if (call_data(c, mode != NONBLOCKING) < 0)
             return NULL;
         if (c->nreq) {
             int done = reqs_test(c);
-            if (deadline < 0)
-                deadline = now() + timeout;
             if (done < 0 || (!done && wait_for(g, reqs_test_v, c, deadline) < 0))
                 return NULL;
         }

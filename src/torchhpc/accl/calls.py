@@ -88,8 +88,7 @@ def all_reduce(ex: Executor, ts: list[torch.Tensor], red: Reduction, kind: str) 
     kcode = _K[kind]
     if len(ts) == 1 and t.is_cpu and t.is_contiguous():  # the caller's own memory
         post = (lambda: t.div_(p)) if red.avg else None
-        return core.all_reduce(kcode, t, ts, mpi, post, t.data_ptr(), numel, red.esz, red.dcode, red.ocode,
-                               red.type_h, red.op_h, header, big)
+        return core.all_reduce(kcode, t, ts, mpi, post, t.data_ptr(), numel, red.core, header, big)
 
     def make() -> object:
         if len(ts) == 1:
@@ -111,8 +110,7 @@ def all_reduce(ex: Executor, ts: list[torch.Tensor], red: Reduction, kind: str) 
                 x.copy_(buf[off: off + x.numel()].view(x.shape))
                 off += x.numel()
 
-        return core.all_reduce(kcode, buf, ts, mpi, post, buf.data_ptr(), numel, red.esz, red.dcode, red.ocode,
-                               red.type_h, red.op_h, header, big)
+        return core.all_reduce(kcode, buf, ts, mpi, post, buf.data_ptr(), numel, red.core, header, big)
 
     return Deferred(make, header, big, ts, mpi, f"{kind}({red.dtype}, {numel} elements)")
 
@@ -149,7 +147,7 @@ def all_gather(ex: Executor, inp: torch.Tensor, rows: Buffer, deliver: Callable[
     dcode = wire.dtype_code(inp.dtype)
     if deliver is None and type(rows) is torch.Tensor and _cpu(rows) and _cpu(inp):
         return core.all_gather(_K_ALL_GATHER, (inp, rows), outputs, mpi, None, inp.data_ptr(), rows.data_ptr(),
-                               numel, esz, dcode, 0, 0, 0, header, big)
+                               numel, esz, dcode, header, big)
 
     def make() -> object:
         fused = header and inp.nbytes <= _PAYLOAD
@@ -163,7 +161,7 @@ def all_gather(ex: Executor, inp: torch.Tensor, rows: Buffer, deliver: Callable[
                 deliver(dst)
 
         return core.all_gather(_K_ALL_GATHER, (src, buf, dst), outputs, mpi, post, src.data_ptr(), buf.data_ptr(),
-                               numel, esz, dcode, 0, 0, 0, header, big)
+                               numel, esz, dcode, header, big)
 
     return Deferred(make, header, big, outputs, mpi, f"all_gather({inp.dtype}, {numel} elements per rank)")
 
@@ -178,7 +176,7 @@ def reduce_scatter(ex: Executor, out: torch.Tensor, rows: Buffer, red: Reduction
     if type(rows) is torch.Tensor and _cpu(rows) and _cpu(out):
         post = (lambda: out.div_(p)) if red.avg else None
         return core.reduce_scatter(_K_REDUCE_SCATTER, (rows, out), [out], mpi, post, rows.data_ptr(), out.data_ptr(),
-                                   numel, red.esz, red.dcode, red.ocode, red.type_h, red.op_h, header, big)
+                                   numel, red.core, header, big)
 
     def make() -> object:
         src = host(rows if type(rows) is torch.Tensor else rows())
@@ -190,7 +188,7 @@ def reduce_scatter(ex: Executor, out: torch.Tensor, rows: Buffer, red: Reduction
             stage_out(dst, out)
 
         return core.reduce_scatter(_K_REDUCE_SCATTER, (src, dst), [out], mpi, post, src.data_ptr(), dst.data_ptr(),
-                                   numel, red.esz, red.dcode, red.ocode, red.type_h, red.op_h, header, big)
+                                   numel, red.core, header, big)
 
     return Deferred(make, header, big, [out], mpi, f"reduce_scatter({red.dtype}, {numel} elements per rank)")
 
@@ -202,7 +200,7 @@ def all_to_all(ex: Executor, inp: torch.Tensor, out: torch.Tensor, sb: list[int]
     core, mpi = ex.core, ex.mpi
     big = max(sum(sb), sum(rb)) >= ex.big
     dcode = wire.dtype_code(inp.dtype)
-    if _cpu(inp) and _cpu(out):
+    if inp.is_cpu and out.is_cpu and inp.is_contiguous() and out.is_contiguous():
         return core.all_to_all(_K_ALL_TO_ALL, (inp, out), outputs, mpi, deliver, inp.data_ptr(), out.data_ptr(),
                                dcode, sb, rb, big)
 

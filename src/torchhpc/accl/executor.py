@@ -1,11 +1,12 @@
 """The one executor of accl plans: ordering, header exchange, engine calls, completion, failures.
 
-A plan (:mod:`.plans`, :mod:`.p2p`) runs one of two ways, always through the same plan methods:
+A plan (:mod:`.plans`, :mod:`.p2p`, or one of the compiled core's calls, :mod:`.calls`) runs one of two
+ways, always through the same plan methods:
 
-- **inline** (:meth:`Executor.run_inline`): a synchronous call on an idle group runs entirely in the
-  caller's thread (no ``Op``, no queue, no ``Work``: torch's wrappers take ``None`` as "the backend
-  synchronised the call"), polling the header exchange and nonblocking calls against the group
-  timeout;
+- **inline** (:meth:`Executor.run_core`): a synchronous core call on an idle group runs entirely in the
+  caller's thread, in the core (no ``Op``, no queue, no ``Work``: torch's wrappers take ``None`` as "the
+  backend synchronised the call"), which drives the call's plan methods itself and polls the header
+  exchange and nonblocking calls against the group timeout;
 - **queued** (:meth:`Executor.submit`): collectives run one after another in issue order (so an op
   may consume the previous op's output, as on a CUDA stream), point-to-point ops start at once;
   whoever polls (``Work.wait()``, ``is_completed()`` or the progress thread) advances them.
@@ -43,7 +44,7 @@ from .work import AcclWork, Op
 
 __all__ = ["Executor", "mode_for", "FALLBACK"]
 
-#: what :meth:`Executor.run_inline` returns when the group is busy: queue the plan instead
+#: what :meth:`Executor.run_core` returns when the group is busy: queue the call instead
 FALLBACK = object()
 
 # MPI error classes meaning "a peer process died" (ULFM, standard in MPI 5; absent names are skipped)
@@ -54,14 +55,11 @@ _PEER_FAILED = frozenset(getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_
 def mode_for(plan: Plan, owner: bool) -> Mode:
     """How the engine carries out ``plan``'s data calls.  Blocking or not depends on the call alone
     (blocking and nonblocking MPI collectives never match); ``owner`` (the advancing thread is the
-    synchronous caller) only picks the thread of a blocking call."""
+    synchronous caller) only picks the thread of a blocking call.  The core's inline run applies the same
+    rule (its calls' ``inline_mode``, tested equal to this with ``owner``)."""
     if plan.header:
         return Mode.WORKER if plan.big and not owner else Mode.BLOCKING
     return Mode.WORKER if plan.big else Mode.NONBLOCKING
-
-
-class _Expired(Exception):
-    """Internal: an inline wait passed the group timeout."""
 
 
 class Executor:
@@ -81,6 +79,7 @@ class Executor:
             self.engine = AcclEngine(self.mpi.coll, options)
         self.seg = options.max_segment_bytes
         self.big = options.threaded_min_bytes
+        self.check = options.check  # exchange the consistency header before every collective
         self.unchecked_one_call = min(self.seg, self.big - 1)  # unchecked: no header up to this size
         #: engine calls made, calls sidestepped to MPI, the largest bytes of one call (the core counts its own)
         self.stats = {"engine_calls": 0, "sidestep_calls": 0, "max_call_bytes": 0}
@@ -89,7 +88,7 @@ class Executor:
         self.core = mod.Group(self.mpi.coll.handle, self.ctl.handle, wire.HEADER_BYTES, wire.PAYLOAD_BYTES, wire.MAGIC,
                               self.seg, self.stats, Backoff.SPINS, Backoff.YIELD_S, Backoff.SLEEP_S, Backoff.CAP_S)
         self.core.sidestep = int(self.engine is not self.mpi)
-        self._core_call = mod.Call
+        self.core_call = mod.Call  #: the type of the core's calls
         self.hx = HeaderExchange(self.core, name)
         self.lock = threading.Lock()
         self.queue: deque[Op] = deque()  # collectives, issue order
@@ -129,68 +128,36 @@ class Executor:
         """Whether a collective moving ``total_bytes`` exchanges the header: always when checked; on an
         unchecked MPI group when it does not fit one nonblocking call (the header then proves that every
         rank arrived before the blocking calls)."""
-        return self.options.check or (eng is self.mpi and total_bytes > self.unchecked_one_call)
+        return self.check or (eng is self.mpi and total_bytes > self.unchecked_one_call)
 
     # ------------------------------------------------------------------ inline
-    def run_inline(self, plan: Plan) -> AcclWork | None | object:
-        """Run synchronous ``plan`` in the caller's thread if the group is idle (else FALLBACK).
-        Returns None on success, else the failed call's Work (its ``wait()`` raises)."""
-        finished: list[Op] = []
+    def run_core(self, call: Plan) -> AcclWork | None | object:
+        """Run the compiled core's synchronous ``call`` (:mod:`.calls`) in the caller's thread, all of it in
+        the core, if the group is idle (else FALLBACK: nothing queued or in flight, point-to-point
+        included, since the core's wait cannot progress them).  Returns None on success, else the failed
+        call's Work (its ``wait()`` raises)."""
         lock = self.lock
         lock.acquire()
         try:
-            if self.queue or self.aborted is not None:
+            if self.queue or self.p2p or self.aborted is not None:
                 return FALLBACK
             seq = self.seq
             self.seq = seq + 1
             try:
-                if type(plan) is self._core_call and not self.p2p:  # the whole call in the core
-                    if not self.core.run(plan, seq, self.timeout_s, mode_for(plan, True)):
-                        self.hx.check(plan.compare)  # the headers disagree: raise the mismatch
-                    return None
-                if plan.header:
-                    hx = self.hx
-                    plan.pack(hx, seq)
-                    hx.start()
-                    if not hx.test():
-                        self._await_inline(hx.test, finished)
-                    self._verified(plan)
-                mode = mode_for(plan, True)
-                k = 0
-                while (reqs := plan.stage(k, self, mode)) is not None:
-                    for r in reqs:
-                        if not r.test():
-                            self._await_inline(r.test, finished)
-                    k += 1
-                plan.finish()
+                if not self.core.run(call, seq, self.timeout_s):
+                    self.hx.check(call.compare)  # the headers disagree: raise the mismatch
                 return None
-            except (_Expired, core.Expired):
-                ABANDONED.append(([plan], None))  # MPI may still complete its requests into its buffers
-                op = Op(plan, self.timeout_s, seq=seq)
+            except core.Expired:
+                ABANDONED.append(([call], None))  # MPI may still complete its requests into its buffers
+                op = Op(call, self.timeout_s, seq=seq)
                 self._abort_locked(op)
-                finished += self._drain_locked()
                 return AcclWork(self, op)
             except BaseException as exc:  # noqa: BLE001 - reported through the Work, as torch expects
-                op = Op(plan, self.timeout_s, seq=seq)
+                op = Op(call, self.timeout_s, seq=seq)
                 self._fail(op, exc)
                 return AcclWork(self, op)
         finally:
             lock.release()
-            if finished:
-                self._complete(finished)
-
-    def _await_inline(self, test, finished: list[Op]) -> None:
-        """Poll ``test`` (caller holds the lock) until true; point-to-point ops in flight progress
-        meanwhile (a peer may need our receive posted to reach this call).  Raises _Expired."""
-        def ready() -> bool:
-            if self.p2p:
-                finished.extend(self._progress_locked())
-            return test()
-
-        try:
-            wait_until(ready if self.p2p else test, self.timeout_s, "accl inline call")
-        except PeerTimeoutError:
-            raise _Expired from None
 
     # ------------------------------------------------------------------ queued
     def submit(self, plan: Plan, async_op: bool = True, p2p: bool = False) -> AcclWork:

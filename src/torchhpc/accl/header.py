@@ -17,7 +17,7 @@ _SLOT = wire.SLOT_BYTES
 class Reduction:
     """What a (dtype, op) reduction needs on the hot path, computed once per group and pair."""
 
-    __slots__ = ("dtype", "dcode", "ocode", "esz", "mpi_type", "mpi_op", "avg", "op", "engine_op", "type_h", "op_h")
+    __slots__ = ("dtype", "dcode", "ocode", "esz", "mpi_type", "mpi_op", "avg", "op", "engine_op", "core")
 
     def __init__(self, dtype: torch.dtype, op: RedOp, what: str):
         check_reduction(dtype, op, what)  # raises a clear error for a bad pair
@@ -29,7 +29,8 @@ class Reduction:
         self.avg = op == RedOp.AVG
         self.engine_op = RedOp.SUM if self.avg else op  # AVG runs as SUM; the call divides afterwards
         self.mpi_type, self.mpi_op = mpi_reduction(dtype, self.engine_op)
-        self.type_h, self.op_h = self.mpi_type.handle, self.mpi_op.handle  # for the core
+        #: what the compiled core's calls take: (esz, dcode, ocode, MPI datatype handle, MPI op handle)
+        self.core = (self.esz, self.dcode, self.ocode, self.mpi_type.handle, self.mpi_op.handle)
 
 
 class _Persistent:

@@ -148,16 +148,13 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 return red
         return self._reduction(dtype, _op(opts), what)
 
-    def _inline_ok(self, opts: object, a: torch.Tensor, b: torch.Tensor | None = None) -> bool:
-        """Whether a call may run inline: synchronous, on the MPI engine, contiguous CPU tensors (the
-        executor still queues it when the group is busy)."""
-        return (opts is not None and not opts.asyncOp and self._ex.engine is self._ex.mpi  # type: ignore[attr-defined]
-                and a.is_cpu and a.is_contiguous() and (b is None or (b.is_cpu and b.is_contiguous())))
-
-    def _run(self, plan: object, opts: object, inline: bool) -> AcclWork | None:
-        """Run ``plan`` inline when ``inline`` (see :meth:`_inline_ok`) and the group is idle, else queue it."""
-        if inline:
-            done = self._ex.run_inline(plan)
+    def _run(self, plan: object, opts: object) -> AcclWork | None:
+        """Run ``plan`` inline when it is a synchronous core call on the MPI engine (a core call is made
+        directly only from contiguous CPU tensors) and the group is idle, else queue it."""
+        ex = self._ex
+        if (opts is not None and not getattr(opts, "asyncOp", True) and type(plan) is ex.core_call
+                and ex.engine is ex.mpi):
+            done = ex.run_core(plan)
             if done is not FALLBACK:
                 return done  # type: ignore[return-value]
         return self._submit(plan, _async(opts))
@@ -171,10 +168,17 @@ class ProcessGroupACCL(dist.ProcessGroup):
         t = tensors[0] if type(tensors) is list and len(tensors) == 1 else None
         if type(t) is not torch.Tensor or t.is_sparse:  # (the exact-type test is the cheap one)
             t = _one(tensors, "all_reduce")
-        plan = self._allreduce_plan([t], self._red_of(opts, t.dtype, "all_reduce"), "all_reduce")
-        ex = self._ex  # (_inline_ok, spelled out: this is the hottest call)
-        return self._run(plan, opts, opts is not None and not opts.asyncOp and ex.engine is ex.mpi and t.is_cpu
-                         and t.is_contiguous())
+        red = self._red_of(opts, t.dtype, "all_reduce")
+        ex = self._ex
+        if ex.engine is not ex.mpi or ex.aborted is not None:
+            return self._run(self._allreduce_plan([t], red, "all_reduce"), opts)
+        call = calls.all_reduce(ex, tensors if type(tensors) is list else [t], red, "all_reduce")
+        # (the hottest call: _run spelled out; the engine is MPI here)
+        if opts is not None and not opts.asyncOp and type(call) is ex.core_call:
+            done = ex.run_core(call)
+            if done is not FALLBACK:
+                return done  # type: ignore[return-value]
+        return self._submit(call, _async(opts))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
         if not tensors:
@@ -217,7 +221,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
             plan = calls.broadcast(ex, t, root)
         else:
             plan = plans.Broadcast(ex, ex.engine, t, root)
-        return self._run(plan, opts, self._inline_ok(opts, t))
+        return self._run(plan, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
         t = _one(tensors, "reduce")
@@ -287,8 +291,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         if output.numel() != p * numel:
             raise ValueError(f"accl: all_gather_into_tensor output has {output.numel()} elements, needs "
                              f"world_size * input = {p} * {numel} = {p * numel}")
-        inline = self._inline_ok(opts, input, output)
-        if inline or (output.is_contiguous() and (output.is_cpu or self._ex.mpi.accepts(output.device))):
+        if output.is_contiguous() and (output.is_cpu or self._ex.mpi.accepts(output.device)):
             plan = self._gather_plan("all_gather", input, output, None, 0, [output])  # gathered in place
         else:
             def rows() -> torch.Tensor:
@@ -298,7 +301,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 output.copy_(dst.view(output.shape))
 
             plan = self._gather_plan("all_gather", input, rows, deliver, 0, [output])
-        return self._run(plan, opts, inline)
+        return self._run(plan, opts)
 
     _allgather_base = all_gather_single
 
@@ -366,14 +369,13 @@ class ProcessGroupACCL(dist.ProcessGroup):
         if input.numel() != p * output.numel():
             raise ValueError(f"accl: reduce_scatter_tensor input has {input.numel()} elements, needs "
                              f"world_size * output = {p} * {output.numel()} = {p * output.numel()}")
-        inline = self._inline_ok(opts, input, output)
-        if inline or (input.is_cpu and input.is_contiguous()):
+        if input.is_cpu and input.is_contiguous():
             rows: torch.Tensor | Callable[[], torch.Tensor] = input
         else:
             def rows() -> torch.Tensor:
                 return input.reshape(-1).contiguous().cpu()
 
-        return self._run(self._reduce_scatter_plan(output, rows, opts), opts, inline)
+        return self._run(self._reduce_scatter_plan(output, rows, opts), opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -402,8 +404,10 @@ class ProcessGroupACCL(dist.ProcessGroup):
             raise TypeError(f"accl: all_to_all_single dtypes differ: output {output.dtype}, "
                             f"input {input.dtype}")
         esz = input.element_size()
-        if (not input_split_sizes and not output_split_sizes and input.dim() > 0 and output.dim() > 0
-                and input.shape[0] % p == 0 and output.shape[0] % p == 0 and input.shape[1:] == output.shape[1:]):
+        shape_in, shape_out = input.shape, output.shape
+        if (not input_split_sizes and not output_split_sizes and shape_in and shape_out
+                and shape_in[0] % p == 0 and shape_out[0] % p == 0
+                and (len(shape_in) == len(shape_out) == 1 or shape_in[1:] == shape_out[1:])):
             # even splits (the common case): equal blocks
             sb, rb = [input.numel() * esz // p] * p, [output.numel() * esz // p] * p
         else:
@@ -415,10 +419,13 @@ class ProcessGroupACCL(dist.ProcessGroup):
             s_out = self._splits(list(output_split_sizes), output, "output")
             sb = [s * row * esz for s in s_in]
             rb = [s * row * esz for s in s_out]
-        self._ex.check_open()
-        self._engine_for("alltoallv", input.dtype)  # the MPI engine's (a sidestep on an ACCL group)
-        plan = calls.all_to_all(self._ex, input, output, sb, rb, [output])
-        return self._run(plan, opts, self._inline_ok(opts, input, output) and p <= calls.MATRIX_MAX_RANKS)
+        ex = self._ex
+        if ex.aborted is not None:
+            ex.check_open()
+        if ex.engine is not ex.mpi:
+            self._engine_for("alltoallv", input.dtype)  # the MPI engine's: a sidestep, if allowed
+        plan = calls.all_to_all(ex, input, output, sb, rb, [output])
+        return self._run(plan, opts)
 
     alltoall_base = all_to_all_single
 
@@ -461,16 +468,18 @@ class ProcessGroupACCL(dist.ProcessGroup):
                 off += t.numel()
 
         self._ex.check_open()
-        self._engine_for("alltoallv", dtype)  # the MPI engine's (a sidestep on an ACCL group)
+        if self._ex.engine is not self._ex.mpi:
+            self._engine_for("alltoallv", dtype)  # the MPI engine's: a sidestep, if allowed
         plan = calls.all_to_all(self._ex, send, recv, sb, rb, list(output_tensors), deliver)
         return self._submit(plan, _async(opts))
 
     # ----------------------------------------------------------------- barrier
     def barrier(self, opts=None) -> AcclWork | None:
         self._ex.check_open()
-        self._engine_for("barrier")  # the MPI engine's (a sidestep on an ACCL group)
+        if self._ex.engine is not self._ex.mpi:
+            self._engine_for("barrier")  # the MPI engine's: a sidestep, if allowed
         plan = calls.barrier(self._ex, self.options.check)
-        return self._run(plan, opts, not _async(opts) and self._ex.engine is self._ex.mpi)
+        return self._run(plan, opts)
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0
