@@ -1,4 +1,5 @@
-"""Shared pytest set-up: tests import torchhpc from src/ even without `make env`'s editable install."""
+"""Shared pytest set-up: tests import torchhpc from src/ even without `make env`'s editable install; the
+one-rank accl group fixture."""
 
 import sys
 from pathlib import Path
@@ -6,3 +7,18 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 if str(SRC) not in sys.path:
     sys.path.insert(0, str(SRC))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def solo():
+    """A one-rank accl default group (a HashStore rendezvous, no launcher), destroyed after the test."""
+    import torch.distributed as dist
+
+    import torchhpc.accl  # noqa: F401  (registers "accl")
+
+    dist.init_process_group("accl", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()

@@ -97,13 +97,6 @@ def test_rendezvous_leaves_plain_processes_to_torch(monkeypatch) -> None:
         dist.init_process_group("gloo")
 
 
-@pytest.fixture
-def solo():
-    dist.init_process_group("accl", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
-
-
 def test_one_rank_group_runs_every_collective(solo) -> None:
     assert isinstance(solo, accl.ProcessGroupACCL) and solo.name() == "accl"
     t = torch.arange(6.0).view(2, 3).t()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from _mpijob import run_mpi
 
 from torchhpc.accl import core, corebuild, wire
@@ -47,15 +46,6 @@ def test_loaded_core_matches_mpi4py_library() -> None:
     mod = core.load()
     assert mod.__name__.endswith(f"_core_{core.family()}")
     assert mod.library_version().splitlines()[0].strip() == MPI.Get_library_version().splitlines()[0].strip()
-
-
-@pytest.fixture
-def solo():
-    import torchhpc.accl  # noqa: F401  (registers "accl")
-
-    dist.init_process_group("accl", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD
-    dist.destroy_process_group()
 
 
 def test_inline_mode_is_the_executors_rule(solo) -> None:

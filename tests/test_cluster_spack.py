@@ -238,10 +238,16 @@ def spack_standin(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     class CudaPackage(PackageBase):
         pass
 
-    package.PythonPackage, package.CudaPackage = PythonPackage, CudaPackage
+    def run_after(phase: str):  # Spack's phase callback decorator: records the phase on the method
+        def mark(fn):
+            fn.run_after = phase
+            return fn
+        return mark
+
+    package.PythonPackage, package.CudaPackage, package.run_after = PythonPackage, CudaPackage, run_after
     for name in DIRECTIVES:
         setattr(package, name, _directive(name))
-    package.__all__ = ["PythonPackage", "CudaPackage", *DIRECTIVES]
+    package.__all__ = ["PythonPackage", "CudaPackage", "run_after", *DIRECTIVES]
     builtin_torch = types.ModuleType("spack.pkg.builtin.py_torch")
 
     class PyTorch(PythonPackage, CudaPackage):
@@ -314,6 +320,9 @@ def test_py_torchhpc_recipe_declares_what_pyproject_needs(spack_standin: types.M
     torch_specs = [a[0] for a, _ in directives(recipe, "depends_on") if a[0].startswith("py-torch")]
     assert "py-torch+distributed+mpi" in torch_specs and "py-torch+cuda+nccl" in torch_specs
     assert recipe.import_modules == ["torchhpc"]
+    # accl's compiled core is built against the environment's MPI once the package is installed
+    assert "mpi" in deps and "link" in deps["mpi"][1]["type"]
+    assert recipe.build_accl_core.run_after == "install"
 
 
 

@@ -25,7 +25,7 @@ class PyTorchhpc(PythonPackage):
     depends_on("python@3.10:", type=("build", "run"))
     depends_on("py-setuptools@68:", type="build")
     depends_on("py-numpy@1.23:", type=("build", "run"))
-    depends_on("py-mpi4py@4:", type=("build", "run"))
+    depends_on("py-mpi4py@4.0:", type=("build", "run"))
     depends_on("mpi", type=("build", "link", "run"))  # accl's compiled core links the MPI mpi4py uses
     depends_on("py-psutil@5.9:", type=("build", "run"))
     # torch is left out of pyproject.toml on purpose (the environment provides it); here it is explicit.
@@ -38,7 +38,8 @@ class PyTorchhpc(PythonPackage):
 
     @run_after("install")
     def build_accl_core(self):
-        """accl's compiled core (torchhpc/accl/_core.c) for this MPI, into the installed package."""
-        python = which(self.spec["python"].command.path)
-        python("-m", "torchhpc.accl.corebuild", "--mpicc", self.spec["mpi"].mpicc,
-               "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"))
+        """accl's compiled core (src/torchhpc/accl/_core.c) built with this MPI's mpicc into the installed
+        package; corebuild.py is standard-library Python, run from the source tree beside _core.c."""
+        corebuild = join_path(self.stage.source_path, "src", "torchhpc", "accl", "corebuild.py")
+        self.spec["python"].command(corebuild, "--mpicc", self.spec["mpi"].mpicc,
+                                    "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"))

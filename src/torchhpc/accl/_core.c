@@ -1013,6 +1013,25 @@ static PyObject *Call_run_blocking(Call *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* the call's started requests as the executor's request list: [Requests], or [] when none is pending */
+static PyObject *requests_of(Call *c) {
+    if (!c->nreq)
+        return PyList_New(0);
+    Reqs *r = PyObject_New(Reqs, &ReqsType);
+    if (!r)
+        return NULL;
+    Py_INCREF(c);
+    r->c = c;
+    r->done = 0;
+    PyObject *out = PyList_New(1);
+    if (!out) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    PyList_SET_ITEM(out, 0, (PyObject *)r);
+    return out;
+}
+
 static PyObject *data_stage(Call *c, PyObject *ctx, int mode) {
     if (mode == WORKER) {
         /* the blocking calls on the engine's worker thread: ctx.mpi.in_worker(run) */
@@ -1035,21 +1054,7 @@ static PyObject *data_stage(Call *c, PyObject *ctx, int mode) {
     }
     if (call_data(c, mode == BLOCKING) < 0)
         return NULL;
-    if (!c->nreq)
-        return PyList_New(0);
-    Reqs *r = PyObject_New(Reqs, &ReqsType);
-    if (!r)
-        return NULL;
-    Py_INCREF(c);
-    r->c = c;
-    r->done = 0;
-    PyObject *out = PyList_New(1);
-    if (!out) {
-        Py_DECREF(r);
-        return NULL;
-    }
-    PyList_SET_ITEM(out, 0, (PyObject *)r);
-    return out;
+    return requests_of(c);
 }
 
 /* all_to_all above the slot's matrix size: start the all-gather of every rank's byte-matrix row */
@@ -1084,23 +1089,8 @@ static PyObject *Call_stage(Call *self, PyObject *const *args, Py_ssize_t nargs)
     if (self->ck == C_ALLTOALL && !self->in_slot) {
         Group *g = self->g;
         int p = g->size;
-        if (k == 0) {
-            if (matrix_start(self) < 0)
-                return NULL;
-            Reqs *q = PyObject_New(Reqs, &ReqsType);
-            if (!q)
-                return NULL;
-            Py_INCREF(self);
-            q->c = self;
-            q->done = 0;
-            PyObject *out = PyList_New(1);
-            if (!out) {
-                Py_DECREF(q);
-                return NULL;
-            }
-            PyList_SET_ITEM(out, 0, (PyObject *)q);
-            return out;
-        }
+        if (k == 0)
+            return matrix_start(self) < 0 ? NULL : requests_of(self);
         if (k == 1) {
             if (a2a_rounds(self, self->mat, 2 * p) < 0)
                 return NULL;
