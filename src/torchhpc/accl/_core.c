@@ -144,7 +144,9 @@ static int Group_init(Group *self, PyObject *args, PyObject *kw) {
 }
 
 static void Group_drop_persistent(Group *self) {
-    if (self->persistent && !self->active && self->hreq != MPI_REQUEST_NULL)
+    int finalized = 0;
+    MPI_Finalized(&finalized);  /* a group never destroyed is collected after mpi4py finalized MPI at exit */
+    if (self->persistent && !self->active && self->hreq != MPI_REQUEST_NULL && !finalized)
         MPI_Request_free(&self->hreq);
     self->persistent = 0;
     self->hreq = MPI_REQUEST_NULL;
