@@ -419,6 +419,25 @@ static int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
     return 0;
 }
 
+/* a factory's first step: the argument count, then a Call of ``ck`` from (kind, keep, outputs, eng, post) */
+static Call *begin(Group *g, int ck, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
+    if (!nargs_is(nargs, want, sig))
+        return NULL;
+    return new_call(g, ck, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
+}
+
+/* a factory's last step: header sizes from count and esz, whether ``riding`` bytes fit the slot, errors */
+static PyObject *done(Call *c, long long riding) {
+    c->f[3] = c->count * c->esz;
+    c->f[4] = c->count;
+    c->fused = c->header && riding <= c->g->pay;
+    if (PyErr_Occurred()) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    return (PyObject *)c;
+}
+
 /* a reduction's core tuple (torchhpc.accl.header.Reduction.core): (esz, dcode, ocode, type_h, op_h) */
 static int parse_red(Call *c, PyObject *red) {
     if (!PyTuple_Check(red) || PyTuple_GET_SIZE(red) != 5) {
@@ -435,9 +454,8 @@ static int parse_red(Call *c, PyObject *red) {
 
 /* all_reduce(kind, keep, outputs, eng, post, addr, count, red, header, big) */
 static PyObject *Group_all_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 10, "all_reduce(kind, keep, outputs, eng, post, addr, count, red, header, big)"))
-        return NULL;
-    Call *c = new_call(g, C_ALLREDUCE, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
+    Call *c = begin(g, C_ALLREDUCE, args, nargs, 10, "all_reduce(kind, keep, outputs, eng, post, addr, count, red, "
+                                                     "header, big)");
     if (!c)
         return NULL;
     c->src = c->dst = ARG_PTR(5);
@@ -448,21 +466,13 @@ static PyObject *Group_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
     }
     c->header = PyObject_IsTrue(args[8]);
     c->big = PyObject_IsTrue(args[9]);
-    c->f[3] = c->count * c->esz;
-    c->f[4] = c->count;
-    c->fused = c->header && c->f[3] <= g->pay;
-    if (PyErr_Occurred()) {
-        Py_DECREF(c);
-        return NULL;
-    }
-    return (PyObject *)c;
+    return done(c, c->count * c->esz);
 }
 
 /* broadcast(kind, keep, outputs, eng, post, addr, count, esz, dcode, root, header, big) */
 static PyObject *Group_broadcast(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 12, "broadcast(kind, keep, outputs, eng, post, addr, count, esz, dcode, root, header, big)"))
-        return NULL;
-    Call *c = new_call(g, C_BCAST, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
+    Call *c = begin(g, C_BCAST, args, nargs, 12, "broadcast(kind, keep, outputs, eng, post, addr, count, esz, dcode, "
+                                                 "root, header, big)");
     if (!c)
         return NULL;
     c->src = c->dst = ARG_PTR(5);
@@ -473,14 +483,7 @@ static PyObject *Group_broadcast(Group *g, PyObject *const *args, Py_ssize_t nar
     c->f[2] = c->root;
     c->header = PyObject_IsTrue(args[10]);
     c->big = PyObject_IsTrue(args[11]);
-    c->f[3] = c->count * c->esz;
-    c->f[4] = c->count;
-    c->fused = c->header && c->f[3] <= g->pay;
-    if (PyErr_Occurred()) {
-        Py_DECREF(c);
-        return NULL;
-    }
-    return (PyObject *)c;
+    return done(c, c->count * c->esz);
 }
 
 /* all_gather(kind, keep, outputs, eng, post, src, dst, count, esz, dcode, header, big) and
@@ -488,10 +491,9 @@ static PyObject *Group_broadcast(Group *g, PyObject *const *args, Py_ssize_t nar
  * rank; all_gather's dst and reduce_scatter's src hold p blocks */
 static PyObject *two_buffer(Group *g, int ck, PyObject *const *args, Py_ssize_t nargs) {
     int ag = ck == C_ALLGATHER, n = ag ? 12 : 11;
-    if (!nargs_is(nargs, n, ag ? "all_gather(kind, keep, outputs, eng, post, src, dst, count, esz, dcode, header, big)"
-                               : "reduce_scatter(kind, keep, outputs, eng, post, src, dst, count, red, header, big)"))
-        return NULL;
-    Call *c = new_call(g, ck, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
+    Call *c = begin(g, ck, args, nargs, n,
+                    ag ? "all_gather(kind, keep, outputs, eng, post, src, dst, count, esz, dcode, header, big)"
+                       : "reduce_scatter(kind, keep, outputs, eng, post, src, dst, count, red, header, big)");
     if (!c)
         return NULL;
     c->src = ARG_PTR(5);
@@ -506,15 +508,8 @@ static PyObject *two_buffer(Group *g, int ck, PyObject *const *args, Py_ssize_t 
     }
     c->header = PyObject_IsTrue(args[n - 2]);
     c->big = PyObject_IsTrue(args[n - 1]);
-    c->f[3] = c->count * c->esz;
-    c->f[4] = c->count;
     /* all_gather: one rank's block rides; reduce_scatter: the whole input (p blocks) rides */
-    c->fused = c->header && (ck == C_ALLGATHER ? c->f[3] : c->f[3] * g->size) <= g->pay;
-    if (PyErr_Occurred()) {
-        Py_DECREF(c);
-        return NULL;
-    }
-    return (PyObject *)c;
+    return done(c, c->count * c->esz * (ag ? 1 : g->size));
 }
 
 static PyObject *Group_all_gather(Group *g, PyObject *const *args, Py_ssize_t nargs) {
@@ -543,9 +538,8 @@ static int counts_of(PyObject *seq, long long *out, int p, const char *what) {
 
 /* all_to_all(kind, keep, outputs, eng, post, src, dst, dcode, send_bytes, recv_bytes, big) */
 static PyObject *Group_all_to_all(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 11, "all_to_all(kind, keep, outputs, eng, post, src, dst, dcode, send_bytes, recv_bytes, big)"))
-        return NULL;
-    Call *c = new_call(g, C_ALLTOALL, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
+    Call *c = begin(g, C_ALLTOALL, args, nargs, 11, "all_to_all(kind, keep, outputs, eng, post, src, dst, dcode, "
+                                                    "send_bytes, recv_bytes, big)");
     if (!c)
         return NULL;
     int p = g->size;
@@ -577,14 +571,12 @@ static PyObject *Group_all_to_all(Group *g, PyObject *const *args, Py_ssize_t na
     return (PyObject *)c;
 }
 
-/* barrier(kind, keep, outputs, eng, header) */
+/* barrier(kind, keep, outputs, eng, post, header) */
 static PyObject *Group_barrier(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 5, "barrier(kind, keep, outputs, eng, header)"))
-        return NULL;
-    Call *c = new_call(g, C_BARRIER, (int)ARG_LL(0), args[1], args[2], args[3], Py_None);
+    Call *c = begin(g, C_BARRIER, args, nargs, 6, "barrier(kind, keep, outputs, eng, post, header)");
     if (!c)
         return NULL;
-    c->header = PyObject_IsTrue(args[4]);
+    c->header = PyObject_IsTrue(args[5]);
     return (PyObject *)c;
 }
 

@@ -223,4 +223,4 @@ def all_to_all(ex: Executor, inp: torch.Tensor, out: torch.Tensor, sb: list[int]
 
 def barrier(ex: Executor, header: bool) -> object:
     """barrier: the header exchange when checked (itself a full synchronisation), else MPI's."""
-    return ex.core.barrier(_K_BARRIER, None, [], ex.mpi, header)
+    return ex.core.barrier(_K_BARRIER, None, [], ex.mpi, None, header)
