@@ -76,6 +76,8 @@ r, p = dist.get_rank(), dist.get_world_size()
 ex = dist.group.WORLD._ex
 probe = ex.core.all_to_all(wire.kind_code("all_to_all"), None, [], ex.mpi, None, 0, 0, 1, [0] * p, [0] * p, False)
 assert probe.in_slot == 0, "the test must take the matrix's own all-gather"
+from torchhpc.accl import core
+print(f"rank {r}: core module {core.load().__name__}", flush=True)
 for asynchronous in (False, True):
     for m in (1, 3, 700):
         count = lambda i, j: (i + 2 * j) % 3 * m + 1
@@ -107,11 +109,15 @@ raise AssertionError("mismatched splits were not reported")
 '''
 
 
-def test_all_to_all_matrix_above_the_slot_on_a_real_launch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("variant", ["plain", "mpich"])
+def test_all_to_all_matrix_above_the_slot_on_a_real_launch(tmp_path: Path, variant: str) -> None:
     """The byte matrix by its own all-gather (beyond the slot): inline and queued ranks, uneven and even splits,
-    one and several rounds, and a split mismatch named on every rank, under plain mpiexec -n 2."""
+    one and several rounds, and a split mismatch named on every rank, under plain mpiexec -n 2 of the Open MPI
+    wheel and of the MPICH wheel (its own build of the core)."""
     script = tmp_path / "matrix.py"
     script.write_text(MATRIX_SCRIPT)
-    res = run_mpi(2, [sys.executable, str(script)], timeout=180)
+    res = run_mpi(2, [sys.executable, str(script)], timeout=180, variant=variant)
     assert res.returncode == 0, res.stdout[-4000:]
     assert res.stdout.count("matrix path ok, mismatch raised") == 2, res.stdout[-4000:]
+    family = "mpich" if variant == "mpich" else core.family()
+    assert res.stdout.count(f"core module torchhpc.accl._core_{family}") == 2, res.stdout[-4000:]
