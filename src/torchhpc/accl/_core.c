@@ -160,37 +160,25 @@ static void Group_dealloc(Group *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* count one engine call of nbytes in the group's stats (the dict the executor shows as ``stats``) */
-static int count_call(Group *g, long long nbytes) {
-    PyObject *d = g->stats;
-    PyObject *v = PyDict_GetItemWithError(d, S_engine_calls);
+/* stats[key] = stats[key] + by (or = by when ``max`` and larger) */
+static int bump(PyObject *d, PyObject *key, long long by, int max) {
+    PyObject *v = PyDict_GetItemWithError(d, key);
     if (!v && PyErr_Occurred())
         return -1;
-    PyObject *n = PyLong_FromLongLong((v ? PyLong_AsLongLong(v) : 0) + 1);
-    if (!n || PyDict_SetItem(d, S_engine_calls, n) < 0) {
-        Py_XDECREF(n);
+    long long was = v ? PyLong_AsLongLong(v) : 0;
+    if (max && was >= by)
+        return 0;
+    PyObject *n = PyLong_FromLongLong(max ? by : was + by);
+    int rc = n ? PyDict_SetItem(d, key, n) : -1;
+    Py_XDECREF(n);
+    return rc;
+}
+
+/* count one engine call of nbytes in the group's stats (the dict the executor shows as ``stats``) */
+static int count_call(Group *g, long long nbytes) {
+    if (bump(g->stats, S_engine_calls, 1, 0) < 0 || (g->sidestep && bump(g->stats, S_sidestep_calls, 1, 0) < 0))
         return -1;
-    }
-    Py_DECREF(n);
-    if (g->sidestep) {
-        v = PyDict_GetItemWithError(d, S_sidestep_calls);
-        n = PyLong_FromLongLong((v ? PyLong_AsLongLong(v) : 0) + 1);
-        if (!n || PyDict_SetItem(d, S_sidestep_calls, n) < 0) {
-            Py_XDECREF(n);
-            return -1;
-        }
-        Py_DECREF(n);
-    }
-    v = PyDict_GetItemWithError(d, S_max_call_bytes);
-    if (!v || PyLong_AsLongLong(v) < nbytes) {
-        n = PyLong_FromLongLong(nbytes);
-        if (!n || PyDict_SetItem(d, S_max_call_bytes, n) < 0) {
-            Py_XDECREF(n);
-            return -1;
-        }
-        Py_DECREF(n);
-    }
-    return 0;
+    return bump(g->stats, S_max_call_bytes, nbytes, 1);
 }
 
 static int hx_start(Group *g) {
@@ -295,8 +283,8 @@ static PyObject *Group_drop(Group *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* reduce_payloads(type_h, op_h, count, nbytes, addr, offset): every rank's payload rows, from byte
- * ``offset``, reduced in rank order with MPI's own op (as the large path does), written to ``addr`` */
+/* every rank's ``nbytes`` of payload from byte ``offset``, reduced in rank order with MPI's own op (as the
+ * large path does), written to ``addr`` */
 static int reduce_rows(Group *g, MPI_Datatype dt, MPI_Op op, int count, Py_ssize_t nbytes, char *addr,
                        Py_ssize_t offset) {
     unsigned char *acc = g->all + g->hdr + offset;
@@ -309,28 +297,6 @@ static int reduce_rows(Group *g, MPI_Datatype dt, MPI_Op op, int count, Py_ssize
     }
     memcpy(addr, acc, (size_t)nbytes);
     return 0;
-}
-
-static PyObject *Group_reduce_payloads(Group *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "reduce_payloads(type_h, op_h, count, nbytes, addr, offset)");
-        return NULL;
-    }
-    MPI_Datatype dt = (MPI_Datatype)(uintptr_t)PyLong_AsUnsignedLongLong(args[0]);
-    MPI_Op op = (MPI_Op)(uintptr_t)PyLong_AsUnsignedLongLong(args[1]);
-    long count = PyLong_AsLong(args[2]);
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[3]);
-    char *addr = (char *)PyLong_AsVoidPtr(args[4]);
-    Py_ssize_t offset = PyLong_AsSsize_t(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
-    if (nbytes < 0 || offset < 0 || offset + nbytes > self->pay) {
-        PyErr_SetString(PyExc_ValueError, "accl core: payload range outside the slot");
-        return NULL;
-    }
-    if (nbytes && reduce_rows(self, dt, op, (int)count, nbytes, addr, offset) < 0)
-        return NULL;
-    Py_RETURN_NONE;
 }
 
 static PyMemberDef Group_members[] = {
@@ -410,7 +376,6 @@ static Call *new_call(Group *g, int ck, int kind, PyObject *keep, PyObject *outp
 
 #define ARG_LL(i) PyLong_AsLongLong(args[i])
 #define ARG_PTR(i) ((char *)PyLong_AsVoidPtr(args[i]))
-#define ARG_H(i) ((uintptr_t)PyLong_AsUnsignedLongLong(args[i]))
 
 static int nargs_is(Py_ssize_t nargs, Py_ssize_t want, const char *sig) {
     if (nargs == want)
@@ -1114,11 +1079,6 @@ static PyObject *Call_describe(Call *self, PyObject *seq) {
                                  (long long)self->f[5], seq);
 }
 
-static PyObject *Call_get_kind(Call *self, void *closure) {
-    (void)closure;
-    return PyLong_FromLong(self->kind);
-}
-
 static PyObject *Call_get_minus_one(Call *self, void *closure) {
     (void)self;
     (void)closure;
@@ -1138,7 +1098,6 @@ static PyObject *Call_get_inline_mode(Call *self, void *closure) {
 }
 
 static PyGetSetDef Call_getset[] = {
-    {"kcode", (getter)Call_get_kind, NULL, "wire kind code", NULL},
     {"inline_mode", (getter)Call_get_inline_mode, NULL, "the mode of its data calls when run inline", NULL},
     {"source_rank", (getter)Call_get_minus_one, NULL, "-1: not a receive", NULL},
     {NULL, NULL, NULL, NULL, NULL},
@@ -1149,7 +1108,6 @@ static PyMemberDef Call_members[] = {
     {"fused", T_INT, offsetof(Call, fused), READONLY, "the data rode in the header slots"},
     {"big", T_INT, offsetof(Call, big), READONLY, "large enough for blocking MPI on the worker when async"},
     {"compare", T_INT, offsetof(Call, compare), READONLY, "header fields every rank must agree on"},
-    {"rounds", T_INT, offsetof(Call, rounds), READONLY, "all_to_all rounds"},
     {"in_slot", T_INT, offsetof(Call, in_slot), READONLY, "all_to_all: the byte matrix rides in the header slot"},
     {"outputs", T_OBJECT_EX, offsetof(Call, outputs), READONLY, "what the call's future yields"},
     {"eng", T_OBJECT_EX, offsetof(Call, eng), READONLY, "the engine object (MPI)"},
@@ -1240,7 +1198,6 @@ static PyMethodDef Group_methods[] = {
     {"test", (PyCFunction)Group_test, METH_NOARGS, "whether the header exchange completed"},
     {"agrees", (PyCFunction)Group_agrees, METH_O, "whether every rank's leading fields equal this rank's"},
     {"drop_persistent", (PyCFunction)Group_drop, METH_NOARGS, "free the persistent request; use Iallgather"},
-    {"reduce_payloads", (PyCFunction)(void (*)(void))Group_reduce_payloads, METH_FASTCALL, "reduce payload rows"},
     {"all_reduce", (PyCFunction)(void (*)(void))Group_all_reduce, METH_FASTCALL, "an all_reduce Call"},
     {"broadcast", (PyCFunction)(void (*)(void))Group_broadcast, METH_FASTCALL, "a broadcast Call"},
     {"all_gather", (PyCFunction)(void (*)(void))Group_all_gather, METH_FASTCALL, "an all_gather Call"},

@@ -65,10 +65,6 @@ class HeaderExchange:
         if value is None:
             self.core.drop_persistent()
 
-    def agrees(self, compare: int = wire.COMPARE_ALL) -> bool:
-        """Whether every rank's leading ``compare`` header fields equal this rank's."""
-        return self.core.agrees(compare)
-
     def check(self, compare: int = wire.COMPARE_ALL) -> None:
         """Raise :class:`MismatchError` naming the differing fields unless every rank agrees."""
         if not self.core.agrees(compare):
