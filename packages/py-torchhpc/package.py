@@ -27,6 +27,8 @@ class PyTorchhpc(PythonPackage):
     depends_on("py-numpy@1.23:", type=("build", "run"))
     depends_on("py-mpi4py@4.0:", type=("build", "run"))
     depends_on("mpi", type=("build", "link", "run"))  # accl's compiled core links the MPI mpi4py uses
+    depends_on("c", type="build")  # the core (through the MPI's mpicc)
+    depends_on("cxx", type="build")  # accl's C++ front, against py-torch's headers
     depends_on("py-psutil@5.9:", type=("build", "run"))
     # torch is left out of pyproject.toml on purpose (the environment provides it); here it is explicit.
     depends_on("py-torch+distributed+mpi", type=("build", "run"))
@@ -38,8 +40,9 @@ class PyTorchhpc(PythonPackage):
 
     @run_after("install")
     def build_accl_core(self):
-        """accl's compiled core (src/torchhpc/accl/_core.c) built with this MPI's mpicc into the installed
-        package; corebuild.py is standard-library Python, run from the source tree beside _core.c."""
+        """accl's compiled core (src/torchhpc/accl/_core.c) built with this MPI's mpicc, and its C++ front
+        (_front.cpp) with Spack's $CXX against py-torch, into the installed package; corebuild.py runs from
+        the source tree beside them."""
         corebuild = join_path(self.stage.source_path, "src", "torchhpc", "accl", "corebuild.py")
         self.spec["python"].command(corebuild, "--mpicc", self.spec["mpi"].mpicc,
                                     "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"))

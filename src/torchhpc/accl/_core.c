@@ -78,6 +78,10 @@ typedef struct {
     int64_t magic;
     long long seg;
     int sidestep;            /* the group's engine is not MPI: every call here is a sidestep */
+    long long seq;           /* the next collective's call number (the executor's queue takes them here too) */
+    int check;               /* AcclOptions.check: every collective exchanges the header */
+    long long unchecked;     /* unchecked groups skip the header up to this many bytes (one nonblocking call) */
+    long long bigmin;        /* AcclOptions.threaded_min_bytes: blocking MPI on the worker when async */
     PyObject *mine_obj, *all_obj, *stats;
     unsigned char *mine, *all;
     MPI_Request hreq;
@@ -306,8 +310,29 @@ static PyMemberDef Group_members[] = {
     {"size", T_INT, offsetof(Group, size), READONLY, NULL},
     {"persistent", T_INT, offsetof(Group, persistent), READONLY, "1 while a persistent all-gather is used"},
     {"sidestep", T_INT, offsetof(Group, sidestep), 0, "1 when the group's engine is not MPI"},
+    {"seq", T_LONGLONG, offsetof(Group, seq), 0, "the next collective's call number"},
+    {"check", T_INT, offsetof(Group, check), 0, "1: every collective exchanges the header"},
+    {"unchecked", T_LONGLONG, offsetof(Group, unchecked), 0, "unchecked: no header up to this many bytes"},
+    {"big", T_LONGLONG, offsetof(Group, bigmin), 0, "bytes from which async calls block on the worker"},
     {NULL, 0, 0, 0, NULL},
 };
+
+/* The one rule for a collective moving ``total`` bytes: whether it exchanges the header (always when
+ * checked; unchecked, when it does not fit one nonblocking call, so that the header proves every rank
+ * arrived before MPI's blocking calls) and whether it is big (blocking MPI on the worker when async). */
+static void rule(const Group *g, long long total, int *header, int *big) {
+    *header = g->check || total > g->unchecked;
+    *big = total >= g->bigmin;
+}
+
+static PyObject *Group_flags(Group *g, PyObject *arg) {
+    long long total = PyLong_AsLongLong(arg);
+    if (total == -1 && PyErr_Occurred())
+        return NULL;
+    int header, big;
+    rule(g, total, &header, &big);
+    return Py_BuildValue("(OO)", header ? Py_True : Py_False, big ? Py_True : Py_False);
+}
 
 /* ------------------------------------------------------------------------------------------- Call */
 
@@ -391,6 +416,14 @@ static Call *begin(Group *g, int ck, PyObject *const *args, Py_ssize_t nargs, Py
     return new_call(g, ck, (int)ARG_LL(0), args[1], args[2], args[3], args[4]);
 }
 
+/* header and big as given (a bool each), or by the group's rule for ``total`` bytes where None */
+static void flags_of(Call *c, PyObject *header, PyObject *big, long long total) {
+    int h, b;
+    rule(c->g, total, &h, &b);
+    c->header = header == Py_None ? h : PyObject_IsTrue(header);
+    c->big = big == Py_None ? b : PyObject_IsTrue(big);
+}
+
 /* a factory's last step: header sizes from count and esz, whether ``riding`` bytes fit the slot, errors */
 static PyObject *done(Call *c, long long riding) {
     c->f[3] = c->count * c->esz;
@@ -417,6 +450,9 @@ static int parse_red(Call *c, PyObject *red) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
+/* The factories below make one Call each; ``header`` and ``big`` are bools, or None for the group's rule
+ * (rule() above) on the bytes the call moves. */
+
 /* all_reduce(kind, keep, outputs, eng, post, addr, count, red, header, big) */
 static PyObject *Group_all_reduce(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     Call *c = begin(g, C_ALLREDUCE, args, nargs, 10, "all_reduce(kind, keep, outputs, eng, post, addr, count, red, "
@@ -429,8 +465,7 @@ static PyObject *Group_all_reduce(Group *g, PyObject *const *args, Py_ssize_t na
         Py_DECREF(c);
         return NULL;
     }
-    c->header = PyObject_IsTrue(args[8]);
-    c->big = PyObject_IsTrue(args[9]);
+    flags_of(c, args[8], args[9], c->count * c->esz);
     return done(c, c->count * c->esz);
 }
 
@@ -446,8 +481,7 @@ static PyObject *Group_broadcast(Group *g, PyObject *const *args, Py_ssize_t nar
     c->f[0] = ARG_LL(8);
     c->root = (int)ARG_LL(9);
     c->f[2] = c->root;
-    c->header = PyObject_IsTrue(args[10]);
-    c->big = PyObject_IsTrue(args[11]);
+    flags_of(c, args[10], args[11], c->count * c->esz);
     return done(c, c->count * c->esz);
 }
 
@@ -471,8 +505,7 @@ static PyObject *two_buffer(Group *g, int ck, PyObject *const *args, Py_ssize_t 
         Py_DECREF(c);
         return NULL;
     }
-    c->header = PyObject_IsTrue(args[n - 2]);
-    c->big = PyObject_IsTrue(args[n - 1]);
+    flags_of(c, args[n - 2], args[n - 1], c->count * c->esz * g->size);
     /* all_gather: one rank's block rides; reduce_scatter: the whole input (p blocks) rides */
     return done(c, c->count * c->esz * (ag ? 1 : g->size));
 }
@@ -485,7 +518,14 @@ static PyObject *Group_reduce_scatter(Group *g, PyObject *const *args, Py_ssize_
     return two_buffer(g, C_REDSCAT, args, nargs);
 }
 
+/* per-rank byte counts: a sequence of ``p`` ints, or one int for every rank */
 static int counts_of(PyObject *seq, long long *out, int p, const char *what) {
+    if (PyLong_Check(seq)) {
+        long long v = PyLong_AsLongLong(seq);
+        for (int i = 0; i < p; i++)
+            out[i] = v;
+        return PyErr_Occurred() ? -1 : 0;
+    }
     PyObject *fast = PySequence_Fast(seq, what);
     if (!fast)
         return -1;
@@ -501,7 +541,8 @@ static int counts_of(PyObject *seq, long long *out, int p, const char *what) {
     return PyErr_Occurred() ? -1 : 0;
 }
 
-/* all_to_all(kind, keep, outputs, eng, post, src, dst, dcode, send_bytes, recv_bytes, big) */
+/* all_to_all(kind, keep, outputs, eng, post, src, dst, dcode, send_bytes, recv_bytes, big): byte counts to
+ * and from each rank (a sequence each, or one int for even blocks); the header is always exchanged */
 static PyObject *Group_all_to_all(Group *g, PyObject *const *args, Py_ssize_t nargs) {
     Call *c = begin(g, C_ALLTOALL, args, nargs, 11, "all_to_all(kind, keep, outputs, eng, post, src, dst, dcode, "
                                                     "send_bytes, recv_bytes, big)");
@@ -512,8 +553,6 @@ static PyObject *Group_all_to_all(Group *g, PyObject *const *args, Py_ssize_t na
     c->dst = ARG_PTR(6);
     c->f[0] = ARG_LL(7);
     c->f[5] = p;
-    c->big = PyObject_IsTrue(args[10]);
-    c->header = 1;
     c->compare = 4;  /* sizes are checked on the byte matrix */
     c->esz = 1;
     c->sb = PyMem_Malloc(sizeof(long long) * 2 * (size_t)p);
@@ -527,9 +566,12 @@ static PyObject *Group_all_to_all(Group *g, PyObject *const *args, Py_ssize_t na
         Py_DECREF(c);
         return NULL;
     }
-    long long sent = 0;
-    for (int i = 0; i < p; i++)
+    long long sent = 0, got = 0;
+    for (int i = 0; i < p; i++) {
         sent += c->sb[i];
+        got += c->rb[i];
+    }
+    flags_of(c, Py_True, args[10], sent > got ? sent : got);
     c->in_slot = 16LL * p <= g->pay;
     c->packs_data = c->in_slot && sent <= g->pay - 16LL * p;
     c->rounds = 1;
@@ -1136,61 +1178,167 @@ static PyTypeObject CallType = {
     .tp_doc = "one collective call on the MPI engine (the plan protocol of torchhpc.accl.plans)",
 };
 
-/* run(call, seq, timeout_s): the call inline in the caller's thread: pack, exchange, check, data (as
- * inline_mode says: nonblocking calls are started and waited for), finish.  Returns True, or False when
- * the headers disagree (the slots hold every rank's; the caller raises the mismatch).  Raises Expired
- * past the timeout, MPI's exception on an MPI error. */
-static PyObject *Group_run(Group *g, PyObject *const *args, Py_ssize_t nargs) {
-    if (!nargs_is(nargs, 3, "run(call, seq, timeout_s)"))
-        return NULL;
-    if (!PyObject_TypeCheck(args[0], &CallType)) {
-        PyErr_SetString(PyExc_TypeError, "accl core: run() takes a core Call");
-        return NULL;
-    }
-    Call *c = (Call *)args[0];
-    long long seq = PyLong_AsLongLong(args[1]);
-    double timeout = PyFloat_AsDouble(args[2]);
+/* Run ``c`` inline as call ``seq``: pack and exchange the header (when it has one), verified, its data calls
+ * (as inline_mode says: nonblocking calls are started and waited for), finish.  1, or 0 when the headers
+ * disagree (the slots hold every rank's; the caller raises the mismatch), or -1 with Expired set past the
+ * timeout, MPI's exception on an MPI error. */
+static int run_inline(Group *g, Call *c, long long seq, double timeout) {
     int mode = inline_mode(c);
-    if (PyErr_Occurred())
-        return NULL;
     double deadline = -1.0;
     if (c->header) {
         call_pack(c, seq);
         if (hx_start(g) < 0)
-            return NULL;
+            return -1;
         int done = hx_test(g);
         if (done < 0 || (!done && wait_for(g, hx_test_v, g, deadline = now() + timeout) < 0))
-            return NULL;
+            return -1;
         if (!hx_agrees(g, c->compare))
-            Py_RETURN_FALSE;
+            return 0;
         if (call_verified(c) < 0)
-            return NULL;
+            return -1;
     }
     if (deadline < 0)
         deadline = now() + timeout;
     if (c->ck == C_ALLTOALL && !c->in_slot) {  /* the byte matrix by a second all-gather, then its check */
         int done;
         if (matrix_start(c) < 0 || (done = reqs_test(c)) < 0 || (!done && wait_for(g, reqs_test_v, c, deadline) < 0))
-            return NULL;
+            return -1;
         if (a2a_rounds(c, c->mat, 2 * (Py_ssize_t)g->size) < 0)
-            return NULL;
+            return -1;
     }
     if (!c->fused && !(c->ck == C_BARRIER && c->header)) {
         if (call_data(c, mode != NONBLOCKING) < 0)
-            return NULL;
+            return -1;
         if (c->nreq) {
             int done = reqs_test(c);
             if (done < 0 || (!done && wait_for(g, reqs_test_v, c, deadline) < 0))
-                return NULL;
+                return -1;
         }
     }
     if (c->post) {
         PyObject *r = PyObject_CallNoArgs(c->post);
         if (!r)
-            return NULL;
+            return -1;
         Py_DECREF(r);
     }
-    Py_RETURN_TRUE;
+    return 1;
+}
+
+static Call *as_call(PyObject *obj) {
+    if (PyObject_TypeCheck(obj, &CallType))
+        return (Call *)obj;
+    PyErr_SetString(PyExc_TypeError, "accl core: run() takes a core Call");
+    return NULL;
+}
+
+/* run(call, seq, timeout_s): run_inline() for tests and diagnostics; True, or False when the headers disagree */
+static PyObject *Group_run(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Call *c;
+    if (!nargs_is(nargs, 3, "run(call, seq, timeout_s)") || !(c = as_call(args[0])))
+        return NULL;
+    long long seq = PyLong_AsLongLong(args[1]);
+    double timeout = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    int r = run_inline(g, c, seq, timeout);
+    return r < 0 ? NULL : PyBool_FromLong(r);
+}
+
+static PyObject *S_lock, *S_acquire, *S_release, *S_queue, *S_p2p, *S_aborted, *S_timeout_s, *S_hx,
+    *S_inline_failed;
+
+/* 1 when ``ex``'s queue and point-to-point list are empty and it is not aborted, 0 if not, -1 on error */
+static int idle(PyObject *ex) {
+    PyObject *v = PyObject_GetAttr(ex, S_aborted);
+    if (!v)
+        return -1;
+    int ok = v == Py_None;
+    Py_DECREF(v);
+    for (int i = 0; ok && i < 2; i++) {
+        v = PyObject_GetAttr(ex, i ? S_p2p : S_queue);
+        if (!v)
+            return -1;
+        Py_ssize_t n = PyObject_Length(v);
+        Py_DECREF(v);
+        if (n < 0)
+            return -1;
+        ok = n == 0;
+    }
+    return ok;
+}
+
+/* run_idle(call, executor): the executor's inline path (torchhpc.accl.executor.Executor.run_core), whole.
+ * Under the executor's lock, when it is idle (nothing queued or in flight, point-to-point included, since
+ * an inline wait cannot progress them; not aborted): takes the next call number and runs ``call``.
+ * Returns None when it completed, NotImplemented when the group is busy (queue the call instead), or the
+ * Work of the failed call from ``executor.inline_failed(call, seq, exc)``, which the lock still covers
+ * (mismatches are raised by ``executor.hx.check(call.compare)``). */
+static PyObject *Group_run_idle(Group *g, PyObject *const *args, Py_ssize_t nargs) {
+    Call *c;
+    if (!nargs_is(nargs, 2, "run_idle(call, executor)") || !(c = as_call(args[0])))
+        return NULL;
+    PyObject *ex = args[1], *res = NULL;
+    PyObject *lock = PyObject_GetAttr(ex, S_lock);
+    if (!lock)
+        return NULL;
+    PyObject *got = PyObject_CallMethodNoArgs(lock, S_acquire);  /* blocks with the GIL released */
+    if (!got) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    Py_DECREF(got);
+    int ok = idle(ex);
+    if (ok <= 0) {
+        res = ok < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+        goto out;
+    }
+    long long seq = g->seq++;
+    PyObject *t = PyObject_GetAttr(ex, S_timeout_s);
+    double timeout = t ? PyFloat_AsDouble(t) : -1.0;
+    Py_XDECREF(t);
+    int r = PyErr_Occurred() ? -1 : run_inline(g, c, seq, timeout);
+    if (r == 0) {  /* the headers disagree: the exchange raises the mismatch, naming the fields */
+        PyObject *hx = PyObject_GetAttr(ex, S_hx);
+        PyObject *chk = hx ? PyObject_CallMethod(hx, "check", "i", c->compare) : NULL;
+        Py_XDECREF(hx);
+        if (chk) {  /* (it found them equal after all: nothing failed) */
+            Py_DECREF(chk);
+            r = 1;
+        }
+    }
+    if (r == 1) {
+        res = Py_NewRef(Py_None);
+        goto out;
+    }
+    /* the failure, as torch expects it: the Work of the failed call, whose wait() raises */
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb)
+        PyException_SetTraceback(value, tb);
+    PyObject *seqo = PyLong_FromLongLong(seq);
+    if (seqo && value)
+        res = PyObject_CallMethodObjArgs(ex, S_inline_failed, (PyObject *)c, seqo, value, NULL);
+    Py_XDECREF(seqo);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+out:;
+    /* release even with an exception set: keep it across the call */
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    PyObject *rel = PyObject_CallMethodNoArgs(lock, S_release);
+    Py_DECREF(lock);
+    if (!rel) {
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(etb);
+        Py_XDECREF(res);
+        return NULL;
+    }
+    Py_DECREF(rel);
+    PyErr_Restore(et, ev, etb);
+    return res;
 }
 
 static PyMethodDef Group_methods[] = {
@@ -1204,7 +1352,9 @@ static PyMethodDef Group_methods[] = {
     {"reduce_scatter", (PyCFunction)(void (*)(void))Group_reduce_scatter, METH_FASTCALL, "a reduce_scatter Call"},
     {"all_to_all", (PyCFunction)(void (*)(void))Group_all_to_all, METH_FASTCALL, "an all_to_all Call"},
     {"barrier", (PyCFunction)(void (*)(void))Group_barrier, METH_FASTCALL, "a barrier Call"},
-    {"run", (PyCFunction)(void (*)(void))Group_run, METH_FASTCALL, "run a Call inline"},
+    {"run", (PyCFunction)(void (*)(void))Group_run, METH_FASTCALL, "run a Call inline as call number seq"},
+    {"run_idle", (PyCFunction)(void (*)(void))Group_run_idle, METH_FASTCALL, "the executor's inline path"},
+    {"flags", (PyCFunction)Group_flags, METH_O, "(header, big) of a collective moving this many bytes"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1262,6 +1412,14 @@ PyMODINIT_FUNC CAT(PyInit_, CORE_NAME)(void) {
     S_max_call_bytes = PyUnicode_InternFromString("max_call_bytes");
     if (!S_engine_calls || !S_sidestep_calls || !S_max_call_bytes)
         return NULL;
+    struct { PyObject **s; const char *v; } names[] = {
+        {&S_lock, "lock"}, {&S_acquire, "acquire"}, {&S_release, "release"}, {&S_queue, "queue"}, {&S_p2p, "p2p"},
+        {&S_aborted, "aborted"}, {&S_timeout_s, "timeout_s"}, {&S_hx, "hx"},
+        {&S_inline_failed, "inline_failed"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!(*names[i].s = PyUnicode_InternFromString(names[i].v)))
+            return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;

@@ -84,11 +84,11 @@ def all_reduce(ex: Executor, ts: list[torch.Tensor], red: Reduction, kind: str) 
     t = ts[0]
     numel = t.numel() if len(ts) == 1 else sum(x.numel() for x in ts)
     nbytes = numel * red.esz
-    header, big = ex.header_needed(mpi, nbytes), nbytes >= ex.big
     kcode = _K[kind]
     if len(ts) == 1 and t.is_cpu and t.is_contiguous():  # the caller's own memory
         post = (lambda: t.div_(p)) if red.avg else None
-        return core.all_reduce(kcode, t, ts, mpi, post, t.data_ptr(), numel, red.core, header, big)
+        return core.all_reduce(kcode, t, ts, mpi, post, t.data_ptr(), numel, red.core, None, None)
+    header, big = core.flags(nbytes)
 
     def make() -> object:
         if len(ts) == 1:
@@ -118,11 +118,11 @@ def all_reduce(ex: Executor, ts: list[torch.Tensor], red: Reduction, kind: str) 
 def broadcast(ex: Executor, t: torch.Tensor, root: int) -> object:
     """broadcast of ``t`` from ``root``."""
     core, mpi, nbytes = ex.core, ex.mpi, t.nbytes
-    header, big = ex.header_needed(mpi, nbytes), nbytes >= ex.big
     dcode = wire.dtype_code(t.dtype)
     if t.is_cpu and t.is_contiguous():
         return core.broadcast(_K_BROADCAST, t, [t], mpi, None, t.data_ptr(), t.numel(), t.element_size(), dcode,
-                              root, header, big)
+                              root, None, None)
+    header, big = core.flags(nbytes)
     is_root = ex.rank == root
 
     def make() -> object:
@@ -138,16 +138,16 @@ def broadcast(ex: Executor, t: torch.Tensor, root: int) -> object:
 
 
 def all_gather(ex: Executor, inp: torch.Tensor, rows: Buffer, deliver: Callable[[torch.Tensor], None] | None,
-               outputs: list, header: bool) -> object:
+               outputs: list) -> object:
     """all_gather of ``inp`` into ``rows`` (p x n contiguous elements: a tensor, or a callable making it
     when the call's turn comes); ``deliver(rows)`` copies it to the caller's outputs when they are not it."""
     core, mpi, p = ex.core, ex.mpi, ex.size
     numel, esz = inp.numel(), inp.element_size()
-    big = numel * esz * p >= ex.big
     dcode = wire.dtype_code(inp.dtype)
     if deliver is None and type(rows) is torch.Tensor and _cpu(rows) and _cpu(inp):
         return core.all_gather(_K_ALL_GATHER, (inp, rows), outputs, mpi, None, inp.data_ptr(), rows.data_ptr(),
-                               numel, esz, dcode, header, big)
+                               numel, esz, dcode, None, None)
+    header, big = core.flags(numel * esz * p)
 
     def make() -> object:
         fused = header and inp.nbytes <= _PAYLOAD
@@ -172,11 +172,11 @@ def reduce_scatter(ex: Executor, out: torch.Tensor, rows: Buffer, red: Reduction
     core, mpi, p = ex.core, ex.mpi, ex.size
     numel = out.numel()
     total = numel * red.esz * p
-    header, big = ex.header_needed(mpi, total), total >= ex.big
     if type(rows) is torch.Tensor and _cpu(rows) and _cpu(out):
         post = (lambda: out.div_(p)) if red.avg else None
         return core.reduce_scatter(_K_REDUCE_SCATTER, (rows, out), [out], mpi, post, rows.data_ptr(), out.data_ptr(),
-                                   numel, red.core, header, big)
+                                   numel, red.core, None, None)
+    header, big = core.flags(total)
 
     def make() -> object:
         src = host(rows if type(rows) is torch.Tensor else rows())
@@ -198,11 +198,11 @@ def all_to_all(ex: Executor, inp: torch.Tensor, out: torch.Tensor, sb: list[int]
     """all_to_all of byte counts ``sb`` (to each rank) and ``rb`` (from each rank); the byte matrix is always
     exchanged (it fixes the rounds and lets every rank check that sends match receives)."""
     core, mpi = ex.core, ex.mpi
-    big = max(sum(sb), sum(rb)) >= ex.big
     dcode = wire.dtype_code(inp.dtype)
     if inp.is_cpu and out.is_cpu and inp.is_contiguous() and out.is_contiguous():
         return core.all_to_all(_K_ALL_TO_ALL, (inp, out), outputs, mpi, deliver, inp.data_ptr(), out.data_ptr(),
-                               dcode, sb, rb, big)
+                               dcode, sb, rb, None)
+    big = core.flags(max(sum(sb), sum(rb)))[1]
 
     def make() -> object:
         src = host(inp)

@@ -4,20 +4,26 @@ The core (``_core.c``) carries the header exchange and the MPI engine's collecti
 built per MPI family, as mpi4py's are, and this module picks the one whose family matches
 ``MPI.Get_library_version()``, checks that both name the same library, and gives it the Python objects
 it raises or calls (MPI's exception, the mismatch error, the inline-timeout signal, the call describer).
+
+The front (``_front.cpp``, one build per torch) reads torch's calls in C++ for the core; :func:`load_front`
+loads it when it was built for the running torch, else says why not (:func:`front_status`).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import warnings
 from types import ModuleType
+
+import torch
 
 from mpi4py import MPI
 
 from ..errors import EngineUnavailableError, MismatchError
 from . import wire
 
-__all__ = ["load", "family", "Expired", "describe_call"]
+__all__ = ["load", "load_front", "front_status", "family", "Expired", "describe_call"]
 
 
 class Expired(Exception):
@@ -66,3 +72,24 @@ def load() -> ModuleType:
             f"`python -m torchhpc.accl.corebuild --force --mpicc <that library's mpicc>`")
     mod.set_hooks(MPI.Exception, MismatchError, Expired, describe_call)
     return mod
+
+
+@functools.cache
+def front_status() -> tuple[ModuleType | None, str]:
+    """The front module (or None) and a line saying which torch it serves or why it is not used."""
+    try:
+        mod = importlib.import_module(f"{__package__}._front")
+    except ImportError as exc:
+        return None, (f"not built ({exc}); accl runs its Python adapter alone. Build it with `make env` or "
+                      "`python -m torchhpc.accl.corebuild --front only`")
+    if mod.torch_version != torch.__version__:
+        why = (f"built for torch {mod.torch_version}, running {torch.__version__}: not loaded. Rebuild it with "
+               "`python -m torchhpc.accl.corebuild --front only --force`")
+        warnings.warn(f"accl: the C++ front was {why}", RuntimeWarning, stacklevel=3)  # once: cached
+        return None, why
+    return mod, f"built for torch {mod.torch_version}"
+
+
+def load_front() -> ModuleType | None:
+    """The C++ front for the running torch, or None (see :func:`front_status`)."""
+    return front_status()[0]

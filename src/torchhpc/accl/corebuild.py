@@ -1,10 +1,15 @@
-"""Build accl's compiled core (``_core.c``) for one MPI family: ``python -m torchhpc.accl.corebuild``.
+"""Build accl's compiled core (``_core.c``) for one MPI family, and its front (``_front.cpp``) for the
+installed torch: ``python -m torchhpc.accl.corebuild``.
 
 The module links the MPI library behind the given ``mpicc``; like mpi4py's per-family MPI modules it is
 named for that family (``_core_openmpi``, ``_core_mpich``), so one installation can hold both and
 :mod:`torchhpc.accl.core` loads the one matching the library mpi4py loaded.  ``make env`` runs this for
 the environment's MPI and for the side prefix of the other wheel; the Spack recipe runs it after install.
-Re-running is cheap: an output newer than the source is kept.
+The front reads torch's tensors and options in C++ (torch's own headers, shipped in its wheel); it links no
+MPI, so one build serves both families, and it is named for nothing but records the torch version it was
+built against (:func:`torchhpc.accl.core.load_front` refuses another; accl then runs its Python adapter
+alone, as where the front was never built).
+Re-running is cheap: an output newer than its source (and, for the front, built for this torch) is kept.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-__all__ = ["build", "family_of", "default_mpicc", "SOURCE"]
+__all__ = ["build", "build_front", "family_of", "default_mpicc", "SOURCE", "FRONT_SOURCE"]
 
 SOURCE = Path(__file__).resolve().parent / "_core.c"
+FRONT_SOURCE = SOURCE.parent / "_front.cpp"
 
 
 def default_mpicc() -> str:
@@ -52,6 +58,19 @@ def family_of(mpicc: str) -> str:
     raise SystemExit(f"accl core build: the MPI behind {mpicc} is neither Open MPI nor MPICH-derived")
 
 
+def _compile(cmd: list[str], out: Path) -> None:
+    """Run ``cmd`` (whose last two words are ``-o <tmp>``) writing a temporary beside ``out``, then move
+    it over ``out`` atomically: ranks or builds racing never load half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([*cmd, "-o", tmp], check=True)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def build(mpicc: str | None = None, dest: Path | None = None, force: bool = False) -> Path:
     """Compile the core with ``mpicc`` into ``dest`` (default: this package); the output's path."""
     mpicc = mpicc or default_mpicc()
@@ -61,16 +80,34 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
     if not force and out.exists() and out.stat().st_mtime >= SOURCE.stat().st_mtime:
         return out
     dest.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name, suffix=".tmp", dir=dest)
-    os.close(fd)
-    cmd = [mpicc, "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", f"-DCORE_NAME=_core_{fam}",
-           f"-I{sysconfig.get_paths()['include']}", str(SOURCE), "-o", tmp]
-    try:
-        subprocess.run(cmd, check=True)
-        os.replace(tmp, out)  # atomic: ranks or builds racing never load half a file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    _compile([mpicc, "-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", f"-DCORE_NAME=_core_{fam}",
+              f"-I{sysconfig.get_paths()['include']}", str(SOURCE)], out)
+    return out
+
+
+def build_front(cxx: str | None = None, dest: Path | None = None, force: bool = False) -> Path:
+    """Compile the front against the importable torch with ``cxx`` (default: ``$CXX``, else ``c++``) into
+    ``dest`` (default: this package); the output's path.  Its stamp file names the torch it was built for."""
+    import torch  # the headers, libraries and ABI flags of the torch this front will run in
+    from torch.utils import cpp_extension
+
+    cxx = cxx or os.environ.get("CXX") or "c++"
+    dest = Path(dest) if dest is not None else SOURCE.parent
+    out = dest / f"_front{sysconfig.get_config_var('EXT_SUFFIX')}"
+    stamp = out.with_name("_front.torch")
+    if (not force and out.exists() and out.stat().st_mtime >= FRONT_SOURCE.stat().st_mtime and stamp.exists()
+            and stamp.read_text().strip() == torch.__version__):
+        return out
+    dest.mkdir(parents=True, exist_ok=True)
+    lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    _compile([cxx, "-O2", "-fPIC", "-shared", "-std=c++20", "-Wall", "-Wextra", "-Werror",
+              "-Wno-missing-field-initializers", "-Wno-unused-parameter",  # (torch's own headers)
+              f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f'-DTORCH_BUILT_FOR="{torch.__version__}"',
+              *(f"-isystem{p}" for p in cpp_extension.include_paths()),
+              f"-I{sysconfig.get_paths()['include']}", str(FRONT_SOURCE),
+              f"-L{lib}", "-ltorch_python", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}"], out)
+    stamp.write_text(torch.__version__ + "\n")
     return out
 
 
@@ -79,8 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mpicc", help="MPI compiler wrapper (default: $MPICC, the venv's, or PATH's)")
     ap.add_argument("--dest", type=Path, help="output directory (default: the torchhpc.accl package)")
     ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    ap.add_argument("--front", choices=("yes", "no", "only"), default="yes",
+                    help="also build the C++ front for the importable torch (default), skip it, or build only it")
+    ap.add_argument("--cxx", help="C++ compiler for the front (default: $CXX, else c++)")
     args = ap.parse_args(argv)
-    print(build(args.mpicc, args.dest, args.force))
+    if args.front != "only":
+        print(build(args.mpicc, args.dest, args.force))
+    if args.front != "no":
+        print(build_front(args.cxx, args.dest, args.force))
     return 0
 
 

@@ -44,8 +44,9 @@ from .work import AcclWork, Op
 
 __all__ = ["Executor", "mode_for", "FALLBACK"]
 
-#: what :meth:`Executor.run_core` returns when the group is busy: queue the call instead
-FALLBACK = object()
+#: what :meth:`Executor.run_core` returns when the group is busy: queue the call instead (the core's
+#: ``run_idle`` says so with Python's own "not handled here")
+FALLBACK = NotImplemented
 
 # MPI error classes meaning "a peer process died" (ULFM, standard in MPI 5; absent names are skipped)
 _PEER_FAILED = frozenset(getattr(MPI, n) for n in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING", "ERR_REVOKED")
@@ -88,12 +89,12 @@ class Executor:
         self.core = mod.Group(self.mpi.coll.handle, self.ctl.handle, wire.HEADER_BYTES, wire.PAYLOAD_BYTES, wire.MAGIC,
                               self.seg, self.stats, Backoff.SPINS, Backoff.YIELD_S, Backoff.SLEEP_S, Backoff.CAP_S)
         self.core.sidestep = int(self.engine is not self.mpi)
+        self.core.check, self.core.unchecked, self.core.big = int(self.check), self.unchecked_one_call, self.big
         self.core_call = mod.Call  #: the type of the core's calls
         self.hx = HeaderExchange(self.core, name)
         self.lock = threading.Lock()
         self.queue: deque[Op] = deque()  # collectives, issue order
         self.p2p: list[Op] = []  # point-to-point ops in flight, issue order
-        self.seq = 0
         self.aborted: BaseException | None = None
         self.closed = False
         self._thread: threading.Thread | None = None
@@ -126,38 +127,29 @@ class Executor:
 
     def header_needed(self, eng: CollectiveEngine, total_bytes: int) -> bool:
         """Whether a collective moving ``total_bytes`` exchanges the header: always when checked; on an
-        unchecked MPI group when it does not fit one nonblocking call (the header then proves that every
-        rank arrived before the blocking calls)."""
-        return self.check or (eng is self.mpi and total_bytes > self.unchecked_one_call)
+        unchecked MPI group by the core's rule (when it does not fit one nonblocking call: the header then
+        proves that every rank arrived before the blocking calls)."""
+        return self.core.flags(total_bytes)[0] if eng is self.mpi else self.check
 
     # ------------------------------------------------------------------ inline
     def run_core(self, call: Plan) -> AcclWork | None | object:
         """Run the compiled core's synchronous ``call`` (:mod:`.calls`) in the caller's thread, all of it in
-        the core, if the group is idle (else FALLBACK: nothing queued or in flight, point-to-point
-        included, since the core's wait cannot progress them).  Returns None on success, else the failed
-        call's Work (its ``wait()`` raises)."""
-        lock = self.lock
-        lock.acquire()
-        try:
-            if self.queue or self.p2p or self.aborted is not None:
-                return FALLBACK
-            seq = self.seq
-            self.seq = seq + 1
-            try:
-                if not self.core.run(call, seq, self.timeout_s):
-                    self.hx.check(call.compare)  # the headers disagree: raise the mismatch
-                return None
-            except core.Expired:
-                ABANDONED.append(([call], None))  # MPI may still complete its requests into its buffers
-                op = Op(call, self.timeout_s, seq=seq)
-                self._abort_locked(op)
-                return AcclWork(self, op)
-            except BaseException as exc:  # noqa: BLE001 - reported through the Work, as torch expects
-                op = Op(call, self.timeout_s, seq=seq)
-                self._fail(op, exc)
-                return AcclWork(self, op)
-        finally:
-            lock.release()
+        the core (``Group.run_idle``), if the group is idle (else FALLBACK: nothing queued or in flight,
+        point-to-point included, since the core's wait cannot progress them).  Returns None on success, else
+        the failed call's Work (its ``wait()`` raises), made by :meth:`inline_failed`."""
+        return self.core.run_idle(call, self)
+
+    def inline_failed(self, call: Plan, seq: int, exc: BaseException) -> AcclWork:
+        """The Work of inline call ``seq`` that raised ``exc`` (called by the core, under the lock): a
+        timeout aborts the group, keeping the call's buffers alive (MPI may still complete its requests
+        into them); any other error fails the call as a queued one would."""
+        op = Op(call, self.timeout_s, seq=seq)
+        if isinstance(exc, core.Expired):
+            ABANDONED.append(([call], None))
+            self._abort_locked(op)
+        else:
+            self._fail(op, exc)
+        return AcclWork(self, op)
 
     # ------------------------------------------------------------------ queued
     def submit(self, plan: Plan, async_op: bool = True, p2p: bool = False) -> AcclWork:
@@ -174,8 +166,8 @@ class Executor:
             else:
                 if not async_op:
                     op.inline_in = threading.get_ident()
-                op.seq = self.seq
-                self.seq += 1
+                op.seq = self.core.seq  # (the core numbers inline calls too)
+                self.core.seq = op.seq + 1
                 self.queue.append(op)
                 if len(self.queue) == 1:
                     self._start(op)

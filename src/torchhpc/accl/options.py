@@ -69,6 +69,8 @@ class AcclOptions:
       every rank arrived before MPI's blocking calls.
     - ``threaded_min_bytes``: collectives moving at least this many bytes run MPI's blocking (tuned)
       algorithms on a worker thread instead of nonblocking ones (faster on Open MPI); still async.
+    - ``front``: read torch's calls in the compiled C++ front where it is built (the common synchronous
+      case skips the Python adapter; off: every call goes through the adapter, to compare or debug).
     - ``progress_interval_us``: polling period of the background progress thread that drives
       ``async_op=True`` operations nobody is waiting on.
     - ``accl_sim_sock``/``accl_start_port``/``accl_xclbin``/``accl_bufsize``/``accl_protocol``:
@@ -84,6 +86,7 @@ class AcclOptions:
     threaded_min_bytes: int = field(
         default_factory=lambda: _env_int("TORCHHPC_ACCL_THREADED_MIN_BYTES", 64 << 10))
     progress_interval_us: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_PROGRESS_US", 100))
+    front: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_FRONT", True))
     accl_sim_sock: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_SIM_SOCK"))
     accl_start_port: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_START_PORT", 5500))
     accl_xclbin: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_XCLBIN"))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import calls, plans
+from . import calls, core, plans, wire
 from .engine import CollectiveEngine
 from .executor import FALLBACK, Executor
 from .header import Reduction
@@ -77,6 +77,30 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._reductions: dict[tuple[torch.dtype, int], Reduction] = {}
         self._sums: dict[torch.dtype, Reduction] = {}  # the SUM entries of _reductions, by dtype
         self._tag_ub = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+        self._front = None
+        if self._ex.engine is self._ex.mpi and self.options.front:
+            front = core.load_front()
+            if front is not None:
+                self._install_front(front)
+
+    def _install_front(self, mod: object) -> None:
+        """Route torch's hottest calls through the C++ front (:mod:`.core`): it reads torch's arguments in
+        C++ and runs the common case (synchronous, contiguous CPU tensors, a dtype and reduction this group
+        has seen) through the core; every other case it hands to this class's method of the same name."""
+        ex = self._ex
+        kinds = tuple(wire.kind_code(k) for k in ("all_reduce", "broadcast", "all_gather", "reduce_scatter",
+                                                   "all_to_all"))
+        f = mod.Front(self, ex, ex.mpi, ex.core, kinds, torch.Tensor)  # type: ignore[attr-defined]
+        for dtype in wire.DTYPES:
+            f.learn_dtype(dtype, wire.dtype_code(dtype))
+        self._front = f
+        # torch calls these by name on the group (from Python, and from C++ through pybind11's override
+        # lookup): the instance's attributes come first
+        self.allreduce = f.entry("all_reduce")
+        self.broadcast = f.entry("broadcast")
+        self.all_gather_single = self._allgather_base = f.entry("all_gather_single")
+        self.reduce_scatter_single = self._reduce_scatter_base = f.entry("reduce_scatter_single")
+        self.all_to_all_single = self.alltoall_base = f.entry("all_to_all_single")
 
     # ----------------------------------------------------------------- identity
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -137,6 +161,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
             red = self._reductions[key] = Reduction(dtype, op, what)
             if op == _SUM:
                 self._sums[dtype] = red
+            if self._front is not None:  # the front takes the pair from now on (not AVG: it divides after)
+                self._front.learn_reduction(dtype, op.value, None if red.avg else red.core)
         return red
 
     def _red_of(self, opts: object, dtype: torch.dtype, what: str) -> Reduction:
@@ -241,9 +267,9 @@ class ProcessGroupACCL(dist.ProcessGroup):
             ex.check_open()
         eng = ex.engine if ex.engine is ex.mpi else self._engine_for("allgather" if kind == "all_gather" else "gather",
                                                                      inp.dtype)
-        header = self.options.check or (kind == "all_gather" and ex.header_needed(eng, inp.nbytes * self._size))
         if kind == "all_gather" and eng is ex.mpi:
-            return calls.all_gather(ex, inp, rows, deliver, outputs, header)  # type: ignore[arg-type]
+            return calls.all_gather(ex, inp, rows, deliver, outputs)  # type: ignore[arg-type]
+        header = self.options.check or (kind == "all_gather" and ex.header_needed(eng, inp.nbytes * self._size))
         return plans.GatherLike(ex, eng, kind, inp, rows, deliver, root, outputs, header)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
