@@ -17,7 +17,6 @@ import warnings
 from types import ModuleType
 
 import torch
-
 from mpi4py import MPI
 
 from ..errors import EngineUnavailableError, MismatchError
