@@ -58,12 +58,16 @@ def _null_group():
 
 
 def _cases():
+    """name -> (accl, raw mpi4py, torch floor or None, accl without its C++ front): one call each."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
+    from torchhpc.accl import AcclOptions
+
     comm = MPI.COMM_WORLD
     null = _null_group()
+    py = dist.new_group([0], backend="accl", pg_options=AcclOptions(front=False))  # the adapter alone
     ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     out: dict[str, tuple] = {}
@@ -75,17 +79,21 @@ def _cases():
         b = o.numpy()
         out[f"all_reduce_{label}"] = (lambda t=t: dist.all_reduce(t),
                                       lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
-                                      lambda t=t: dist.all_reduce(t, group=null))
+                                      lambda t=t: dist.all_reduce(t, group=null),
+                                      lambda t=t: dist.all_reduce(t, group=py))
         out[f"broadcast_{label}"] = (lambda t=t: dist.broadcast(t, 0), lambda a=a: comm.Bcast(a, 0),
-                                     lambda t=t: dist.broadcast(t, 0, group=null))
+                                     lambda t=t: dist.broadcast(t, 0, group=null),
+                                     lambda t=t: dist.broadcast(t, 0, group=py))
         out[f"all_gather_{label}"] = (lambda t=t, o=o: ag(o, t), lambda a=a, b=b: comm.Allgather(a, b),
-                                      lambda t=t, o=o: ag(o, t, group=null))
+                                      lambda t=t, o=o: ag(o, t, group=null), lambda t=t, o=o: ag(o, t, group=py))
         out[f"reduce_scatter_{label}"] = (lambda t=t, o=o: rs(o, t),
                                           lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM),
-                                          lambda t=t, o=o: rs(o, t, group=null))
+                                          lambda t=t, o=o: rs(o, t, group=null),
+                                          lambda t=t, o=o: rs(o, t, group=py))
         out[f"all_to_all_{label}"] = (lambda t=t, o=o: dist.all_to_all_single(o, t),
-                                      lambda a=a, b=b: comm.Alltoall(a, b), None)
-    out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier(), None)
+                                      lambda a=a, b=b: comm.Alltoall(a, b), None,
+                                      lambda t=t, o=o: dist.all_to_all_single(o, t, group=py))
+    out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier(), None, lambda: dist.barrier(group=py))
     return out
 
 
@@ -135,33 +143,33 @@ def main(argv: list[str]) -> int:
     evict = _evictor() if args.cold else empty
     print(f"# accl per-call cost, one rank, us per call{', caches evicted before each call' if args.cold else ''}: "
           f"median [min-max] of {args.repeats} interleaved rounds of {args.iters} calls (src {torchhpc_src()})")
-    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'accl - mpi4py':>13} "
-          f"| {'accl - floor':>12}")
-    for name, (accl, raw, floor) in cases.items():
+    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'accl, no front':>20} "
+          f"| {'accl - mpi4py':>13} | {'accl - floor':>12}")
+    for name, (accl, raw, floor, adapter) in cases.items():
         iters = args.iters if "1MiB" not in name else max(200, args.iters // 50)
         if args.cold:
             if "1MiB" in name:
                 continue  # a 1 MiB call evicts the caches itself
             iters = max(500, iters // 4)
-        fns = [accl, raw, floor or empty, evict]
+        fns = [accl, raw, floor or empty, adapter, evict]
         if args.cold:  # each call after the eviction; the eviction's own time is taken off below
-            fns[:3] = [lambda f=f: (evict(), f()) for f in fns[:3]]
+            fns[:4] = [lambda f=f: (evict(), f()) for f in fns[:4]]
         for fn in fns:
             _time(fn, max(10, iters // 20))
-        times: list[list[float]] = [[], [], [], []]
+        times: list[list[float]] = [[], [], [], [], []]
         for _ in range(args.repeats):
             for ts, fn in zip(times, fns, strict=True):
                 ts.append(_time(fn, iters))
         if args.cold:  # paired by round
-            times = [[t - e for t, e in zip(ts, times[3], strict=True)] for ts in times[:3]]
-        times = times[:3]
-        ma, mr, mf = (statistics.median(ts) for ts in times)
+            times = [[t - e for t, e in zip(ts, times[4], strict=True)] for ts in times[:4]]
+        times = times[:4]
+        ma, mr, mf, _ = (statistics.median(ts) for ts in times)
         cells = [f"{statistics.median(ts):8.2f} [{min(ts):5.2f}-{max(ts):5.2f}]" for ts in times]
         if floor is None:
             cells[2], gap = f"{'-':>20}", f"{'-':>12}"
         else:
             gap = f"{ma - mf:12.2f}"
-        print(f"{name:>20} | {cells[0]} | {cells[1]} | {cells[2]} | {ma - mr:13.2f} | {gap}")
+        print(f"{name:>20} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {ma - mr:13.2f} | {gap}")
     dist.destroy_process_group()
     return 0
 

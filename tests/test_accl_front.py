@@ -111,6 +111,12 @@ def test_front_hands_every_other_case_to_the_adapter(solo, monkeypatch: pytest.M
     assert a2a.n == 2
 
 
+def test_doctor_names_the_front() -> None:
+    from torchhpc import accl
+
+    assert dict(accl.environment_report())["accl C++ front"] == f"built for torch {torch.__version__}"
+
+
 def test_front_off_by_option(monkeypatch: pytest.MonkeyPatch) -> None:
     """TORCHHPC_ACCL_FRONT=0: every call goes through the adapter."""
     import torchhpc.accl  # noqa: F401  (registers "accl")

@@ -35,7 +35,7 @@ __all__ = ["main", "COLLECTIVES", "bus_factor", "mean_call_time"]
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 FULL_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [8, 4 << 10, 1 << 20]
-IMPLS = ("accl", "gloo", "mpi4py")
+IMPLS = ("accl", "accl-py", "gloo", "mpi4py")  # accl-py: accl with AcclOptions(front=False), the adapter alone
 
 
 def bus_factor(coll: str, n: int) -> float:
@@ -60,7 +60,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                     help="interleaved timing rounds per size; the table shows the median round")
     ap.add_argument("--plot", default=None, help="write a PNG of busbw vs size here")
     ap.add_argument("--no-check", action="store_true", help="accl without the cross-rank header check")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="subset of accl,gloo,mpi4py")
+    ap.add_argument("--impls", default="accl,gloo,mpi4py",
+                    help="subset of accl,accl-py,gloo,mpi4py (accl-py: accl without its C++ front)")
     return ap.parse_args(argv)
 
 
@@ -98,45 +99,31 @@ def _runners(coll: str, nbytes: int, n: int, groups: dict, comm) -> dict[str, Ca
     from mpi4py import MPI
 
     numel = max(1, nbytes // 4)
+    per = max(1, numel // n)
     out: dict[str, Callable[[], None]] = {}
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13 name
     reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    if coll == "allreduce":
-        bufs = {k: torch.ones(numel) for k in IMPLS}
-        a = bufs["mpi4py"].numpy()
-        out["accl"] = lambda: dist.all_reduce(bufs["accl"], group=groups["accl"])
-        out["gloo"] = lambda: dist.all_reduce(bufs["gloo"], group=groups["gloo"])
-        out["mpi4py"] = lambda: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM)
-    elif coll == "broadcast":
-        bufs = {k: torch.ones(numel) for k in IMPLS}
-        a = bufs["mpi4py"].numpy()
-        out["accl"] = lambda: dist.broadcast(bufs["accl"], 0, group=groups["accl"])
-        out["gloo"] = lambda: dist.broadcast(bufs["gloo"], 0, group=groups["gloo"])
-        out["mpi4py"] = lambda: comm.Bcast(a, 0)
-    elif coll == "allgather":  # size = output buffer
-        per = max(1, numel // n)
-        ins = {k: torch.ones(per) for k in IMPLS}
-        outs = {k: torch.empty(per * n) for k in IMPLS}
-        out["accl"] = lambda: all_gather(outs["accl"], ins["accl"], group=groups["accl"])
-        out["gloo"] = lambda: all_gather(outs["gloo"], ins["gloo"], group=groups["gloo"])
-        si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
-        out["mpi4py"] = lambda: comm.Allgather(si, so)
-    elif coll == "reduce_scatter":  # size = input buffer
-        per = max(1, numel // n)
-        ins = {k: torch.ones(per * n) for k in IMPLS}
-        outs = {k: torch.empty(per) for k in IMPLS}
-        out["accl"] = lambda: reduce_scatter(outs["accl"], ins["accl"], group=groups["accl"])
-        out["gloo"] = lambda: reduce_scatter(outs["gloo"], ins["gloo"], group=groups["gloo"])
-        si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
-        out["mpi4py"] = lambda: comm.Reduce_scatter_block(si, so, MPI.SUM)
-    elif coll == "alltoall":  # size = send buffer
-        per = max(1, numel // n)
-        ins = {k: torch.ones(per * n) for k in IMPLS}
-        outs = {k: torch.empty(per * n) for k in IMPLS}
-        out["accl"] = lambda: dist.all_to_all_single(outs["accl"], ins["accl"], group=groups["accl"])
-        out["gloo"] = lambda: dist.all_to_all_single(outs["gloo"], ins["gloo"], group=groups["gloo"])
-        si, so = ins["mpi4py"].numpy(), outs["mpi4py"].numpy()
-        out["mpi4py"] = lambda: comm.Alltoall(si, so)
+    # (input, output) element counts; all_gather's size is its output buffer, reduce_scatter's and
+    # all_to_all's their input buffer
+    shapes = {"allreduce": (numel, 0), "broadcast": (numel, 0), "allgather": (per, per * n),
+              "reduce_scatter": (per * n, per), "alltoall": (per * n, per * n)}
+    n_in, n_out = shapes[coll]
+    for impl in IMPLS:  # every implementation its own buffers
+        ins, outs = torch.ones(n_in), torch.empty(n_out)
+        if impl == "mpi4py":
+            a, b = ins.numpy(), outs.numpy()
+            out[impl] = {"allreduce": lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
+                         "broadcast": lambda a=a: comm.Bcast(a, 0),
+                         "allgather": lambda a=a, b=b: comm.Allgather(a, b),
+                         "reduce_scatter": lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM),
+                         "alltoall": lambda a=a, b=b: comm.Alltoall(a, b)}[coll]
+            continue
+        g = groups.get(impl)
+        out[impl] = {"allreduce": lambda t=ins, g=g: dist.all_reduce(t, group=g),
+                     "broadcast": lambda t=ins, g=g: dist.broadcast(t, 0, group=g),
+                     "allgather": lambda i=ins, o=outs, g=g: all_gather(o, i, group=g),
+                     "reduce_scatter": lambda i=ins, o=outs, g=g: reduce_scatter(o, i, group=g),
+                     "alltoall": lambda i=ins, o=outs, g=g: dist.all_to_all_single(o, i, group=g)}[coll]
     return out
 
 
@@ -179,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
     rank, n = comm.Get_rank(), comm.Get_size()
     opts = accl.AcclOptions(check=not args.no_check)
     dist.init_process_group("accl", pg_options=opts)
-    groups = {"accl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    groups = {"accl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo"),
+              "accl-py": dist.new_group(backend="accl", pg_options=accl.AcclOptions(check=not args.no_check,
+                                                                                    front=False))}
     impls = [i for i in args.impls.split(",") if i in IMPLS]
     colls = COLLECTIVES if args.collective == "all" else (args.collective,)
     results: dict[str, list[tuple[int, dict[str, float]]]] = {}

@@ -6,13 +6,15 @@ import importlib.util
 
 import torch
 
+from . import core
 from .mpi_engine import mpi_cuda_aware
 
 __all__ = ["environment_report"]
 
 
 def environment_report() -> list[tuple[str, str]]:
-    """(item, finding) pairs: MPI library, CUDA tensor path (direct or staged), ACCL engine availability."""
+    """(item, finding) pairs: MPI library, CUDA tensor path (direct or staged), the C++ front in use, ACCL
+    engine availability."""
     from mpi4py import MPI
 
     lib = MPI.Get_library_version().strip().replace("\x00", "").splitlines()[0]
@@ -26,4 +28,6 @@ def environment_report() -> list[tuple[str, str]]:
     has_pyaccl = importlib.util.find_spec("pyaccl") is not None
     accl = ("pyaccl installed: engine='accl' usable with TORCHHPC_ACCL_SIM_SOCK or TORCHHPC_ACCL_XCLBIN"
             if has_pyaccl else "pyaccl not installed: only the MPI engine is available")
-    return [("accl MPI library", lib), ("accl CUDA path", cuda), ("accl ACCL engine", accl)]
+    front = core.front_status()[1]
+    return [("accl MPI library", lib), ("accl CUDA path", cuda), ("accl C++ front", front),
+            ("accl ACCL engine", accl)]
