@@ -4,9 +4,9 @@ On one rank MPI's collectives are memory copies at most, so the time per call is
 fixed cost (torch's wrapper, argument checks, plan, header exchange, engine call).  Each case is
 timed in ``--repeats`` interleaved rounds against the raw mpi4py call on numpy buffers;
 the table shows medians and the min-max spread.  The "torch floor"
-column is the same torch call on a Python backend whose method returns at once: what torch's own
-wrapper and its C++-to-Python dispatch cost any Python-level backend (none for barrier and all_to_all,
-whose wrappers cannot take such a backend).  ``--profile CASE`` prints a cProfile of that case instead.
+column is the same torch call on a Python process group whose method returns at once: what torch's own
+Python wrapper (``dist.all_reduce`` and friends, which call such a group's method directly) costs any
+backend reached from Python.  ``--profile CASE`` prints a cProfile of that case instead.
 
 ``--cold`` times every call after a copy of 4 MiB (four times a core's L2 here), as a large collective
 leaves the caches, and subtracts the copy's own time measured in the same rounds: the per-call cost a
@@ -50,8 +50,15 @@ def _null_group():
         def reduce_scatter_single(self, output, input, opts=None):  # noqa: A002
             return None
 
+        def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+            return None
+
+        def barrier(self, opts=None):
+            return None
+
         _allgather_base = all_gather_single
         _reduce_scatter_base = reduce_scatter_single
+        alltoall_base = all_to_all_single
 
     dist.Backend.register_backend("null", lambda store, rank, size, timeout: Null(rank, size), devices=["cpu"])
     return dist.new_group([0], backend="null")
@@ -91,9 +98,11 @@ def _cases():
                                           lambda t=t, o=o: rs(o, t, group=null),
                                           lambda t=t, o=o: rs(o, t, group=py))
         out[f"all_to_all_{label}"] = (lambda t=t, o=o: dist.all_to_all_single(o, t),
-                                      lambda a=a, b=b: comm.Alltoall(a, b), None,
+                                      lambda a=a, b=b: comm.Alltoall(a, b),
+                                      lambda t=t, o=o: dist.all_to_all_single(o, t, group=null),
                                       lambda t=t, o=o: dist.all_to_all_single(o, t, group=py))
-    out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier(), None, lambda: dist.barrier(group=py))
+    out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier(), lambda: dist.barrier(group=null),
+                      lambda: dist.barrier(group=py))
     return out
 
 

@@ -1,0 +1,125 @@
+"""Where accl's extra time on one large collective goes, in steps from raw MPI up to the torch call.
+
+Run under MPI (``mpiexec -n 2 python bench/accl_gap.py [--collective all_to_all] [--bytes 1048576]``).
+In the same job, interleaved rounds time, per call on the slowest rank:
+
+1. ``raw``: the plain mpi4py call on numpy buffers (what ``torchhpc bench`` compares with);
+2. ``raw+header``: the same call after a persistent all-gather of one header slot (``wire.SLOT_BYTES``), the
+   exchange a checked accl call makes first;
+3. ``core``: the core's call made from Python and run by ``Group.run_idle`` (header, check, MPI call);
+4. ``group``: the accl group's method called as torch's wrapper calls it, with ready options (the C++
+   front reading the tensors and options, then the core);
+5. ``torch``: the user's call, ``dist.<collective>`` on the accl group (torch's Python wrapper on top).
+
+Each step's excess over the previous one is that layer's cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "torchhpc" not in sys.modules:
+    sys.path.insert(0, os.environ.get("ACCL_GAP_SRC", str(Path(__file__).resolve().parents[1] / "src")))
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--collective", choices=("all_to_all", "all_gather", "all_reduce"), default="all_to_all")
+    ap.add_argument("--bytes", type=int, default=1 << 20, help="send buffer (all_gather: output buffer) bytes")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--iters", type=int, default=1500)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import torchhpc.accl  # noqa: F401  (registers "accl")
+    from torchhpc.accl import wire
+
+    dist.init_process_group("accl")
+    ex = dist.group.WORLD._ex
+    comm = MPI.COMM_WORLD.Dup()
+    p = comm.Get_size()
+    n = max(p, args.bytes // 4 // p * p)  # float32 elements, a multiple of p
+    coll = args.collective
+    ti = torch.ones(n // p if coll == "all_gather" else n)
+    to = torch.empty(n)
+    si, so = torch.ones(ti.numel()).numpy(), torch.empty(n).numpy()
+    slot_in, slot_all = bytearray(wire.SLOT_BYTES), bytearray(wire.SLOT_BYTES * p)
+    header = comm.Allgather_init([slot_in, MPI.BYTE], [slot_all, MPI.BYTE])
+    kind = wire.kind_code(coll)
+    f32 = wire.dtype_code(torch.float32)
+    red = dist.group.WORLD._red_of(None, torch.float32, "all_reduce")
+
+    raw_call = {"all_to_all": lambda: comm.Alltoall(si, so), "all_gather": lambda: comm.Allgather(si, so),
+                "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, si, MPI.SUM)}[coll]
+
+    def with_header() -> None:
+        header.Start()
+        while not header.Test():
+            pass
+        raw_call()
+
+    def make():  # noqa: ANN202 - the core's Call
+        core = ex.core
+        if coll == "all_to_all":
+            return core.all_to_all(kind, (ti, to), [to], ex.mpi, None, ti.data_ptr(), to.data_ptr(), f32,
+                                   n * 4 // p, n * 4 // p, None)
+        if coll == "all_gather":
+            return core.all_gather(kind, (ti, to), [to], ex.mpi, None, ti.data_ptr(), to.data_ptr(), n // p, 4, f32,
+                                   None, None)
+        return core.all_reduce(kind, ti, [ti], ex.mpi, None, ti.data_ptr(), n, red.core, None, None)
+
+    def core_call() -> None:
+        if ex.core.run_idle(make(), ex) is not None:
+            raise RuntimeError("accl gap bench: the core call did not run inline")
+
+    pg = dist.group.WORLD
+    c10d = dist.distributed_c10d  # (where torch's wrappers take their option types from)
+    opts = {"all_to_all": c10d.AllToAllOptions, "all_gather": c10d.AllgatherOptions,
+            "all_reduce": c10d.AllreduceOptions}[coll]()
+    opts.asyncOp = False
+    group_call = {"all_to_all": lambda: pg.all_to_all_single(to, ti, [], [], opts),
+                  "all_gather": lambda: pg.all_gather_single(to, ti, opts),
+                  "all_reduce": lambda: pg.allreduce([ti], opts)}[coll]
+    torch_call = {"all_to_all": lambda: dist.all_to_all_single(to, ti),
+                  "all_gather": lambda: dist.all_gather_into_tensor(to, ti),
+                  "all_reduce": lambda: dist.all_reduce(ti)}[coll]
+
+    def timed(fn) -> float:  # noqa: ANN001
+        for _ in range(20):
+            fn()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            fn()
+        return comm.allreduce((time.perf_counter() - t0) / args.iters * 1e6, op=MPI.MAX)
+
+    steps = {"raw": raw_call, "raw+header": with_header, "core": core_call, "group": group_call, "torch": torch_call}
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.repeats):
+        for name, fn in steps.items():
+            times[name].append(timed(fn))
+    if comm.Get_rank() == 0:
+        print(f"# {coll}, {n * 4} bytes, {p} ranks: us per call, median [min-max] of {args.repeats} "
+              f"interleaved rounds of {args.iters} calls")
+        prev = None
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            step = "" if prev is None else f"  (+{med - prev:.1f})"
+            print(f"{name:>12} {med:8.1f} [{min(ts):.1f}-{max(ts):.1f}]{step}")
+            prev = med
+    header.Free()
+    dist.destroy_process_group()
+    comm.Free()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
