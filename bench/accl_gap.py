@@ -88,8 +88,9 @@ def main(argv: list[str]) -> int:
     group_call = {"all_to_all": lambda: pg.all_to_all_single(to, ti, [], [], opts),
                   "all_gather": lambda: pg.all_gather_single(to, ti, opts),
                   "all_reduce": lambda: pg.allreduce([ti], opts)}[coll]
+    all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13 name
     torch_call = {"all_to_all": lambda: dist.all_to_all_single(to, ti),
-                  "all_gather": lambda: dist.all_gather_into_tensor(to, ti),
+                  "all_gather": lambda: all_gather(to, ti),
                   "all_reduce": lambda: dist.all_reduce(ti)}[coll]
 
     def timed(fn) -> float:  # noqa: ANN001

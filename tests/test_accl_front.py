@@ -4,6 +4,7 @@ Python adapter; and on a real two-rank launch, the front and the adapter give th
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -178,3 +179,19 @@ def test_front_and_adapter_agree_on_a_real_launch(tmp_path: Path, monkeypatch: p
         assert res.stdout.count(": done") == 2, res.stdout[-4000:]
         outs[front] = sorted(line for line in res.stdout.splitlines() if line.startswith("rank "))
     assert outs["1"] == outs["0"]
+
+
+def test_bench_compares_front_and_adapter_and_splits_the_gap() -> None:
+    """``torchhpc bench --impls accl,accl-py,mpi4py`` times the adapter alone beside the front, and
+    bench/accl_gap.py prints each layer's step, under plain mpiexec -n 2."""
+    root = Path(__file__).resolve().parent.parent
+    res = run_mpi(2, [sys.executable, "-m", "torchhpc", "bench", "alltoall", "--quick", "--max-bytes", "4096",
+                      "--time-per-point", "0.02", "--impls", "accl,accl-py,mpi4py"], timeout=150)
+    assert res.returncode == 0, res.stdout[-4000:]
+    rows = [ln for ln in res.stdout.splitlines() if ln.strip().startswith(("8 B", "4 KiB"))]
+    assert "accl-py time" in res.stdout and len(rows) == 2 and all(ln.count("|") == 4 for ln in rows)
+    res = run_mpi(2, [sys.executable, str(root / "bench" / "accl_gap.py"), "--collective", "all_gather",
+                      "--bytes", "65536", "--repeats", "1", "--iters", "20"], timeout=150)
+    assert res.returncode == 0, res.stdout[-4000:]
+    steps = [m.group(1) for m in re.finditer(r"^\s+(\S+)\s+[\d.]+ \[", res.stdout, re.M)]
+    assert steps == ["raw", "raw+header", "core", "group", "torch"], res.stdout[-2000:]
