@@ -1247,6 +1247,31 @@ static PyObject *Group_run(Group *g, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *S_lock, *S_acquire, *S_release, *S_queue, *S_p2p, *S_aborted, *S_timeout_s, *S_hx,
     *S_inline_failed;
 
+/* The raised exception as one object, cleared (NULL when none), and back (stolen): Python 3.12's API, and
+ * the type/value/traceback triple before it. */
+static PyObject *take_exception(void) {
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (value && tb)
+        PyException_SetTraceback(value, tb);
+    Py_XDECREF(type);
+    Py_XDECREF(tb);
+    return value;
+#endif
+}
+
+static void give_exception(PyObject *exc) {
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
 /* 1 when ``ex``'s queue and point-to-point list are empty and it is not aborted, 0 if not, -1 on error */
 static int idle(PyObject *ex) {
     PyObject *v = PyObject_GetAttr(ex, S_aborted);
@@ -1311,33 +1336,25 @@ static PyObject *Group_run_idle(Group *g, PyObject *const *args, Py_ssize_t narg
         goto out;
     }
     /* the failure, as torch expects it: the Work of the failed call, whose wait() raises */
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    if (tb)
-        PyException_SetTraceback(value, tb);
-    PyObject *seqo = PyLong_FromLongLong(seq);
-    if (seqo && value)
-        res = PyObject_CallMethodObjArgs(ex, S_inline_failed, (PyObject *)c, seqo, value, NULL);
+    PyObject *exc = take_exception();
+    PyObject *seqo = exc ? PyLong_FromLongLong(seq) : NULL;
+    if (seqo)
+        res = PyObject_CallMethodObjArgs(ex, S_inline_failed, (PyObject *)c, seqo, exc, NULL);
     Py_XDECREF(seqo);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
+    Py_XDECREF(exc);
 out:;
     /* release even with an exception set: keep it across the call */
-    PyObject *et, *ev, *etb;
-    PyErr_Fetch(&et, &ev, &etb);
+    PyObject *pending = PyErr_Occurred() ? take_exception() : NULL;
     PyObject *rel = PyObject_CallMethodNoArgs(lock, S_release);
     Py_DECREF(lock);
     if (!rel) {
-        Py_XDECREF(et);
-        Py_XDECREF(ev);
-        Py_XDECREF(etb);
+        Py_XDECREF(pending);
         Py_XDECREF(res);
         return NULL;
     }
     Py_DECREF(rel);
-    PyErr_Restore(et, ev, etb);
+    if (pending)
+        give_exception(pending);
     return res;
 }
 

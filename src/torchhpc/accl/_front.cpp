@@ -89,22 +89,38 @@ PyObject *reduction_of(const Front *f, c10::ScalarType st, int op) {
     return i >= 0 && i < kTypes && op >= 0 && op < kOps ? f->red[i][op] : nullptr;
 }
 
+/* The process group (a new reference), or NULL with an error once it is gone. */
+PyObject *group_of(Front *f) {
+    PyObject *pg;
+#if PY_VERSION_HEX >= 0x030D0000
+    if (PyWeakref_GetRef(f->pg, &pg) < 0)
+        return nullptr;
+#else
+    pg = PyWeakref_GetObject(f->pg);  // borrowed
+    pg = pg == Py_None ? nullptr : Py_NewRef(pg);
+#endif
+    if (!pg && !PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "accl: the process group of this call was destroyed");
+    return pg;
+}
+
 /* The adapter's own method for what the Front leaves: ProcessGroupACCL.<name>(pg, *args, **kw). */
 PyObject *slow(Front *f, Coll which, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PyObject *pg = PyWeakref_GetObject(f->pg);  // borrowed
-    if (pg == Py_None) {
-        PyErr_SetString(PyExc_RuntimeError, "accl: the process group of this call was destroyed");
+    PyObject *pg = group_of(f);
+    if (!pg)
+        return nullptr;
+    PyObject *method = PyObject_GetAttr(reinterpret_cast<PyObject *>(Py_TYPE(pg)), slow_name[which]);
+    if (!method) {
+        Py_DECREF(pg);
         return nullptr;
     }
-    PyObject *method = PyObject_GetAttr(reinterpret_cast<PyObject *>(Py_TYPE(pg)), slow_name[which]);
-    if (!method)
-        return nullptr;
     Py_ssize_t n = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     PyObject *small[8];
     PyObject **argv = n + nkw + 1 <= 8 ? small : static_cast<PyObject **>(PyMem_Malloc(sizeof(PyObject *) *
                                                                                       static_cast<size_t>(n + nkw + 1)));
     if (!argv) {
         Py_DECREF(method);
+        Py_DECREF(pg);
         return PyErr_NoMemory();
     }
     argv[0] = pg;
@@ -114,6 +130,7 @@ PyObject *slow(Front *f, Coll which, PyObject *const *args, size_t nargsf, PyObj
     if (argv != small)
         PyMem_Free(argv);
     Py_DECREF(method);
+    Py_DECREF(pg);
     return r;
 }
 
