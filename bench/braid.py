@@ -254,7 +254,7 @@ def engines_main(args: argparse.Namespace, env: dict) -> None:
     print("| problem | ranks | levels | steps/iter python, xbraid | python ms/iter | xbraid ms/iter | "
           "xbraid / python (range) |")
     print("|---|---|---|---|---|---|---|")
-    from torchhpc.mpirun import mpiexec_argv
+    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
 
     for problem in args.problems:
         for p in args.ranks:
@@ -262,7 +262,8 @@ def engines_main(args: argparse.Namespace, env: dict) -> None:
                                    str(args.steps), "--levels", str(args.levels), "--cfactor", str(args.cfactor),
                                    "--iters", str(args.iters), "--rounds", str(args.rounds), "--channels",
                                    str(args.channels), "--batch", str(args.batch)])
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            out = subprocess.run(cmd, env=local_job_env(env, oversubscribed=p > available_cores()),
+                                 capture_output=True, text=True, timeout=900)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)), None)
             if out.returncode != 0 or line is None:
                 sys.exit(f"worker failed ({' '.join(cmd)}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
@@ -309,9 +310,9 @@ def main() -> None:
         args.depths, args.ranks, args.reps = [32], [1, 2], 1
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from torchhpc.mpirun import local_job_env, mpiexec_argv
+    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
 
-    env = local_job_env()
+    env = local_job_env(oversubscribed=False)  # (yield-when-idle is added per launch, only when oversubscribed)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1] / "src"),
@@ -326,7 +327,8 @@ def main() -> None:
                                    str(args.levels), "--cfactor", str(args.cfactor), "--iters",
                                    str(args.iters), "--tol", str(args.tol), "--channels",
                                    str(args.channels), "--batch", str(args.batch), "--reps", str(args.reps)])
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+            out = subprocess.run(cmd, env=local_job_env(env, oversubscribed=p > available_cores()),
+                                 capture_output=True, text=True, timeout=900)
             line = next((ln for ln in out.stdout.splitlines() if ln.startswith(RESULT)), None)
             if out.returncode != 0 or line is None:
                 sys.exit(f"worker failed ({' '.join(cmd)}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")

@@ -278,9 +278,9 @@ def sampling_bench(args: argparse.Namespace) -> list[dict]:
 
 # --------------------------------------------------------------------------- driver
 def run_ranks(n: int, args: argparse.Namespace) -> dict:
-    from torchhpc.mpirun import local_job_env, mpiexec_argv
+    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
 
-    env = local_job_env()
+    env = local_job_env(oversubscribed=n > available_cores())
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)

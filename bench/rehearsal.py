@@ -240,9 +240,9 @@ def fetch_rounds(args: argparse.Namespace, comm, buf, batch) -> dict:
 
 def launch(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from torchhpc.mpirun import local_job_env, mpiexec_argv
+    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
 
-    env = local_job_env()
+    env = local_job_env(oversubscribed=False)  # (yield-when-idle is added per launch, only when oversubscribed)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.setdefault("OMPI_MCA_osc", "^ucx")  # no UCX network here; silences its failed probe
@@ -251,7 +251,8 @@ def launch(args: argparse.Namespace) -> None:
     for nranks in args.ranks:
         cmd = mpiexec_argv(nranks, [sys.executable, str(Path(__file__).resolve()), "--worker",
                                     *worker_args(args)])
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, env=local_job_env(env, oversubscribed=nranks > available_cores()),
+                              capture_output=True, text=True, timeout=args.timeout)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if proc.returncode != 0 or line is None:
             sys.exit(f"benchmark at {nranks} ranks failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}"
