@@ -6,7 +6,10 @@ calling rank (tensor counts, dtypes, sizes, roots, tags, op/dtype pairs; a bad o
 :mod:`.p2p`) and hands it to the group's :class:`~.executor.Executor`, which runs it inline (a
 synchronous call of contiguous CPU tensors on an idle group) or queued.  On the MPI engine the
 collectives are the compiled core's calls (:mod:`.calls`).  Wire behaviour, ordering, timeouts and
-failures live there, once.
+failures live there, once.  Where the C++ front is built (``_front.cpp``, :func:`.core.load_front`), a
+group's ``allreduce``, ``broadcast``, ``all_gather_single``, ``reduce_scatter_single`` and
+``all_to_all_single`` are the front's: it reads torch's arguments in C++, runs the common synchronous case
+through the core, and hands every other call to the method of this class.
 """
 
 from __future__ import annotations
