@@ -92,8 +92,8 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return [s for s in sizes if lo <= s <= hi]
 
 
-def _runners(coll: str, nbytes: int, n: int, groups: dict, comm) -> dict[str, Callable[[], None]]:
-    """One callable per implementation doing one ``coll`` of ``nbytes`` (float32)."""
+def _runners(coll: str, nbytes: int, n: int, groups: dict, comm, impls: list[str]) -> dict[str, Callable[[], None]]:
+    """One callable per implementation in ``impls`` doing one ``coll`` of ``nbytes`` (float32)."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -108,7 +108,7 @@ def _runners(coll: str, nbytes: int, n: int, groups: dict, comm) -> dict[str, Ca
     shapes = {"allreduce": (numel, 0), "broadcast": (numel, 0), "allgather": (per, per * n),
               "reduce_scatter": (per * n, per), "alltoall": (per * n, per * n)}
     n_in, n_out = shapes[coll]
-    for impl in IMPLS:  # every implementation its own buffers
+    for impl in impls:  # every implementation its own buffers
         ins, outs = torch.ones(n_in), torch.empty(n_out)
         if impl == "mpi4py":
             a, b = ins.numpy(), outs.numpy()
@@ -166,10 +166,13 @@ def run(args: argparse.Namespace) -> int:
     rank, n = comm.Get_rank(), comm.Get_size()
     opts = accl.AcclOptions(check=not args.no_check)
     dist.init_process_group("accl", pg_options=opts)
-    groups = {"accl": dist.group.WORLD, "gloo": dist.new_group(backend="gloo"),
-              "accl-py": dist.new_group(backend="accl", pg_options=accl.AcclOptions(check=not args.no_check,
-                                                                                    front=False))}
     impls = [i for i in args.impls.split(",") if i in IMPLS]
+    groups = {"accl": dist.group.WORLD}  # (every rank parses the same --impls: the groups match)
+    if "gloo" in impls:
+        groups["gloo"] = dist.new_group(backend="gloo")
+    if "accl-py" in impls:
+        groups["accl-py"] = dist.new_group(backend="accl", pg_options=accl.AcclOptions(check=not args.no_check,
+                                                                                       front=False))
     colls = COLLECTIVES if args.collective == "all" else (args.collective,)
     results: dict[str, list[tuple[int, dict[str, float]]]] = {}
     for coll in colls:
@@ -177,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         repeats = 1 if args.quick else args.repeats
         budget = args.time_per_point / repeats
         for size in _sizes(args):
-            runners = _runners(coll, size, n, groups, comm)
+            runners = _runners(coll, size, n, groups, comm, impls)
             rounds: dict[str, list[float]] = {impl: [] for impl in impls}
             for _ in range(repeats):  # interleaved: slow phases of a shared machine hit every impl
                 for impl in impls:

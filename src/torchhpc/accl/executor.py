@@ -81,7 +81,6 @@ class Executor:
         self.seg = options.max_segment_bytes
         self.big = options.threaded_min_bytes
         self.check = options.check  # exchange the consistency header before every collective
-        self.unchecked_one_call = min(self.seg, self.big - 1)  # unchecked: no header up to this size
         #: engine calls made, calls sidestepped to MPI, the largest bytes of one call (the core counts its own)
         self.stats = {"engine_calls": 0, "sidestep_calls": 0, "max_call_bytes": 0}
         mod = core.load()
@@ -89,7 +88,8 @@ class Executor:
         self.core = mod.Group(self.mpi.coll.handle, self.ctl.handle, wire.HEADER_BYTES, wire.PAYLOAD_BYTES, wire.MAGIC,
                               self.seg, self.stats, Backoff.SPINS, Backoff.YIELD_S, Backoff.SLEEP_S, Backoff.CAP_S)
         self.core.sidestep = int(self.engine is not self.mpi)
-        self.core.check, self.core.unchecked, self.core.big = int(self.check), self.unchecked_one_call, self.big
+        self.core.check, self.core.big = int(self.check), self.big
+        self.core.unchecked = min(self.seg, self.big - 1)  # unchecked: no header up to this size (one call)
         self.core_call = mod.Call  #: the type of the core's calls
         self.hx = HeaderExchange(self.core, name)
         self.lock = threading.Lock()

@@ -198,16 +198,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         if type(t) is not torch.Tensor or t.is_sparse:  # (the exact-type test is the cheap one)
             t = _one(tensors, "all_reduce")
         red = self._red_of(opts, t.dtype, "all_reduce")
-        ex = self._ex
-        if ex.engine is not ex.mpi or ex.aborted is not None:
-            return self._run(self._allreduce_plan([t], red, "all_reduce"), opts)
-        call = calls.all_reduce(ex, tensors if type(tensors) is list else [t], red, "all_reduce")
-        # (the hottest call: _run spelled out; the engine is MPI here)
-        if opts is not None and not opts.asyncOp and type(call) is ex.core_call:
-            done = ex.run_core(call)
-            if done is not FALLBACK:
-                return done  # type: ignore[return-value]
-        return self._submit(call, _async(opts))
+        return self._run(self._allreduce_plan([t], red, "all_reduce"), opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> AcclWork:
         if not tensors:
