@@ -71,6 +71,35 @@ doctor: $(PY) ## Check this environment for distributed training (torchhpc docto
 clean-env: ## Remove the local venv
 	rm -rf "$(VENV)"
 
+# ---- virtual cluster: utils/vcluster/vcluster.sh (root; Linux namespaces; docs/vcluster.md) -----------
+# NODES namespaced nodes on this host joined by a bridge, a real Slurm across them.  CMD='...' for
+# cluster-exec; RATE=10gbit|1gbit|none for cluster-link; NODE=nodeK for cluster-shell.
+NODES ?= 2
+RATE  ?= none
+NODE  ?= node1
+VCLUSTER  = VENV="$(VENV)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)" bash utils/vcluster/vcluster.sh
+
+.PHONY: cluster-up cluster-down cluster-exec cluster-shell cluster-status cluster-link
+
+cluster-up: $(PY) ## A virtual cluster of NODES=2 nodes (namespaces) on this host, Slurm across them (root)
+	@$(VCLUSTER) up "$(NODES)"
+
+cluster-down: ## Stop the virtual cluster; remove every namespace, link and file it made
+	@$(VCLUSTER) down
+
+cluster-exec: ## Run CMD='...' on the virtual cluster's node1 as a user on a login node would
+	@[[ -n "$${CMD:-}" ]] || { echo "usage: make cluster-exec CMD='srun -N 2 hostname'" >&2; exit 2; }
+	@$(VCLUSTER) exec bash -c "$$CMD"
+
+cluster-shell: ## An interactive login shell on the virtual cluster's NODE=node1
+	@$(VCLUSTER) shell "$(NODE)"
+
+cluster-status: ## The virtual cluster's nodes, addresses and sinfo
+	@$(VCLUSTER) status
+
+cluster-link: ## Shape every virtual node's link to RATE=10gbit|1gbit|... with tc (none: unshaped)
+	@$(VCLUSTER) link "$(RATE)"
+
 # ---- cluster builds: config_env.sh, utils/sites/<site>.sh, utils/pytorch_versions.tsv ----------------
 # SITE=<profile> picks a site (default: detected, else generic).  DRY_RUN=1 prints every command, job
 # script and submit line instead of running it.  PBS_ACCOUNT, PBS_QUEUE, PBS_SELECT_BUILD,

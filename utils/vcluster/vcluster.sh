@@ -1,0 +1,299 @@
+#!/usr/bin/env bash
+# A virtual cluster on this host: N nodes, each a Linux network + UTS + mount namespace (its own hostname,
+# its own /tmp, /dev/shm and /run, one address on a veth joined to the others by a bridge), with a real
+# Slurm across them (munged on every node, slurmctld on node1, one slurmd per node).  The project's
+# directory stays shared, like a cluster's parallel file system.  Needs root, iproute2 and util-linux.
+#
+#   vcluster.sh up N          build N nodes and start Slurm (a no-op when the same cluster is up and healthy)
+#   vcluster.sh down          stop everything and remove every namespace, link and file it made
+#   vcluster.sh exec [-n NODE] CMD...
+#                             run CMD on NODE (default node1) as a user on a login node would: Slurm's
+#                             clients and the project's venv on PATH, the project's directory as cwd
+#   vcluster.sh shell [NODE]  an interactive login shell there
+#   vcluster.sh status        the nodes, their addresses and `sinfo`
+#   vcluster.sh link RATE     shape every node's link with tc's token bucket (e.g. 10gbit, 1gbit; `none` clears)
+#   vcluster.sh kill-node NODE
+#                             a node failure: its link is cut and every process in it killed
+#
+# Variables: VCLUSTER_DIR (shared state, default $TORCHHPC_PREFIX/vcluster or build/vcluster), VENV (.venv),
+# VCLUSTER_SUBNET (first three octets, default 10.212.0), VCLUSTER_CPUS (CPUs each node declares to
+# Slurm, default this host's core count).  Inside the cluster `ssh NODE CMD` enters NODE the same way
+# (bin/ssh in the state directory), so `mpiexec --host node1:2,node2:2` launches across nodes.
+set -Eeuo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+prefix=${TORCHHPC_PREFIX:-$repo/build}
+dir=${VCLUSTER_DIR:-$prefix/vcluster}
+venv=${VENV:-.venv}
+[[ "$venv" = /* ]] || venv="$repo/$venv"
+subnet=${VCLUSTER_SUBNET:-10.212.0}
+ns_prefix=torchhpc
+switch_ns=$ns_prefix-switch
+
+die() { printf 'vcluster: error: %s\n' "$*" >&2; exit 1; }
+say() { printf 'vcluster: %s\n' "$*" >&2; }
+
+# Nodes of the cluster that is up, in order (from the state directory).
+nodes() { [[ -f "$dir/nodes.list" ]] && cat "$dir/nodes.list"; return 0; }
+
+node_pid() {
+  local pid
+  pid=$(cat "$dir/nodes/$1.pid" 2>/dev/null) || die "no node '$1' in the virtual cluster (have: $(nodes | xargs))"
+  [[ -d /proc/$pid ]] || die "node '$1' is down (its namespace holder $pid is gone)"
+  printf '%s\n' "$pid"
+}
+
+# enter NODE CMD...: run CMD inside NODE's namespaces with a login environment.
+enter() {
+  local pid
+  pid=$(node_pid "$1")
+  shift
+  nsenter -t "$pid" -n -u -m -- env -i HOME="${HOME:-/root}" TERM="${TERM:-dumb}" LANG=C.UTF-8 \
+    bash -c '. "$0" && cd "$1" && shift && exec "$@"' "$dir/profile.sh" "$repo" "$@"
+}
+
+preflight() {
+  [[ $(id -u) -eq 0 ]] || die "needs root (network namespaces, mounts, slurmd); run as root or skip"
+  local tool
+  for tool in ip nsenter unshare tc; do command -v "$tool" >/dev/null || die "'$tool' not found (iproute2, util-linux)"; done
+  for tool in munged slurmctld slurmd sinfo; do
+    command -v "$tool" >/dev/null || die "'$tool' not found: apt-get install slurm-wlm munge"
+  done
+  [[ -x "$venv/bin/python" ]] || die "no venv at $venv: run 'make env' first"
+  ip netns add "$ns_prefix-probe" 2>/dev/null || die "cannot create a network namespace here (ip netns add)"
+  ip netns del "$ns_prefix-probe"
+}
+
+write_files() {
+  local n=$1 i cpus=${VCLUSTER_CPUS:-$(nproc)}
+  mkdir -p "$dir"/{nodes,log,bin,slurm/state,munge}
+  chmod 0700 "$dir/munge"
+  : >"$dir/nodes.list"
+  {
+    printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n'
+    for ((i = 1; i <= n; i++)); do printf '%s.%d\tnode%d\n' "$subnet" "$i" "$i"; done
+  } >"$dir/hosts"
+  for ((i = 1; i <= n; i++)); do echo "node$i" >>"$dir/nodes.list"; done
+  [[ -f "$dir/munge/munge.key" ]] || { head -c 1024 /dev/urandom >"$dir/munge/munge.key"; chmod 0400 "$dir/munge/munge.key"; }
+  ln -sfn "$here/ssh" "$dir/bin/ssh"
+  # The login environment of every node: what a site's /etc/profile.d and the user's ~/.bashrc would set.
+  cat >"$dir/profile.sh" <<EOF
+# torchhpc virtual cluster: login environment (written by utils/vcluster/vcluster.sh)
+export PATH="$dir/bin:$venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+export VIRTUAL_ENV="$venv"
+export SLURM_CONF="$dir/slurm.conf"
+export TORCHHPC_VCLUSTER="$dir"
+# Open MPI refuses root without these; the nodes share this host's cores, so nothing is bound to a core.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export PRTE_MCA_hwloc_default_binding_policy=none
+EOF
+  {
+    cat <<EOF
+# torchhpc virtual cluster: $n nodes (written by utils/vcluster/vcluster.sh)
+ClusterName=torchhpc-vc
+SlurmctldHost=node1($subnet.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+StateSaveLocation=$dir/slurm/state
+SlurmdSpoolDir=/run/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=$dir/log/slurmctld.log
+SlurmdLogFile=$dir/log/slurmd-%n.log
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+ReturnToService=2
+SlurmdTimeout=10
+KillWait=5
+MinJobAge=600
+EOF
+    for ((i = 1; i <= n; i++)); do
+      printf 'NodeName=node%d NodeAddr=%s.%d CPUs=%d State=UNKNOWN\n' "$i" "$subnet" "$i" "$cpus"
+    done
+    printf 'PartitionName=vc Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4\n'
+  } >"$dir/slurm.conf"
+}
+
+# Runs inside a new UTS + mount namespace (see make_node): the node's own hostname, /tmp, /dev/shm, /run
+# and /etc/hosts; then it holds the namespaces open.
+node_init() {
+  local name=$1
+  hostname "$name"
+  mount --make-rprivate /
+  mount -t tmpfs -o mode=1777 tmpfs /tmp
+  mount -t tmpfs -o mode=1777 tmpfs /dev/shm
+  mount -t tmpfs -o mode=0755 tmpfs /run
+  mkdir -p /run/munge /run/slurmd
+  # /sys of this node's network namespace (its /sys/class/net), keeping the host's cgroup mounts for slurmd
+  mkdir /tmp/.sys
+  mount -t sysfs sysfs /tmp/.sys
+  if [[ -d /sys/fs/cgroup ]]; then mount --rbind /sys/fs/cgroup /tmp/.sys/fs/cgroup; fi
+  umount -l /sys
+  mount --move /tmp/.sys /sys
+  rmdir /tmp/.sys 2>/dev/null || true
+  mount --bind "$dir/hosts" /etc/hosts
+  echo $$ >"$dir/nodes/$name.pid"
+  exec sleep infinity
+}
+
+make_node() {
+  local i=$1 name="node$1" ns="$ns_prefix-node$1"
+  ip netns add "$ns"
+  ip -n "$switch_ns" link add "port$i" type veth peer name eth0 netns "$ns"
+  ip -n "$switch_ns" link set "port$i" master br0 up
+  ip -n "$ns" link set lo up
+  ip -n "$ns" addr add "$subnet.$i/24" dev eth0
+  ip -n "$ns" link set eth0 up
+  rm -f "$dir/nodes/$name.pid"
+  setsid nsenter --net="/run/netns/$ns" unshare --uts --mount --fork \
+    bash "$here/vcluster.sh" _node-init "$name" </dev/null >"$dir/log/$name.init.log" 2>&1 &
+  wait_for "node $name" 10 test -s "$dir/nodes/$name.pid"
+}
+
+# wait_for WHAT SECONDS CMD...: poll CMD (0.1 s growing to 1 s) until it succeeds; fail after SECONDS.
+wait_for() {
+  local what=$1 limit=$2 interval=0.1 start=$SECONDS
+  shift 2
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS - start < limit)) || { say "$what: not ready after ${limit}s"; return 1; }
+    sleep "$interval"
+    interval=$(awk -v i="$interval" 'BEGIN { i *= 2; print (i > 1 ? 1 : i) }')
+  done
+}
+
+sinfo_idle() {
+  local n
+  n=$(enter node1 sinfo -h -N -t idle -o '%N' | sort -u | wc -l)
+  [[ "$n" -eq $(nodes | wc -l) ]]
+}
+
+start_slurm() {
+  local node
+  for node in $(nodes); do
+    enter "$node" munged --force --key-file="$dir/munge/munge.key" --log-file="$dir/log/munged-$node.log" \
+      --seed-file=/run/munge/seed
+  done
+  for node in $(nodes); do wait_for "munged on $node" 15 enter "$node" test -S /run/munge/munge.socket.2; done
+  enter node1 slurmctld -i
+  for node in $(nodes); do enter "$node" slurmd; done
+  wait_for "all nodes idle in sinfo" 60 sinfo_idle
+}
+
+healthy() {
+  local node
+  [[ -f "$dir/nodes.list" && $(nodes | wc -l) -eq $1 ]] || return 1
+  for node in $(nodes); do [[ -d /proc/$(cat "$dir/nodes/$node.pid" 2>/dev/null || echo none) ]] || return 1; done
+  sinfo_idle 2>/dev/null
+}
+
+cmd_up() {
+  local n=${1:-2} i
+  [[ "$n" =~ ^[0-9]+$ && "$n" -ge 1 && "$n" -le 64 ]] || die "NODES must be a whole number from 1 to 64, got '$n'"
+  preflight
+  if healthy "$n"; then say "already up: $n nodes, all idle"; cmd_status; return 0; fi
+  cmd_down quiet
+  trap 'say "bring-up failed; logs:"; tail -n 15 "$dir"/log/*.log >&2 || true; cmd_down quiet' ERR
+  write_files "$n"
+  ip netns add "$switch_ns"
+  ip -n "$switch_ns" link add br0 type bridge
+  ip -n "$switch_ns" link set br0 up
+  for ((i = 1; i <= n; i++)); do make_node "$i"; done
+  start_slurm
+  trap - ERR
+  say "up: $n nodes"
+  cmd_status
+}
+
+# kill_ns NS: SIGKILL every process in network namespace NS until none is left.
+kill_ns() {
+  local tries pids
+  for tries in 1 2 3 4 5 6 7 8 9 10; do
+    pids=$(ip netns pids "$1" 2>/dev/null | xargs) || true
+    [[ -z "$pids" ]] && return 0
+    # shellcheck disable=SC2086  # a list of pids
+    kill -KILL $pids 2>/dev/null || true
+    sleep 0.2
+  done
+  say "processes still in $1 after SIGKILL: $pids"
+}
+
+cmd_down() {
+  local ns
+  for ns in $(ip netns list 2>/dev/null | awk -v p="$ns_prefix-" 'index($1, p) == 1 { print $1 }'); do
+    kill_ns "$ns"
+    ip netns del "$ns"
+  done
+  rm -rf "$dir"
+  [[ "${1:-}" == quiet ]] || say "down"
+}
+
+cmd_status() {
+  local node
+  [[ -f "$dir/nodes.list" ]] || { say "no virtual cluster is up"; return 1; }
+  for node in $(nodes); do
+    printf '%-8s %s  %s\n' "$node" "$(awk -v n="$node" '$2 == n { print $1 }' "$dir/hosts")" \
+      "$(ip -n "$ns_prefix-$node" -br link show eth0 2>/dev/null | awk '{ print $2 }')"
+  done
+  enter node1 sinfo
+}
+
+cmd_link() {
+  local rate=${1:?usage: vcluster.sh link RATE|none} node bytes burst
+  [[ -f "$dir/nodes.list" ]] || die "no virtual cluster is up"
+  for node in $(nodes); do
+    if [[ "$rate" == none ]]; then
+      tc -n "$ns_prefix-$node" qdisc del dev eth0 root 2>/dev/null || true
+      continue
+    fi
+    bytes=$(rate_bytes "$rate") || die "RATE must look like 10gbit, 1gbit or 500mbit, got '$rate'"
+    # A bucket of 4 ms at the rate (at least 256 KiB: veth hands tc 64 KiB GSO segments); 50 ms of queue.
+    burst=$((bytes / 250 > 262144 ? bytes / 250 : 262144))
+    tc -n "$ns_prefix-$node" qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
+  done
+  say "links: ${rate}"
+}
+
+# rate_bytes RATE: bytes per second of a tc rate written as <number><kbit|mbit|gbit>.
+rate_bytes() {
+  [[ "$1" =~ ^([0-9]+)(kbit|mbit|gbit)$ ]] || return 1
+  local -A mult=([kbit]=125 [mbit]=125000 [gbit]=125000000)
+  echo $((BASH_REMATCH[1] * mult[${BASH_REMATCH[2]}]))
+}
+
+cmd_kill_node() {
+  local node=${1:?usage: vcluster.sh kill-node NODE}
+  node_pid "$node" >/dev/null
+  ip -n "$switch_ns" link set "port${node#node}" down  # the link first: peers see silence, not a reset
+  kill_ns "$ns_prefix-$node"
+  say "$node: link cut, every process killed"
+}
+
+main() {
+  local cmd=${1:-}
+  shift || true
+  case "$cmd" in
+    up) cmd_up "$@" ;;
+    down) cmd_down ;;
+    status) cmd_status ;;
+    link) cmd_link "$@" ;;
+    kill-node) cmd_kill_node "$@" ;;
+    exec)
+      local node=node1
+      if [[ "${1:-}" == -n ]]; then node=$2; shift 2; fi
+      [[ $# -gt 0 ]] || die "usage: vcluster.sh exec [-n NODE] CMD..."
+      enter "$node" "$@" ;;
+    shell) enter "${1:-node1}" bash -i ;;
+    _node-init) node_init "$@" ;;
+    *) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//' >&2; [[ -z "$cmd" ]] || exit 2 ;;
+  esac
+}
+
+main "$@"
