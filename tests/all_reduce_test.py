@@ -11,6 +11,8 @@ busbw = algbw * 2(n-1)/n, the ring all-reduce bus bandwidth, comparable across r
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -94,10 +96,15 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    # nccl-tests' placement lines: where every rank runs (one line per rank, printed by rank 0)
+    hosts: list = [None] * n
+    dist.all_gather_object(hosts, (socket.gethostname(), os.getpid()))
     if rank == 0:
         print(f"# torchhpc all_reduce_test: backend {args.backend}, {n} ranks, device {device.type}, "
               f"launcher {info.launcher}, {info.local_size} ranks per node")
         print(f"# {versions()}")
+        for r, (host, pid) in enumerate(hosts):
+            print(f"#  Rank {r:>3} Pid {pid:>7} on {host:>12} device {device}")
         print("#")
         print(f"# {'size':>12} {'count':>12} {'type':>9} {'redop':>6} {'time':>10} {'algbw':>8} {'busbw':>8} "
               f"{'#wrong':>7}")

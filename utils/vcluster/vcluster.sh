@@ -87,6 +87,8 @@ export TORCHHPC_VCLUSTER="$dir"
 # Open MPI refuses root without these; the nodes share this host's cores, so nothing is bound to a core.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_hwloc_default_binding_policy=none
+# Ethernet, no RDMA: the wheel's UCX one-sided component finds no transport and says so loudly (osc/rdma is used)
+export OMPI_MCA_osc=^ucx
 EOF
   {
     cat <<EOF

@@ -1,0 +1,311 @@
+"""Every runtime path across nodes, on a 4-node virtual cluster (utils/vcluster/vcluster.sh, `make cluster-up`).
+
+Each node is a network + UTS + mount namespace of this host (its own hostname, /tmp, /dev/shm, an address on a
+veth behind a bridge) with a real Slurm across them.  Jobs are launched as users launch: `mpiexec --host ...`
+or `--hostfile` (the cluster's `ssh` enters the node), `srun --mpi=pmix` and `mpiexec` inside `sbatch -N 2`.
+Ranks on different nodes share no memory, so everything between them crosses the bridge over TCP.  The
+module skips, saying why, where the cluster cannot be built (not root, no Slurm, no network namespaces).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _mpijob import STACKS_MARGIN, inner_pytest_argv, kill_session
+
+from torchhpc.mpirun import side_mpich
+
+ROOT = Path(__file__).resolve().parents[1]
+VCLUSTER = ROOT / "utils" / "vcluster" / "vcluster.sh"
+NODES = 4
+PYTHON = "python"  # the venv's, first on the nodes' PATH
+# what every rank needs beyond the login environment: the tests' helpers, one thread per rank (2 cores here)
+RANK_ENV = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+
+
+class Cluster:
+    """The running virtual cluster: commands on its login node, and MPI jobs launched across it."""
+
+    def __init__(self, state: Path) -> None:
+        self.state = state
+        self.shared = state / "shared"  # on the project's file system: every node sees it
+        self.shared.mkdir(exist_ok=True)
+
+    def run(self, cmd: str, timeout: float = 120, env: dict[str, str] | None = None,
+            node: str = "node1") -> subprocess.CompletedProcess[str]:
+        """Run the shell command ``cmd`` on ``node`` as a login shell would; kill it at ``timeout``."""
+        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
+        argv = ["bash", str(VCLUSTER), "exec", "-n", node, "bash", "-c", exports + cmd]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            self.run("scancel --user=root; pkill -KILL -f tests/ || true", timeout=30)
+            out, _ = proc.communicate()
+            pytest.fail(f"`{cmd}` did not finish in {timeout:.0f}s on the virtual cluster:\n{out[-30000:]}")
+        return subprocess.CompletedProcess(argv, proc.returncode, out, None)
+
+    def ok(self, cmd: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+        proc = self.run(cmd, timeout, env)
+        assert proc.returncode == 0, f"`{cmd}` failed ({proc.returncode}):\n{proc.stdout[-30000:]}"
+        return proc.stdout
+
+    def logs(self) -> str:
+        out = []
+        for path in sorted((self.state / "log").glob("*.log")):
+            out.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+        return "\n".join(out)
+
+
+def launch(cluster: Cluster, how: str, layout: list[int], argv: list[str], mpi: str = "openmpi",
+           extra_env: dict[str, str] | None = None) -> str:
+    """The shell command that starts ``argv`` with ``layout[i]`` ranks on node i+1, as a user types it.
+    Host files and job scripts are written to the shared file system, as a user would."""
+    n = sum(layout)
+    placed = [(f"node{i + 1}", k) for i, k in enumerate(layout) if k]
+    cmd = shlex.join(argv)
+    forward = " ".join(f"-x {v}" for v in sorted({*RANK_ENV, *(extra_env or {})}))  # Open MPI forwards only these
+    tag = f"{how}-{os.getpid()}-{time.monotonic_ns()}"
+    if how == "mpiexec":
+        spec = ",".join(f"{h}:{k}" for h, k in placed)
+        if mpi == "openmpi":
+            return f"mpiexec --host {spec} -n {n} {forward} {cmd}"
+        return f"{side_mpich_exe()} -hosts {spec} -n {n} {cmd}"
+    if how == "hostfile":  # a PBS-style node file: one line per MPI process
+        nodefile = cluster.shared / f"{tag}.nodes"
+        nodefile.write_text("".join(f"{h}\n" * k for h, k in placed))
+        if mpi == "openmpi":
+            return f"mpiexec --hostfile {nodefile} -n {n} {forward} {cmd}"
+        return f"{side_mpich_exe()} -f {nodefile} -n {n} {cmd}"
+    if how == "srun":
+        if len({k for _, k in placed}) == 1:
+            return f"srun --mpi=pmix -N {len(placed)} --ntasks-per-node={placed[0][1]} -O {cmd}"
+        nodelist = ",".join(h for h, k in placed for _ in range(k))
+        return f"srun --mpi=pmix -n {n} -m arbitrary -w {nodelist} -O {cmd}"
+    if how == "sbatch":  # mpiexec inside a batch job: it reads the allocation, nothing else
+        script = cluster.shared / f"{tag}.sh"
+        script.write_text(f"#!/bin/bash\nmpiexec -n {n} {forward} {cmd}\n")
+        out = cluster.shared / f"{tag}.out"
+        return (f"sbatch -W -N {len(placed)} --ntasks-per-node={placed[0][1]} -O -o {out} {script}; "
+                f"rc=$?; cat {out}; exit $rc")
+    raise ValueError(f"unknown launch {how!r}")
+
+
+def side_mpich_exe() -> str:
+    root = side_mpich()
+    if root is None:
+        pytest.skip("no MPICH: `make env` puts the pinned mpich wheel's files in $VENV/mpich")
+    return f"env MPI4PY_LIBMPI={root}/lib/libmpi.so.12 {root}/bin/mpiexec"
+
+
+def mpi_suite(cluster: Cluster, how: str, layout: list[int], target: str, timeout: float = 300,
+              mpi: str = "openmpi", extra: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
+    """Run a tests/mpi pytest target on every rank across the cluster; every rank's tests must pass."""
+    argv = [PYTHON, *inner_pytest_argv(str(ROOT / "tests" / "mpi" / target))[1:], *extra]
+    stacks_at = time.time() + timeout - min(STACKS_MARGIN, 0.3 * timeout)
+    job_env = {**RANK_ENV, "TORCHHPC_TEST_STACKS_AT": f"{stacks_at:.1f}", **(env or {})}
+    out = cluster.ok(launch(cluster, how, layout, argv, mpi, env), timeout=timeout, env=job_env)
+    assert re.search(r"\d+ passed", out), out[-5000:]
+    hosts = set(re.findall(r"^\[?(node\d+)[:\]]", out, re.MULTILINE)) | set(re.findall(r"host=(node\d+)", out))
+    return out + f"\nHOSTS {sorted(hosts)}"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    if os.geteuid() != 0:
+        pytest.skip("the virtual cluster needs root (network namespaces, mounts, slurmd)")
+    missing = [t for t in ("ip", "nsenter", "unshare", "tc", "munged", "slurmctld", "slurmd", "srun")
+               if shutil.which(t, path="/usr/sbin:/usr/bin:/sbin:/bin") is None]
+    if missing:
+        pytest.skip(f"missing {', '.join(missing)}: apt-get install iproute2 util-linux slurm-wlm munge")
+    probe = subprocess.run(["ip", "netns", "add", "torchhpc-probe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"network namespaces cannot be created here: {probe.stderr.strip()}")
+    subprocess.run(["ip", "netns", "del", "torchhpc-probe"], check=True)
+    up = subprocess.run(["bash", str(VCLUSTER), "up", str(NODES)], capture_output=True, text=True, timeout=180)
+    if up.returncode != 0:
+        pytest.fail(f"the virtual cluster did not come up:\n{up.stdout}\n{up.stderr}")
+    state = ROOT / "build" / "vcluster"
+    try:
+        yield Cluster(state)
+    finally:
+        down = subprocess.run(["bash", str(VCLUSTER), "down"], capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+        leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert "torchhpc-" not in leftover, f"cluster-down left namespaces behind: {leftover}"
+
+
+# ---- the nodes ---------------------------------------------------------------------------------------------
+
+
+def test_nodes_are_separate_hosts_on_one_network(cluster: Cluster) -> None:
+    out = cluster.ok("sinfo -h -N -o '%N %T'; for n in node1 node2 node3 node4; do ssh $n 'echo $(hostname) "
+                     "$(ip -4 -br addr show eth0) $(stat -c %d /dev/shm)'; done")
+    assert sorted(re.findall(r"^(node\d) idle$", out, re.MULTILINE)) == [f"node{i}" for i in range(1, 5)], out
+    seen = re.findall(r"^(node\d) eth0(?:@\w+)? +UP +10\.212\.0\.(\d)/24 (\d+)$", out, re.MULTILINE)
+    assert [(h, int(a)) for h, a, _ in seen] == [(f"node{i}", i) for i in range(1, 5)], out
+    assert len({dev for _, _, dev in seen}) == 4, "each node has a /dev/shm of its own"
+    # node-local memory is private; the project's file system is shared
+    cluster.ok("echo one > /dev/shm/torchhpc-vc-probe && echo shared > $TORCHHPC_VCLUSTER/shared/probe")
+    out = cluster.ok("ssh node2 'ls /dev/shm; cat $TORCHHPC_VCLUSTER/shared/probe'; rm /dev/shm/torchhpc-vc-probe")
+    assert "torchhpc-vc-probe" not in out and "shared" in out
+    # a node reaches the others over the bridge, by name: node4's slurmd listens on node4's own address
+    probe = "import socket; s = socket.create_connection(('node4', 6818), 5); print('PEER', s.getpeername()[0])"
+    assert "PEER 10.212.0.4" in cluster.ok(f'python -c "{probe}"')
+
+
+# ---- launcher facts: every rank's local rank / local size / node count, under each launcher ----------------
+
+LAUNCHES = [
+    ("mpiexec", [2, 2], "openmpi", "openmpi"),
+    ("mpiexec", [1, 1, 1, 1], "openmpi", "openmpi"),
+    ("mpiexec", [3, 1], "openmpi", "openmpi"),
+    ("hostfile", [2, 2], "openmpi", "openmpi"),
+    ("mpiexec", [2, 2], "mpich", "mpich"),
+    ("hostfile", [3, 1], "mpich", "mpich"),
+    ("srun", [2, 2], "openmpi", None),
+    ("srun", [3, 1], "openmpi", None),
+    ("sbatch", [2, 2], "openmpi", "openmpi"),
+]
+
+
+@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES,
+                         ids=[f"{h}-{m}-{'+'.join(map(str, lay))}" for h, lay, m, _ in LAUNCHES])
+def test_launcher_facts_across_nodes(cluster: Cluster, how: str, layout: list[int], mpi: str,
+                                     launcher: str | None) -> None:
+    out = cluster.ok(launch(cluster, how, layout, [PYTHON, str(ROOT / "tests/vcluster/whoami.py")], mpi), env=RANK_ENV)
+    ranks = sorted((json.loads(line[len("WHOAMI "):]) for line in out.splitlines() if line.startswith("WHOAMI ")),
+                   key=lambda r: r["rank"])
+    n = sum(layout)
+    assert [r["rank"] for r in ranks] == list(range(n)), out
+    per_host = Counter(r["host"] for r in ranks)
+    assert sorted(per_host.values(), reverse=True) == sorted((k for k in layout if k), reverse=True), per_host
+    for r in ranks:
+        mates = sorted(x["rank"] for x in ranks if x["host"] == r["host"])
+        assert (r["info_rank"], r["info_size"]) == (r["rank"], n), r
+        assert r["local_size"] == len(mates) == r["mpi_local_size"], (r, mates)
+        assert r["mpi_nodes"] == len(per_host), r
+        if launcher is not None:
+            assert r["launcher"] == launcher, r
+    for host in per_host:  # local ranks on each node are 0..k-1, each once
+        assert sorted(r["local_rank"] for r in ranks if r["host"] == host) == list(range(per_host[host]))
+        assert len({r["shm_dev"] for r in ranks if r["host"] == host}) == 1
+    assert len({r["shm_dev"] for r in ranks}) == len(per_host), "nodes must not share /dev/shm"
+    assert {r["mpi"].split()[0] for r in ranks} == {"MPICH" if mpi == "mpich" else "Open"}
+
+
+# ---- accl across nodes --------------------------------------------------------------------------------------
+
+
+def test_accl_conformance_across_two_nodes(cluster: Cluster) -> None:
+    out = mpi_suite(cluster, "mpiexec", [2, 2], "test_accl_conformance.py", timeout=300)
+    assert "HOSTS ['node1', 'node2']" in out
+
+
+def test_accl_conformance_subset_under_mpich_across_four_nodes(cluster: Cluster) -> None:
+    mpi_suite(cluster, "mpiexec", [1, 1, 1, 1], "test_accl_conformance.py", mpi="mpich", timeout=300,
+              extra=("-k", "all_reduce or broadcast or all_to_all or send"))
+
+
+ACCL_ROUND = ("import torch, torch.distributed as dist; from torchhpc.launcher import init_distributed; "
+              "i = init_distributed(backend='accl', timeout=30); x = torch.full((1 << 16,), float(i.rank)); "
+              "dist.all_reduce(x); assert x[0].item() == sum(range(i.world_size)); print('ACCL-OK', i.rank)")
+
+
+def test_accl_traffic_between_nodes_is_tcp(cluster: Cluster) -> None:
+    """Open MPI with shared memory disabled still passes; with TCP disabled the nodes cannot reach each other."""
+    argv = [PYTHON, "-c", ACCL_ROUND]
+    out = cluster.ok(launch(cluster, "mpiexec", [2, 2], argv, extra_env={"OMPI_MCA_btl": "self,tcp"}),
+                     env={**RANK_ENV, "OMPI_MCA_btl": "self,tcp"})
+    assert out.count("ACCL-OK") == 4, out
+    proc = cluster.run(launch(cluster, "mpiexec", [1, 1], argv, extra_env={"OMPI_MCA_btl": "self,sm"}),
+                       env={**RANK_ENV, "OMPI_MCA_btl": "self,sm"}, timeout=120)
+    assert proc.returncode != 0 and "ACCL-OK" not in proc.stdout, proc.stdout
+    assert "unable to reach each other" in proc.stdout or "unreachable" in proc.stdout.lower(), proc.stdout[-3000:]
+
+
+def test_ddp_and_fsdp2_equal_gloo_and_serial_across_nodes(cluster: Cluster) -> None:
+    mpi_suite(cluster, "mpiexec", [1, 1], "test_workloads_ddp.py", timeout=300)  # bitwise equal to gloo
+    mpi_suite(cluster, "mpiexec", [2, 2], "test_workloads_mesh.py", timeout=300, extra=("-k", "fsdp2 or hsdp"))
+    mpi_suite(cluster, "mpiexec", [2, 2], "test_accl_training.py", timeout=300)
+
+
+# ---- chunkstore, rehearsal, braid -------------------------------------------------------------------------
+
+
+def test_chunkstore_across_nodes(cluster: Cluster) -> None:
+    """One host segment per node (each node's ranks share theirs), remote rows from the other node, GraphSAGE."""
+    mpi_suite(cluster, "mpiexec", [2, 2], "test_chunkstore.py", timeout=300)
+
+
+def test_rehearsal_across_nodes_over_mpi_rma_and_thallium_tcp(cluster: Cluster) -> None:
+    out = mpi_suite(cluster, "mpiexec", [2, 2], "test_rehearsal.py", timeout=300, extra=("-rs",))
+    assert "SKIPPED" not in out, "both transports must run (thallium: `make native-mochi`)"
+    probe = ("from mpi4py import MPI; from torchhpc.rehearsal.thallium import default_protocol; "
+             "print('PROTOCOL', default_protocol(MPI.COMM_WORLD))")
+    out = cluster.ok(launch(cluster, "mpiexec", [1, 1], [PYTHON, "-c", probe]), env=RANK_ENV)
+    assert out.count("PROTOCOL ofi+tcp") == 2, out
+
+
+def test_braid_across_nodes_equals_serial(cluster: Cluster) -> None:
+    mpi_suite(cluster, "mpiexec", [1, 1, 1, 1], "test_braid.py", timeout=300)
+
+
+# ---- the scheduler's view ----------------------------------------------------------------------------------
+
+
+def test_make_test_slurm_prints_the_table_with_ranks_on_both_nodes(cluster: Cluster) -> None:
+    env = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "SLURM_NODES_TEST": "2", "GPUS_PER_NODE": "2",
+           "SLURM_CPUS_TEST": "1", "SLURM_GPUS_TEST": "0", "ALL_REDUCE_ARGS": "-e 64K -n 3 -w 1",
+           "TORCHHPC_PREFIX": str(cluster.shared / "prefix"), "OMP_NUM_THREADS": "1"}
+    out = cluster.ok("make --no-print-directory test-slurm BACKENDS=accl", timeout=300, env=env)
+    log = Path(out.split("; log: ")[1].split()[0]).read_text() if "; log: " in out else out
+    placed = re.findall(r"#  Rank +(\d) Pid +\d+ on +(node\d) device cpu", log)
+    assert sorted(placed) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], log
+    assert "# Out of bounds values : 0 OK" in log, log
+
+
+def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster) -> None:
+    """Node 2 is torn down in the middle of all-reduces (link cut, every process killed): both ranks of node 1
+    raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Runs last: it leaves
+    node 2 down."""
+    timeout_s = 5.0
+    script = cluster.shared / "failure.sh"
+    script.write_text(f"#!/bin/bash\nmpiexec -n 4 -x PYTHONPATH -x OMP_NUM_THREADS {PYTHON} "
+                      f"{ROOT}/tests/vcluster/node_failure.py {timeout_s}\n")
+    out_file = cluster.shared / "failure.out"
+    out_file.unlink(missing_ok=True)
+    job = cluster.ok(f"sbatch --parsable -N 2 --ntasks-per-node=2 -O -o {out_file} {script}",
+                     env=RANK_ENV).strip().splitlines()[-1]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not out_file.exists() or out_file.read_text().count("LOOPING") < 4):
+        time.sleep(0.5)
+    assert out_file.exists() and out_file.read_text().count("LOOPING") == 4, cluster.logs()
+    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", "node2"], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    state = ""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        state = cluster.ok(f"scontrol show job {job} | grep -o 'JobState=[A-Z_]*'").strip()
+        if state not in ("JobState=RUNNING", "JobState=COMPLETING", "JobState=PENDING"):
+            break
+        time.sleep(1)
+    text = out_file.read_text()
+    survivors = re.findall(r"SURVIVOR rank=(\d) host=(node\d) after=([\d.]+)s family=(\w+) error=(.*)", text)
+    assert sorted((r, h) for r, h, *_ in survivors) == [("0", "node1"), ("1", "node1")], text
+    for _, _, after, family, error in survivors:
+        assert family == "torchhpc", error
+        assert float(after) <= timeout_s + 5, f"took {after}s against a {timeout_s}s timeout: {error}"
+    assert state in ("JobState=FAILED", "JobState=NODE_FAIL"), f"{state}\n{text}\n{cluster.logs()}"

@@ -1,0 +1,37 @@
+"""All-reduces on accl until a peer's node fails; every survivor must raise the package's error in time.
+
+tests/test_vcluster.py runs it as a 2-node Slurm job and tears one node down while the loop runs.  Each
+rank prints ``LOOPING`` once it has done a few calls, and on the failure one ``SURVIVOR`` line: how long
+after its last completed call the error came, and which error it was."""
+
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from torchhpc.errors import TorchhpcError
+from torchhpc.launcher import init_distributed
+
+TIMEOUT_S = float(sys.argv[1]) if len(sys.argv) > 1 else 5.0
+info = init_distributed(backend="accl", timeout=TIMEOUT_S)
+host = socket.gethostname()
+x = torch.ones(4096)
+last_ok = time.monotonic()
+calls = 0
+try:
+    while True:
+        dist.all_reduce(x)
+        x.fill_(1.0)
+        calls += 1
+        last_ok = time.monotonic()
+        if calls == 20:
+            print(f"LOOPING rank={info.rank} host={host}", flush=True)
+        time.sleep(0.005)
+except Exception as exc:  # noqa: BLE001 - the test reads which error it was
+    waited = time.monotonic() - last_ok
+    family = "torchhpc" if isinstance(exc, TorchhpcError) else "other"
+    print(f"SURVIVOR rank={info.rank} host={host} after={waited:.1f}s family={family} "
+          f"error={type(exc).__name__}: {str(exc).splitlines()[0][:200]}", flush=True)
+    sys.exit(3)
