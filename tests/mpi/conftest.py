@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from mpi4py import MPI
@@ -32,6 +37,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     faulthandler.register(signal.SIGUSR1, file=stream, all_threads=True)
     info = world_info()  # the launcher's local rank (e.g. OMPI_COMM_WORLD_LOCAL_RANK), not MPI's split order
     stream.write(f"TORCHHPC-RANK-MAP rank={rank} local_rank={info.local_rank} size={world.Get_size()} "
+                 f"host={socket.gethostname()} "
                  f"launcher={info.launcher} mpi={MPI.Get_library_version().split(chr(10))[0].strip()[:40]!r}\n")
     stream.flush()
 
@@ -44,6 +50,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def comm() -> MPI.Comm:
     """The job's world communicator."""
     return MPI.COMM_WORLD
+
+
+@pytest.fixture
+def shared_tmp(comm: MPI.Comm) -> Iterator[Path]:
+    """A fresh directory every rank sees: under ``$TORCHHPC_TEST_SHARED_DIR`` (a file system the job's nodes
+    share; the multi-node harness sets it, since each node's /tmp is its own), else in the system's /tmp."""
+    path = tempfile.mkdtemp(prefix="torchhpc-test-", dir=os.environ.get("TORCHHPC_TEST_SHARED_DIR")) \
+        if comm.Get_rank() == 0 else None
+    path = comm.bcast(path, root=0)
+    yield Path(path)
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)

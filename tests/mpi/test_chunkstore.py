@@ -200,12 +200,12 @@ def test_memory_report_counts_host_tier_once_per_node(comm):
         assert "host_bytes" in str(rep)
 
 
-def test_load_from_file_npy_and_raw(comm, tmp_path_factory):
+def test_load_from_file_npy_and_raw(comm, shared_tmp):
     t = _data((150, 6), torch.bfloat16, 5)
     f = _data((150, 6), torch.float32, 6)
     path = None
     if comm.rank == 0:
-        d = tmp_path_factory.mktemp("cs")
+        d = shared_tmp
         np.save(d / "f.npy", f.numpy())
         t.view(torch.uint16).numpy().tofile(d / "t.bin") if hasattr(torch, "uint16") else \
             t.view(torch.int16).numpy().tofile(d / "t.bin")

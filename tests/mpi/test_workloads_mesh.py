@@ -8,6 +8,7 @@ in different orders (float64 throughout, so the tolerance is tight).
 
 from __future__ import annotations
 
+import os
 import tempfile
 
 import pytest
@@ -171,7 +172,8 @@ def test_dtensor_redistribute_full_tensor() -> None:
 
 def _shared_tmpdir() -> str:
     comm = MPI.COMM_WORLD
-    path = tempfile.mkdtemp(prefix="torchhpc-dcp-") if comm.Get_rank() == 0 else None
+    shared = os.environ.get("TORCHHPC_TEST_SHARED_DIR")  # across nodes: a file system they share
+    path = tempfile.mkdtemp(prefix="torchhpc-dcp-", dir=shared) if comm.Get_rank() == 0 else None
     return comm.bcast(path, root=0)
 
 

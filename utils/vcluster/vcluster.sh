@@ -116,6 +116,8 @@ ReturnToService=2
 SlurmdTimeout=10
 KillWait=5
 MinJobAge=600
+# a job on a failed node is reported failed (NODE_FAIL), not requeued behind the user's back
+JobRequeue=0
 EOF
     for ((i = 1; i <= n; i++)); do
       printf 'NodeName=node%d NodeAddr=%s.%d CPUs=%d State=UNKNOWN\n' "$i" "$subnet" "$i" "$cpus"
