@@ -240,7 +240,7 @@ def fetch_rounds(args: argparse.Namespace, comm, buf, batch) -> dict:
 
 def launch(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
+    from torchhpc.mpirun import across_hosts, available_cores, local_job_env, mpiexec_argv
 
     env = local_job_env(oversubscribed=False)  # (yield-when-idle is added per launch, only when oversubscribed)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -250,7 +250,7 @@ def launch(args: argparse.Namespace) -> None:
     rows = []
     for nranks in args.ranks:
         cmd = mpiexec_argv(nranks, [sys.executable, str(Path(__file__).resolve()), "--worker",
-                                    *worker_args(args)])
+                                    *worker_args(args)], extra=across_hosts(args.hosts, nranks, env))
         proc = subprocess.run(cmd, env=local_job_env(env, oversubscribed=nranks > available_cores()),
                               capture_output=True, text=True, timeout=args.timeout)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
@@ -323,6 +323,9 @@ def main() -> None:
     p.add_argument("--worker-niceness", type=int, default=10,
                    help="RehearsalBuffer(worker_niceness=...): the default 10, or 0 for the process's own priority")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--hosts", default=None,
+                   help="spread each job's ranks evenly over these hosts (comma list; mpiexec --host), e.g. the "
+                        "virtual cluster's node1,node2")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:

@@ -119,7 +119,7 @@ def one_shape(args: argparse.Namespace, comm, shape: tuple[int, ...]) -> None:  
 
 def launch(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
+    from torchhpc.mpirun import across_hosts, available_cores, local_job_env, mpiexec_argv
 
     env = local_job_env(oversubscribed=False)  # (yield-when-idle is added per launch, only when oversubscribed)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
@@ -128,7 +128,8 @@ def launch(args: argparse.Namespace) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     rows = []
     for nranks in args.ranks:
-        cmd = mpiexec_argv(nranks, [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args(args)])
+        cmd = mpiexec_argv(nranks, [sys.executable, str(Path(__file__).resolve()), "--worker", *worker_args(args)],
+                           extra=across_hosts(args.hosts, nranks, env))
         proc = subprocess.run(cmd, env=local_job_env(env, oversubscribed=nranks > available_cores()),
                               capture_output=True, text=True, timeout=args.timeout)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -169,6 +170,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=40)
     p.add_argument("--worker-niceness", type=int, default=10, help="RehearsalBuffer(worker_niceness=...)")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--hosts", default=None,
+                   help="spread each job's ranks evenly over these hosts (comma list; mpiexec --host), e.g. the "
+                        "virtual cluster's node1,node2")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:

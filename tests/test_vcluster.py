@@ -182,6 +182,25 @@ def test_nodes_are_separate_hosts_on_one_network(cluster: Cluster) -> None:
     assert "PEER 10.212.0.4" in cluster.ok(f'python -c "{probe}"')
 
 
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_no_path_between_nodes_beats_the_shaped_link(cluster: Cluster, mpi: str) -> None:
+    """At 200 Mbit/s (tc's token bucket on every node's veth), two-sided and one-sided MPI between two nodes
+    move at most the link's rate: nothing reaches another node's memory except through the network."""
+    limit = 200e6 / 8 / 1e9  # GB/s
+    shaped = subprocess.run(["bash", str(VCLUSTER), "link", "200mbit"], capture_output=True, text=True)
+    assert shaped.returncode == 0, shaped.stderr
+    try:
+        out = cluster.ok(launch(cluster, "mpiexec", [1, 1], [PYTHON, str(ROOT / "tests/vcluster/link_rates.py")],
+                                mpi), env=RANK_ENV)
+    finally:
+        subprocess.run(["bash", str(VCLUSTER), "link", "none"], capture_output=True, check=True)
+    rates = {k: float(v) for k, v in re.findall(r"(\w+)=([\d.]+)", out.split("RATES ", 1)[1])}
+    assert set(rates) == {"sendrecv", "get", "put"}, out
+    for path, gbs in rates.items():
+        assert gbs <= 1.1 * limit, f"{mpi} {path} at {gbs:.4f} GB/s beats the {limit:.4f} GB/s link: a bypass"
+    assert rates["sendrecv"] >= 0.5 * limit, f"shaping or the link is broken: {rates}"
+
+
 # ---- launcher facts: every rank's local rank / local size / node count, under each launcher ----------------
 
 LAUNCHES = [
@@ -318,6 +337,7 @@ def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
             break
         time.sleep(1)
     text = out_file.read_text()
+    print(text)  # the survivors' lines, for the record (pytest -s)
     survivors = re.findall(r"SURVIVOR rank=(\d) host=(node\d) after=([\d.]+)s family=(\w+) error=(.*)", text)
     assert sorted((r, h) for r, h, *_ in survivors) == [("0", "node1"), ("1", "node1")], text
     for _, _, after, family, error in survivors:

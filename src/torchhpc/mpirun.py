@@ -12,11 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = ["find_mpiexec", "mpi_flavor", "mpiexec_argv", "fault_tolerant_args", "local_job_env", "available_cores",
-           "side_mpich", "side_mpich_env"]
+           "side_mpich", "side_mpich_env", "across_hosts"]
 
 
 def find_mpiexec() -> str:
@@ -104,6 +104,26 @@ def mpiexec_argv(
     if fault_tolerant:
         argv += fault_tolerant_args(flavor)
     return argv + list(extra) + list(command)
+
+
+def across_hosts(hosts: str | None, nprocs: int, env: Mapping[str, str] | None = None, mpiexec: str | None = None,
+                 forward: Sequence[str] = ("OMP_NUM_THREADS", "PYTHONPATH")) -> list[str]:
+    """mpiexec options that spread ``nprocs`` ranks evenly over the comma list ``hosts`` (none for None).
+
+    Open MPI: ``--host h1:k,h2:k`` plus ``-x`` for each of ``forward`` that is set (it forwards only its own
+    ``OMPI_*`` variables to other nodes) set in ``env`` (default: this process's); MPICH's Hydra:
+    ``-hosts h1:k,h2:k`` (it forwards the whole environment)."""
+    if not hosts:
+        return []
+    names = [h for h in hosts.split(",") if h]
+    if not names:
+        raise ValueError(f"hosts must be a comma list of host names, got {hosts!r}")
+    per = -(-nprocs // len(names))
+    spec = ",".join(f"{h}:{per}" for h in names)
+    if mpi_flavor(mpiexec) == "openmpi":
+        present = os.environ if env is None else env
+        return ["--host", spec] + [x for var in forward if var in present for x in ("-x", var)]
+    return ["-hosts", spec]
 
 
 def side_mpich(prefix: str | Path | None = None) -> Path | None:

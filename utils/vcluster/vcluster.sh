@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A virtual cluster on this host: N nodes, each a Linux network + UTS + mount namespace (its own hostname,
-# its own /tmp, /dev/shm and /run, one address on a veth joined to the others by a bridge), with a real
-# Slurm across them (munged on every node, slurmctld on node1, one slurmd per node).  The project's
+# A virtual cluster on this host: N nodes, each a Linux network, UTS, mount and IPC namespace (its own
+# hostname, System V IPC, /tmp, /dev/shm and /run, one address on a veth joined to the others by a bridge),
+# with a real Slurm across them (munged on every node, slurmctld on node1, one slurmd per node).  The project's
 # directory stays shared, like a cluster's parallel file system.  Needs root, iproute2 and util-linux.
 #
 #   vcluster.sh up N          build N nodes and start Slurm (a no-op when the same cluster is up and healthy)
@@ -49,7 +49,7 @@ enter() {
   local pid
   pid=$(node_pid "$1")
   shift
-  nsenter -t "$pid" -n -u -m -- env -i HOME="${HOME:-/root}" TERM="${TERM:-dumb}" LANG=C.UTF-8 \
+  nsenter -t "$pid" -n -u -m -i -- env -i HOME="${HOME:-/root}" TERM="${TERM:-dumb}" LANG=C.UTF-8 \
     bash -c '. "$0" && cd "$1" && shift && exec "$@"' "$dir/profile.sh" "$repo" "$@"
 }
 
@@ -87,8 +87,10 @@ export TORCHHPC_VCLUSTER="$dir"
 # Open MPI refuses root without these; the nodes share this host's cores, so nothing is bound to a core.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_hwloc_default_binding_policy=none
-# Ethernet, no RDMA: the wheel's UCX one-sided component finds no transport and says so loudly (osc/rdma is used)
-export OMPI_MCA_osc=^ucx
+# The nodes share one kernel and one PID space, so UCX's cross-memory-attach transport (process_vm_readv)
+# would reach another node's memory without the network: Open MPI's UCX-based components are off, as on
+# an Ethernet cluster (one-sided MPI then runs osc/rdma over the tcp BTL).
+export OMPI_MCA_osc=^ucx OMPI_MCA_btl=^uct OMPI_MCA_pml=^ucx
 EOF
   {
     cat <<EOF
@@ -157,7 +159,7 @@ make_node() {
   ip -n "$ns" addr add "$subnet.$i/24" dev eth0
   ip -n "$ns" link set eth0 up
   rm -f "$dir/nodes/$name.pid"
-  setsid nsenter --net="/run/netns/$ns" unshare --uts --mount --fork \
+  setsid nsenter --net="/run/netns/$ns" unshare --uts --mount --ipc --fork \
     bash "$here/vcluster.sh" _node-init "$name" </dev/null >"$dir/log/$name.init.log" 2>&1 &
   wait_for "node $name" 10 test -s "$dir/nodes/$name.pid"
 }
