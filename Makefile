@@ -62,7 +62,7 @@ test-torch-suite: $(PY) ## PyTorch's own distributed suite on accl and gloo at 3
 
 lint: $(PY) ## ruff over the Python sources; shellcheck over the shell scripts (when installed)
 	@$(VENV)/bin/ruff check src tests bench examples
-	@if command -v shellcheck >/dev/null; then shellcheck -x $$(ls *.sh utils/*.sh utils/*/*.sh 2>/dev/null) .ci/run; \
+	@if command -v shellcheck >/dev/null; then shellcheck -x $$(ls *.sh utils/*.sh utils/*/*.sh 2>/dev/null) utils/vcluster/ssh .ci/run; \
 	 else echo "shellcheck not installed; skipped"; fi
 
 doctor: $(PY) ## Check this environment for distributed training (torchhpc doctor)

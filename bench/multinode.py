@@ -118,8 +118,8 @@ def chunkstore_worker(rows: int, batch: int, rounds: int, iters: int) -> None:
         assert ct.topo.num_nodes == size, "one rank per node expected"
         theirs = ct.split_index(torch.arange(rows)).remote.ids  # rows held by the other node
         row_bytes = dim * 4
-        send = torch.empty(batch * dim)
-        recv = torch.empty(batch * dim)
+        send = torch.empty(2 * batch * dim)  # 2 ranks: half of it goes to the peer, the same bytes as the gather
+        recv = torch.empty(2 * batch * dim)
         times: dict[str, list[float]] = {"gather": [], "a2a": []}
         for rnd in range(rounds + 1):
             for what in ("gather", "a2a"):
@@ -130,7 +130,7 @@ def chunkstore_worker(rows: int, batch: int, rounds: int, iters: int) -> None:
                     if what == "gather":
                         got = ct.remote_index(idx)
                     else:
-                        dist.all_to_all_single(recv, send)  # all bytes to the other rank (2 ranks): same volume
+                        dist.all_to_all_single(recv, send)
                 dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters
                 if rnd:
                     times[what].append(dt)
@@ -213,8 +213,9 @@ def main() -> None:
     if os.geteuid() != 0 or not (ROOT / "build" / "vcluster" / "nodes.list").exists():
         sys.exit("needs root and a virtual cluster: make cluster-up NODES=2")
     args.out.mkdir(parents=True, exist_ok=True)
-    busy = subprocess.run(["ps", "-eo", "pcpu=,comm="], capture_output=True, text=True).stdout.split("\n")
-    hot = [ln.strip() for ln in busy if ln.strip() and float(ln.split()[0]) > 20 and "ps" not in ln]
+    busy = subprocess.run(["ps", "-eo", "pid=,pcpu=,comm="], capture_output=True, text=True).stdout.splitlines()
+    hot = [" ".join(ln.split()[1:]) for ln in busy
+           if ln.split() and float(ln.split()[1]) > 20 and int(ln.split()[0]) not in (os.getpid(), os.getppid())]
     print(f"# multinode benchmarks, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; "
           f"busy processes before the run: {hot or 'none'}")
     try:

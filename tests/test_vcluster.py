@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -150,10 +151,14 @@ def cluster() -> Iterator[Cluster]:
     if probe.returncode != 0:
         pytest.skip(f"network namespaces cannot be created here: {probe.stderr.strip()}")
     subprocess.run(["ip", "netns", "del", "torchhpc-probe"], check=True)
-    up = subprocess.run(["bash", str(VCLUSTER), "up", str(NODES)], capture_output=True, text=True, timeout=180)
+    # the venv running these tests is the one the nodes put on PATH
+    env = {**os.environ, "VENV": sys.prefix}
+    up = subprocess.run(["bash", str(VCLUSTER), "up", str(NODES)], capture_output=True, text=True, timeout=180,
+                        env=env)
     if up.returncode != 0:
         pytest.fail(f"the virtual cluster did not come up:\n{up.stdout}\n{up.stderr}")
-    state = ROOT / "build" / "vcluster"
+    prefix = Path(os.environ.get("TORCHHPC_PREFIX") or ROOT / "build")
+    state = Path(os.environ.get("VCLUSTER_DIR") or prefix / "vcluster")
     try:
         yield Cluster(state)
     finally:

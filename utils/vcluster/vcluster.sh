@@ -49,6 +49,7 @@ enter() {
   local pid
   pid=$(node_pid "$1")
   shift
+  # shellcheck disable=SC2016  # the script is for the node's shell
   nsenter -t "$pid" -n -u -m -i -- env -i HOME="${HOME:-/root}" TERM="${TERM:-dumb}" LANG=C.UTF-8 \
     bash -c '. "$0" && cd "$1" && shift && exec "$@"' "$dir/profile.sh" "$repo" "$@"
 }
@@ -220,8 +221,8 @@ cmd_up() {
 
 # kill_ns NS: SIGKILL every process in network namespace NS until none is left.
 kill_ns() {
-  local tries pids
-  for tries in 1 2 3 4 5 6 7 8 9 10; do
+  local pids
+  for _ in 1 2 3 4 5 6 7 8 9 10; do
     pids=$(ip netns pids "$1" 2>/dev/null | xargs) || true
     [[ -z "$pids" ]] && return 0
     # shellcheck disable=SC2086  # a list of pids
