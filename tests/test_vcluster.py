@@ -253,6 +253,11 @@ def test_accl_conformance_across_two_nodes(cluster: Cluster) -> None:
     mpi_suite(cluster, "mpiexec", [2, 2], "test_accl_conformance.py", timeout=300)
 
 
+def test_accl_conformance_subset_across_four_nodes(cluster: Cluster) -> None:
+    mpi_suite(cluster, "mpiexec", [1, 1, 1, 1], "test_accl_conformance.py", timeout=300,
+              extra=("-k", "all_reduce or all_gather or reduce_scatter or all_to_all"))
+
+
 def test_accl_conformance_subset_under_mpich_across_four_nodes(cluster: Cluster) -> None:
     mpi_suite(cluster, "mpiexec", [1, 1, 1, 1], "test_accl_conformance.py", mpi="mpich", timeout=300,
               extra=("-k", "all_reduce or broadcast or all_to_all or send"))
@@ -287,6 +292,7 @@ def test_ddp_and_fsdp2_equal_gloo_and_serial_across_nodes(cluster: Cluster) -> N
 def test_chunkstore_across_nodes(cluster: Cluster) -> None:
     """One host segment per node (each node's ranks share theirs), remote rows from the other node, GraphSAGE."""
     mpi_suite(cluster, "mpiexec", [2, 2], "test_chunkstore.py", timeout=300)
+    mpi_suite(cluster, "mpiexec", [1, 1, 1, 1], "test_chunkstore.py", timeout=300)
 
 
 def test_rehearsal_across_nodes_over_mpi_rma_and_thallium_tcp(cluster: Cluster) -> None:
@@ -300,6 +306,7 @@ def test_rehearsal_across_nodes_over_mpi_rma_and_thallium_tcp(cluster: Cluster) 
 
 def test_braid_across_nodes_equals_serial(cluster: Cluster) -> None:
     mpi_suite(cluster, "mpiexec", [1, 1, 1, 1], "test_braid.py", timeout=300)
+    mpi_suite(cluster, "mpiexec", [2, 2], "test_braid.py", timeout=300, extra=("-k", "layer_parallel"))
 
 
 # ---- the scheduler's view ----------------------------------------------------------------------------------
@@ -349,3 +356,27 @@ def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
         assert family == "torchhpc", error
         assert float(after) <= timeout_s + 5, f"took {after}s against a {timeout_s}s timeout: {error}"
     assert state in ("JobState=FAILED", "JobState=NODE_FAIL"), f"{state}\n{text}\n{cluster.logs()}"
+
+
+def test_cluster_up_is_idempotent_repairs_and_cleans_up_after_a_failed_start(cluster: Cluster) -> None:
+    """Runs after the node failure: `up` rebuilds the broken cluster, keeps a healthy one, and a bring-up that
+    fails removes everything it made; `make cluster-exec` runs on node1 as a login shell."""
+    env = {**os.environ, "VENV": sys.prefix}
+
+    def up(n: int, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(VCLUSTER), "up", str(n)], capture_output=True, text=True, timeout=180,
+                              env={**env, **extra})
+
+    repaired = up(2)
+    assert repaired.returncode == 0 and "up: 2 nodes" in repaired.stderr, repaired.stderr
+    kept = up(2)
+    assert kept.returncode == 0 and "already up: 2 nodes" in kept.stderr, kept.stderr
+    out = subprocess.run(["make", "--no-print-directory", "cluster-exec", "CMD=hostname; pwd; sinfo -h -o %D"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60).stdout.split()
+    assert out == ["node1", str(ROOT), "2"], out
+    subprocess.run(["bash", str(VCLUSTER), "down"], check=True, capture_output=True, timeout=120)
+    bad = up(2, VCLUSTER_SUBNET="999.1.1")  # no such address: the bring-up fails part-way, at the first node
+    assert bad.returncode != 0 and "bring-up failed" in bad.stderr, bad.stderr
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "torchhpc-" not in left and not cluster.state.exists(), left
+    assert up(0).returncode != 0 and "NODES must be a whole number" in up(0).stderr
