@@ -24,7 +24,8 @@ def test_ruff_clean() -> None:
 def test_shellcheck_clean() -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck not installed (CI installs it: apt-get install shellcheck)")
-    scripts = sorted({*ROOT.glob("*.sh"), *ROOT.glob("utils/**/*.sh"), ROOT / ".ci" / "run", ROOT / "utils/vcluster/ssh"})
+    scripts = sorted({*ROOT.glob("*.sh"), *ROOT.glob("utils/**/*.sh"), ROOT / ".ci" / "run",
+                      ROOT / "utils" / "vcluster" / "ssh"})
     res = subprocess.run(["shellcheck", "-x", *map(str, scripts)], cwd=ROOT, capture_output=True, text=True,
                          check=False)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -26,6 +26,11 @@ def gloo(comm):
     dist.destroy_process_group()
 
 
+def _two_nodes(comm):
+    """ranks_per_node for two nodes: simulated on one real node, the real ones across nodes."""
+    return comm.size // 2 if node_topology(comm).num_nodes == 1 else None
+
+
 def _node_splits(comm):
     """ranks_per_node settings worth testing at this world size: one node, and several when possible.
     Across real nodes (the virtual cluster) only MPI's own grouping is real: ranks of a simulated node
@@ -188,7 +193,7 @@ def test_host_tier_is_one_shared_segment_per_node(comm):
 
 
 def test_memory_report_counts_host_tier_once_per_node(comm):
-    rpn = comm.size // 2 if comm.size >= 2 and node_topology(comm).num_nodes == 1 else None
+    rpn = _two_nodes(comm) if comm.size >= 2 else None
     rb = 16 * 4
     with ChunkTensor((100, 16), torch.float32, 5 * rb, ranks_per_node=rpn) as ct:
         rep = ct.memory_report()
@@ -308,7 +313,7 @@ def test_bad_input_on_one_rank_fails_every_rank_of_a_collective_gather(comm):
         pytest.skip("needs two nodes")
     t = _data((40, 3), torch.float32, 7)
     good = torch.tensor([1, 39, 20])
-    with ChunkTensor(t.shape, t.dtype, 0, ranks_per_node=comm.size // 2) as ct:
+    with ChunkTensor(t.shape, t.dtype, 0, ranks_per_node=_two_nodes(comm)) as ct:
         ct.load_from_tensor(t)
         cases = [(lambda: ct[torch.tensor([40])], IndexError, "out of range"),
                  (lambda: ct[torch.tensor([1.0])], TypeError, "int32 or int64"),
@@ -320,9 +325,9 @@ def test_bad_input_on_one_rank_fails_every_rank_of_a_collective_gather(comm):
             assert torch.equal(ct[good], t[good])  # the exchange is still in step on every rank
     indptr = torch.tensor([0, 2, 3, 5])
     indices = torch.tensor([1, 2, 0, 0, 1])
-    with ChunkTensor(4, torch.int64, 0, ranks_per_node=comm.size // 2) as cp, \
-            ChunkTensor(5, torch.int64, 0, ranks_per_node=comm.size // 2) as ci, \
-            ChunkTensor(5, torch.float32, 0, ranks_per_node=comm.size // 2) as cw:
+    with ChunkTensor(4, torch.int64, 0, ranks_per_node=_two_nodes(comm)) as cp, \
+            ChunkTensor(5, torch.int64, 0, ranks_per_node=_two_nodes(comm)) as ci, \
+            ChunkTensor(5, torch.float32, 0, ranks_per_node=_two_nodes(comm)) as cw:
         cp.load_from_tensor(indptr)
         ci.load_from_tensor(indices)
         cw.load_from_tensor(torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0]))
@@ -343,7 +348,7 @@ def test_a_gather_peers_never_join_times_out(comm):
         pytest.skip("needs two nodes")
     side = comm.Dup()  # synchronises the test without touching the ChunkTensor's communicator
     try:
-        with ChunkTensor((40, 2), torch.float32, 0, ranks_per_node=comm.size // 2, timeout=0.5) as ct:
+        with ChunkTensor((40, 2), torch.float32, 0, ranks_per_node=_two_nodes(comm), timeout=0.5) as ct:
             if comm.rank == 0:
                 with pytest.raises(TimeoutError, match="same number of times"):
                     ct[torch.tensor([39])]
