@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from torchhpc.mpirun import across_hosts
+
 ROOT = Path(__file__).resolve().parents[1]
 VCLUSTER = ROOT / "utils" / "vcluster" / "vcluster.sh"
 PORT = 5201
@@ -47,8 +49,8 @@ def on_cluster(cmd: str, node: str = "node1", timeout: float = 900) -> str:
 
 def mpiexec(argv: list[str]) -> str:
     """One rank on node1 and one on node2."""
-    return ("OMP_NUM_THREADS=1 mpiexec --host node1:1,node2:1 -n 2 -x OMP_NUM_THREADS "
-            + shlex.join(argv))
+    spread = across_hosts("node1,node2", 2, {"OMP_NUM_THREADS": "1"}, forward=("OMP_NUM_THREADS",))
+    return "OMP_NUM_THREADS=1 " + shlex.join(["mpiexec", "-n", "2", *spread, *argv])
 
 
 # ---- 1. the link -------------------------------------------------------------------------------------------
@@ -191,7 +193,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="none,10gbit,1gbit", help="comma list of tc rates; none: unshaped")
     p.add_argument("--quick", action="store_true", help="fewer rounds and sizes (about a minute per rate)")
-    p.add_argument("--out", type=Path, default=ROOT / "build" / "bench", help="where the PNGs go")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "bench",
+                   help="where the PNGs go: a path every node sees (each node's /tmp is its own)")
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--batches", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--repeats", type=int, default=5)

@@ -8,9 +8,6 @@ in different orders (float64 throughout, so the tolerance is tight).
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -170,14 +167,7 @@ def test_dtensor_redistribute_full_tensor() -> None:
     compare_backends(run_both(workload), bitwise=True, what="DTensor redistribute")
 
 
-def _shared_tmpdir() -> str:
-    comm = MPI.COMM_WORLD
-    shared = os.environ.get("TORCHHPC_TEST_SHARED_DIR")  # across nodes: a file system they share
-    path = tempfile.mkdtemp(prefix="torchhpc-dcp-", dir=shared) if comm.Get_rank() == 0 else None
-    return comm.bcast(path, root=0)
-
-
-def test_distributed_checkpoint_save_load_sharded() -> None:
+def test_distributed_checkpoint_save_load_sharded(shared_tmp) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -189,7 +179,7 @@ def test_distributed_checkpoint_save_load_sharded() -> None:
         fully_shard(model, mesh=mesh)
         return model
 
-    dirs = {b: _shared_tmpdir() for b in ("gloo", "accl")}
+    dirs = {b: str(shared_tmp / b) for b in ("gloo", "accl")}  # dcp.save creates them, on every rank
 
     def save(backend: str):
         def workload() -> list[torch.Tensor]:

@@ -54,15 +54,18 @@ enter() {
     bash -c '. "$0" && cd "$1" && shift && exec "$@"' "$dir/profile.sh" "$repo" "$@"
 }
 
+# unfit WHY: this host cannot carry a virtual cluster (exit 3, which tests read as "skip", not "fail").
+unfit() { printf 'vcluster: cannot run here: %s\n' "$*" >&2; exit 3; }
+
 preflight() {
-  [[ $(id -u) -eq 0 ]] || die "needs root (network namespaces, mounts, slurmd); run as root or skip"
+  [[ $(id -u) -eq 0 ]] || unfit "needs root (network namespaces, mounts, slurmd)"
   local tool
-  for tool in ip nsenter unshare tc; do command -v "$tool" >/dev/null || die "'$tool' not found (iproute2, util-linux)"; done
-  for tool in munged slurmctld slurmd sinfo; do
-    command -v "$tool" >/dev/null || die "'$tool' not found: apt-get install slurm-wlm munge"
+  for tool in ip nsenter unshare tc; do command -v "$tool" >/dev/null || unfit "'$tool' not found (iproute2, util-linux)"; done
+  for tool in munged slurmctld slurmd sinfo srun; do
+    command -v "$tool" >/dev/null || unfit "'$tool' not found: apt-get install slurm-wlm munge"
   done
   [[ -x "$venv/bin/python" ]] || die "no venv at $venv: run 'make env' first"
-  ip netns add "$ns_prefix-probe" 2>/dev/null || die "cannot create a network namespace here (ip netns add)"
+  ip netns add "$ns_prefix-probe" 2>/dev/null || unfit "cannot create a network namespace here (ip netns add)"
   ip netns del "$ns_prefix-probe"
 }
 
