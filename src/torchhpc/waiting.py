@@ -9,6 +9,8 @@ capped, so that a long wait does not burn a core.
 :func:`agreed` makes a collective entry point fail on every rank when it fails on one: each rank
 contributes "ok" or its exception; if any failed, the others raise :class:`~torchhpc.errors.RemoteError`
 naming the rank and its error (the failing rank re-raises its own), all within a deadline.
+:func:`barrier` is the one deadline barrier: a collective step that must know every rank has arrived
+(before blocking MPI calls, or before freeing shared memory) starts with it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 
 from .errors import PeerTimeoutError, RemoteError
 
-__all__ = ["Backoff", "wait_until", "wait_requests", "agree", "agreed", "ABANDONED"]
+__all__ = ["Backoff", "wait_until", "wait_requests", "barrier", "agree", "agreed", "ABANDONED"]
 
 # Requests given up at a deadline, with their buffers.  MPI may still complete them (a late peer writes
 # into a receive buffer; a nonblocking collective must never be freed or cancelled), so both stay
@@ -106,6 +108,15 @@ def wait_requests(requests: Sequence[Any], timeout: float, what: str | Callable[
                     req.Cancel()
             ABANDONED.append((pending, keep))
             raise PeerTimeoutError(text, pending)
+
+
+def barrier(comm: Any, timeout: float, what: str, message: Callable[[], str] | None = None) -> None:
+    """Collective over ``comm``: return once every rank has called it, else :class:`PeerTimeoutError` after
+    ``timeout`` s naming ``what`` (``message``, if given, builds the whole text: a subpackage's own wording)."""
+    size = comm.Get_size()
+    if size > 1:
+        wait_requests([comm.Ibarrier()], timeout,
+                      f"{what} is collective over {size} ranks and every rank must call it", message=message)
 
 
 def _rank_label(comm: Any) -> str:

@@ -36,7 +36,7 @@ from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
 from .shm import Segment
 from .topology import NodeTopology, node_topology
-from .waiting import rendezvous
+from ..waiting import barrier as rendezvous  # replaced below
 
 __all__ = ["ChunkTensor", "TierPart", "IndexSplit", "MemoryReport", "SUPPORTED_DTYPES"]
 

@@ -3,7 +3,7 @@
 A gather of rows held by other nodes is collective over the job and takes three all-to-all steps:
 
 1. counts: how many rows each rank asks of each peer, one int64 per peer (``MPI_Ialltoall``,
-   polled against a deadline so that a rank that never joins raises :class:`TimeoutError`
+   polled against a deadline so that a rank that never joins raises :class:`~torchhpc.errors.PeerTimeoutError`
    instead of hanging its peers).  A negative count tells the peers that this rank's gather
    failed (bad index, ...): every rank then raises, nobody is left waiting.
 2. ids: the requested storage positions (``MPI_Alltoallv`` of int64).
@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .waiting import wait
+from ..errors import PeerTimeoutError
+from ..waiting import wait_requests
 
 __all__ = ["RowExchange"]
 
@@ -92,12 +93,12 @@ class RowExchange:
                                "peers; the ranks no longer agree on the exchange, so it cannot be used again")
         req = self.comm.Ialltoall([self._send_counts, MPI.INT64_T], [self._recv_counts, MPI.INT64_T])
         try:
-            wait(req, self.timeout, what)
-        except TimeoutError as e:
+            wait_requests([req], self.timeout, what, keep=(self._send_counts, self._recv_counts))
+        except PeerTimeoutError as e:
             self._abandoned.append(req)
-            raise TimeoutError(f"{e}. A ChunkTensor spanning several nodes gathers collectively: every rank "
-                               f"must call index() (or the sampler) the same number of times, with any "
-                               f"number of ids (also none)") from None
+            raise PeerTimeoutError(f"{e}. A ChunkTensor spanning several nodes gathers collectively: every rank "
+                                   f"must call index() (or the sampler) the same number of times, with any "
+                                   f"number of ids (also none)", e.requests) from None
         return self._recv_counts
 
     # ------------------------------------------------------------------ the collective steps

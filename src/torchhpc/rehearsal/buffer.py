@@ -28,17 +28,16 @@ import torch
 from mpi4py import MPI
 
 from ..errors import PeerTimeoutError
-from ..waiting import agreed
+from ..waiting import agreed, barrier, wait_requests
 from .layout import RecordLayout
+from .options import TASKS, TRANSPORTS, RehearsalOptions
 from .reservoir import ClassReservoir
 from .sampler import draw_representatives
 from .storage import SlotStorage
-from .thallium import PROTOCOLS, ThalliumSlotStorage, default_protocol
+from .thallium import ThalliumSlotStorage, default_protocol
 
 __all__ = ["AugmentedBatch", "RehearsalBuffer", "TASKS", "STAGES", "TRANSPORTS"]
 
-TASKS = ("rehearsal", "kd", "rehearsal+kd")
-TRANSPORTS = ("mpi", "thallium")
 STAGES = ("sampling", "remote_fetch", "copy", "update")
 _STATE_FORMAT = 1
 # The worker copies the new samples into the augmented batch in pieces of this size and offers
@@ -95,20 +94,14 @@ class _Request(NamedTuple):
     seq: int  # 0 for the first accumulate() of the buffer, then 1, 2, ...
 
 
-def _as_shapes(sample_shapes: Any) -> list[tuple[int, ...]]:
-    """Normalise ``(3, 32, 32)`` or ``[(3, 32, 32), (1, 32, 32)]`` to a list of shape tuples."""
-    if isinstance(sample_shapes, torch.Size) or (
-        isinstance(sample_shapes, Sequence) and all(isinstance(s, int) for s in sample_shapes)
-    ):
-        shapes = [tuple(int(s) for s in sample_shapes)]
-    elif isinstance(sample_shapes, Sequence) and len(sample_shapes) > 0:
-        shapes = [tuple(int(s) for s in shape) for shape in sample_shapes]
-    else:
-        raise ValueError(f"sample_shapes must be a shape or a list of shapes, not {sample_shapes!r}")
-    for shape in shapes:
-        if any(s < 1 for s in shape):
-            raise ValueError(f"sample shape {shape} has a non-positive dimension")
-    return shapes
+def _agreement(options: RehearsalOptions | None, given: dict[str, Any], world: MPI.Comm) -> tuple[MPI.Comm, float]:
+    """The ranks that agree on the constructor's errors, and for how long they wait for each other."""
+    def pick(name: str, default: Any) -> Any:
+        return given[name] if given[name] is not None else getattr(options, name, default)
+
+    timeout = pick("timeout", 600.0)
+    agree_s = float(timeout) if isinstance(timeout, int | float) and timeout > 0 else 600.0
+    return (world if pick("global_sampling", True) else MPI.COMM_SELF), agree_s
 
 
 def _check_launcher(rank: int, size: int) -> None:
@@ -131,182 +124,125 @@ def _check_launcher(rank: int, size: int) -> None:
 class RehearsalBuffer:
     """A rehearsal buffer distributed over the ranks of ``comm``, maintained in the background.
 
-    Args:
-        num_classes: ``K``, number of classes (1 for reconstruction tasks).
-        slots_per_class: ``N``, slots per class on each rank.
-        num_candidates: ``C``, samples of each new minibatch offered to the reservoir.
-        num_representatives: ``R``, representatives added to each minibatch.
-        sample_shapes: per-sample shape, or a list of shapes when one representative is several tensors.
-        task: ``"rehearsal"`` (samples + labels), ``"kd"`` (also activations; representatives
-            carry loss weight 0 for the label loss: Dark Experience Replay uses only their
-            stored activations) or ``"rehearsal+kd"`` (both, DER++).
-        activation_shape: per-sample activation shape, required by the ``kd`` tasks.
-        device: where :meth:`wait` puts its tensors (``"cpu"`` or a CUDA device).
-        global_sampling: draw from all ranks' buffers (one-sided reads) or only the local one.
-        seed: base seed (each rank derives its own stream); ``None`` for OS entropy.
-        comm: the ranks sharing the buffer (default ``MPI.COMM_WORLD``).  With
-            ``global_sampling`` the constructor and :meth:`close` are collective over it.
-        sample_dtypes: dtype of the samples (one, or one per sample tensor).
-        activation_dtype: dtype of the activations.
-        mode: ``"standard"`` (``wait`` returns new samples + representatives) or
-            ``"flyweight"`` (representatives only, written into the ``out`` tensors given to
-            :meth:`accumulate`).
-        rehearsal_weight: loss weight of representatives (new samples weigh 1).
-        progress_interval: seconds between MPI progress polls of the idle worker, for MPI
-            transports that need the owner's progress to serve one-sided reads; ``None``
-            polls every 2 ms only when ``comm`` spans several nodes, 0 never polls.
-        timeout: seconds :meth:`wait` waits for the worker before raising ``TimeoutError``.
-        max_pending: most ``accumulate`` calls allowed ahead of ``wait``.
-        worker_niceness: nice value (0-19, Linux) of the worker thread alone, so that the
-            training threads of all ranks on a node win the cores when they need them: the
-            worker's work is off the critical path, a training thread late to the gradient
-            all-reduce is on every rank's.  0 leaves the worker at the process's priority.
-        start_delay: seconds the worker holds a new batch back before working on it, unless
-            :meth:`wait` asks for it sooner: the first moments after a hand-over are when the
-            training thread starts its step (and, with more ranks than cores, other ranks
-            finish their all-reduce); the rehearsal has the rest of the step.
-        transport: how representatives are read from other ranks: ``"mpi"`` (one-sided MPI RMA
-            reads of a window) or ``"thallium"`` (Mochi Thallium RPC + bulk transfers served by
-            each owner's Argobots progress; needs ``make native-mochi``, else
-            :class:`~torchhpc.errors.EngineUnavailableError`).  Both never return a torn record.
-            Without ``global_sampling`` nothing is read remotely and neither is set up.
-        protocol: the Thallium (Mercury) protocol: ``"na+sm"`` (one node), ``"ofi+tcp"``,
-            ``"ofi+verbs"`` or ``"ofi+cxi"`` (across nodes); ``None`` picks ``na+sm`` when all
-            ranks share a node, else ``ofi+tcp``.  Only with ``transport="thallium"``.
+    Its settings are the fields of :class:`~torchhpc.rehearsal.RehearsalOptions`, each documented there:
+    given as keywords (the first five are ``K``, ``N``, ``C``, ``R`` and the sample shape), or as
+    ``options=RehearsalOptions(...)``, or both (keywords that are not ``None`` override the options' fields).
+    ``comm`` holds the ranks sharing the buffer (default ``MPI.COMM_WORLD``); with ``global_sampling`` the
+    constructor and :meth:`close` are collective over it, and neither waits for its peers longer than
+    ``timeout`` seconds.  ``options`` keeps the settings in use.
     """
 
     def __init__(
         self,
-        num_classes: int,
-        slots_per_class: int,
-        num_candidates: int,
-        num_representatives: int,
-        sample_shapes: Sequence[int] | Sequence[Sequence[int]],
-        task: str = "rehearsal",
+        num_classes: int | None = None,
+        slots_per_class: int | None = None,
+        num_candidates: int | None = None,
+        num_representatives: int | None = None,
+        sample_shapes: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        task: str | None = None,
         activation_shape: Sequence[int] | None = None,
-        device: str | torch.device = "cpu",
-        global_sampling: bool = True,
+        device: str | torch.device | None = None,
+        global_sampling: bool | None = None,
         seed: int | None = None,
         comm: MPI.Comm | None = None,
         *,
-        sample_dtypes: torch.dtype | Sequence[torch.dtype] = torch.float32,
-        activation_dtype: torch.dtype = torch.float32,
-        mode: str = "standard",
-        rehearsal_weight: float = 1.0,
+        sample_dtypes: torch.dtype | Sequence[torch.dtype] | None = None,
+        activation_dtype: torch.dtype | None = None,
+        mode: str | None = None,
+        rehearsal_weight: float | None = None,
         progress_interval: float | None = None,
-        timeout: float = 600.0,
-        max_pending: int = 4,
-        worker_niceness: int = 10,
-        start_delay: float = 0.002,
-        transport: str = "mpi",
+        timeout: float | None = None,
+        max_pending: int | None = None,
+        worker_niceness: int | None = None,
+        start_delay: float | None = None,
+        transport: str | None = None,
         protocol: str | None = None,
+        options: RehearsalOptions | None = None,
     ) -> None:
-        # Every rank checks its arguments and launch first, then the ranks agree: an error on one rank is
-        # an error on all (RemoteError naming it), never a hang of the others in the collectives below.
+        given = {"num_classes": num_classes, "slots_per_class": slots_per_class, "num_candidates": num_candidates,
+                 "num_representatives": num_representatives, "sample_shapes": sample_shapes, "task": task,
+                 "activation_shape": activation_shape, "device": device, "global_sampling": global_sampling,
+                 "seed": seed, "sample_dtypes": sample_dtypes, "activation_dtype": activation_dtype, "mode": mode,
+                 "rehearsal_weight": rehearsal_weight, "progress_interval": progress_interval, "timeout": timeout,
+                 "max_pending": max_pending, "worker_niceness": worker_niceness, "start_delay": start_delay,
+                 "transport": transport, "protocol": protocol}
         world = MPI.COMM_WORLD if comm is None else comm
-        agree_s = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 600.0
-        with agreed(world if global_sampling else MPI.COMM_SELF, agree_s, "RehearsalBuffer()"):
-            if transport not in TRANSPORTS:
-                raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-            if protocol is not None and transport != "thallium":
-                raise ValueError(f"protocol={protocol!r} applies to transport='thallium' only")
-            if protocol is not None and protocol not in PROTOCOLS:
-                raise ValueError(f"protocol must be one of {PROTOCOLS} (or None), got {protocol!r}")
-            if task not in TASKS:
-                raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-            if mode not in ("standard", "flyweight"):
-                raise ValueError(f"mode must be 'standard' or 'flyweight', got {mode!r}")
-            for name, value, low in (
-                ("num_classes", num_classes, 1),
-                ("slots_per_class", slots_per_class, 1),
-                ("num_candidates", num_candidates, 1),
-                ("num_representatives", num_representatives, 0),
-                ("max_pending", max_pending, 1),
-                ("worker_niceness", worker_niceness, 0),
-            ):
-                if not isinstance(value, (int, np.integer)) or value < low:
-                    raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-            self.task = task
-            self.mode = mode
-            self.K, self.N = int(num_classes), int(slots_per_class)
-            self.C, self.R = int(num_candidates), int(num_representatives)
-            self.stores_activations = task != "rehearsal"
-            if self.stores_activations and activation_shape is None:
-                raise ValueError(f"task {task!r} stores activations: give activation_shape")
-            if not self.stores_activations and activation_shape is not None:
-                raise ValueError("activation_shape given but task 'rehearsal' stores no activations")
-            self.sample_shapes = _as_shapes(sample_shapes)
-            self.multi = not (
-                isinstance(sample_shapes, torch.Size)
-                or all(isinstance(s, (int, np.integer)) for s in sample_shapes)
-            )
-            dtypes = [sample_dtypes] * len(self.sample_shapes) if isinstance(sample_dtypes, torch.dtype) \
-                else list(sample_dtypes)
-            if len(dtypes) != len(self.sample_shapes):
-                raise ValueError(f"{len(dtypes)} sample_dtypes for {len(self.sample_shapes)} sample tensors")
-            self.sample_dtypes = dtypes
-            self.activation_shape = None if activation_shape is None else tuple(int(s) for s in activation_shape)
-            self.activation_dtype = activation_dtype
-            self.device = torch.device(device)
-            if self.device.type == "cuda" and not torch.cuda.is_available():
-                raise RuntimeError(f"device {device!r} requested but CUDA is not available here")
-            if self.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"device must be cpu or cuda, got {device!r}")
-            self.rehearsal_weight = float(rehearsal_weight)
-            self.timeout = float(timeout)
-            self.max_pending = int(max_pending)
-            if worker_niceness > 19:
-                raise ValueError(f"worker_niceness must be in [0, 19], got {worker_niceness}")
-            self.worker_niceness = int(worker_niceness)
-            if not isinstance(start_delay, (int, float)) or not (math.isfinite(start_delay) and start_delay >= 0):
-                raise ValueError(f"start_delay must be a finite number of seconds >= 0, got {start_delay!r}")
-            self.start_delay = float(start_delay)
-            self.global_sampling = bool(global_sampling)
+        # Every rank checks its settings and launch first, then the ranks agree: an error on one rank is an
+        # error on all (RemoteError naming it), never a hang of the others in the collectives that follow.
+        peers, agree_s = _agreement(options, given, world)
+        with agreed(peers, agree_s, "RehearsalBuffer()"):
+            self._configure(RehearsalOptions.resolve(options, **given), world, launched=comm is None)
+        self._open_transport(world)
+        self._init_state()
 
-            self.rank, self.world_size = world.Get_rank(), world.Get_size()
-            if comm is None and self.global_sampling:
-                _check_launcher(self.rank, self.world_size)
-            self.transport = transport
-            # Thallium reads go through Argobots, not MPI: only the MPI transport needs THREAD_MULTIPLE.
-            if self.global_sampling and transport == "mpi" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-                raise RuntimeError(
-                    "global_sampling needs MPI initialised with MPI_THREAD_MULTIPLE (the worker thread "
-                    "reads peers' buffers while the training thread may call MPI); set "
-                    "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI"
-                )
-            self.layout = RecordLayout(
-                self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, activation_dtype
+    # ------------------------------------------------------------------ construction steps
+    def _configure(self, opts: RehearsalOptions, world: MPI.Comm, launched: bool) -> None:
+        """Validate the settings and this rank's environment; derive what the later steps need (local)."""
+        opts.validate()
+        self.options = opts
+        self.task, self.mode, self.transport = opts.task, opts.mode, opts.transport
+        self.K, self.N = int(opts.num_classes), int(opts.slots_per_class)
+        self.C, self.R = int(opts.num_candidates), int(opts.num_representatives)
+        self.stores_activations = opts.stores_activations
+        self.sample_shapes, self.multi, self.sample_dtypes = opts.shapes, opts.multi, opts.dtypes
+        self.activation_shape = None if opts.activation_shape is None else tuple(int(s) for s in opts.activation_shape)
+        self.activation_dtype = opts.activation_dtype
+        self.device = torch.device(opts.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {opts.device!r} requested but CUDA is not available here")
+        self.rehearsal_weight = float(opts.rehearsal_weight)
+        self.timeout = float(opts.timeout)
+        self.max_pending = int(opts.max_pending)
+        self.worker_niceness = int(opts.worker_niceness)
+        self.start_delay = float(opts.start_delay)
+        self.global_sampling = bool(opts.global_sampling)
+        self.protocol = opts.protocol
+        self.rank, self.world_size = world.Get_rank(), world.Get_size()
+        if launched and self.global_sampling:
+            _check_launcher(self.rank, self.world_size)
+        # Thallium reads go through Argobots, not MPI: only the MPI transport needs THREAD_MULTIPLE.
+        if self.global_sampling and self.transport == "mpi" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise RuntimeError(
+                "global_sampling needs MPI initialised with MPI_THREAD_MULTIPLE (the worker thread "
+                "reads peers' buffers while the training thread may call MPI); set "
+                "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI"
             )
-        self._comm: MPI.Comm | None = None
-        if self.global_sampling:
-            self._comm = world.Dup()
-        if self._comm is not None and transport == "thallium":
-            if protocol is None:
-                protocol = default_protocol(self._comm)
-            if progress_interval is None:
-                progress_interval = 0.0  # Argobots serves peers: no MPI progress to drive
-        if progress_interval is None:
-            progress_interval = 0.0
-            if self._comm is not None:
-                node = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-                multi_node = node.Get_size() < self._comm.Get_size()
-                node.Free()
-                progress_interval = 0.002 if multi_node else 0.0
-        self.progress_interval = float(progress_interval)
+        self.layout = RecordLayout(
+            self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, self.activation_dtype
+        )
 
+    def _open_transport(self, world: MPI.Comm) -> None:
+        """Collective (with global sampling): this buffer's communicator, the progress policy and the storage."""
+        self._comm: MPI.Comm | None = world.Dup() if self.global_sampling else None
+        thallium = self._comm is not None and self.transport == "thallium"
+        if thallium and self.protocol is None:
+            self.protocol = default_protocol(self._comm)
+        self.progress_interval = self._progress_interval(thallium)
         pin = self.device.type == "cuda"
-        self.protocol = protocol
-        if self._comm is not None and transport == "thallium":
-            try:
-                self.storage: SlotStorage = ThalliumSlotStorage(
-                    self.layout, self._comm, pin, protocol, self.timeout
-                )
-            except BaseException:
-                self._comm.Free()
-                raise
-        else:
-            self.storage = SlotStorage(self.layout, self._comm, pin=pin)
+        if not thallium:
+            self.storage: SlotStorage = SlotStorage(self.layout, self._comm, pin=pin)
+            return
+        try:
+            self.storage = ThalliumSlotStorage(self.layout, self._comm, pin, self.protocol, self.timeout)
+        except BaseException:
+            self._comm.Free()
+            raise
+
+    def _progress_interval(self, thallium: bool) -> float:
+        """The worker's MPI progress period: as given, else 2 ms when an MPI transport spans nodes, else 0."""
+        if self.options.progress_interval is not None:
+            return float(self.options.progress_interval)
+        if thallium or self._comm is None:
+            return 0.0  # Argobots serves Thallium's peers: no MPI progress to drive
+        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
+        multi_node = node.Get_size() < self._comm.Get_size()
+        node.Free()
+        return 0.002 if multi_node else 0.0
+
+    def _init_state(self) -> None:
+        """The reservoir, random stream, output pools and timers; then start the worker (local)."""
         self.reservoir = ClassReservoir(self.K, self.N)
+        seed = self.options.seed
         entropy = [int(seed), self.rank] if seed is not None else None
         self.rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))
         self.stream_seen = np.zeros(self.K, dtype=np.int64)
@@ -327,6 +263,7 @@ class RehearsalBuffer:
         self._wanted = 0  # batches with seq < _wanted have been asked for by wait(): no holding back
         self._hurry = threading.Condition()
         self._closed = False
+        self._close_pending: list[Any] | None = None  # a close() whose barrier passed its deadline
         self._failed: BaseException | None = None
         self._requests: queue.Queue[_Request | None] = queue.Queue()
         self._results: queue.Queue[AugmentedBatch | BaseException] = queue.Queue()
@@ -483,15 +420,35 @@ class RehearsalBuffer:
         self._remote_bytes = 0
 
     def close(self) -> None:
-        """Stop the worker and free the storage (collective over ``comm`` with global sampling)."""
+        """Stop the worker and free the storage (collective over ``comm`` with global sampling).
+
+        Every rank must call it: without them it raises :class:`~torchhpc.errors.PeerTimeoutError` after
+        ``timeout`` s, the buffer refusing further use; a later ``close()``, once the peers have called it,
+        frees the storage."""
         if self._closed:
             return
         self._stop_worker()
+        if self._comm is not None:
+            self._wait_for_peers_to_close()
         self._closed = True
         self.storage.free()
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
+
+    def _wait_for_peers_to_close(self) -> None:
+        """The deadline barrier before freeing what peers may still read; kept pending if it times out."""
+        what = "RehearsalBuffer.close()"
+        try:
+            if self._close_pending is None:
+                barrier(self._comm, self.timeout, what)
+            else:  # an earlier close() gave up: the same barrier, completed by the late peers
+                wait_requests(self._close_pending, self.timeout, f"{what} is collective: every rank must close "
+                              "its buffer; a retry")
+        except PeerTimeoutError as exc:
+            self._close_pending = exc.requests
+            raise
+        self._close_pending = None
 
     def __enter__(self) -> RehearsalBuffer:
         return self
@@ -501,7 +458,7 @@ class RehearsalBuffer:
 
     # ------------------------------------------------------------------ input checks
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closed or self._close_pending is not None:
             raise RuntimeError("the rehearsal buffer is closed")
         if self._failed is not None:
             raise RuntimeError("the rehearsal worker failed earlier") from self._failed
@@ -662,28 +619,62 @@ class RehearsalBuffer:
         return out
 
     def _process(self, req: _Request) -> AugmentedBatch:
+        """One batch: draw representatives, read them (remote, then local), copy the new rows, update."""
         b = req.targets.shape[0]
         t0 = time.perf_counter()
         # Destination rows, ready before the read epoch opens: the caller's tensors, or recycled
         # or new ones; representatives go after the new samples (standard) or from row 0 (flyweight).
         first = b if self.mode == "standard" else 0
-        if req.out is None:
-            dest = self._output_block(b + self.R, b + self.R)
-        else:
-            out = req.out
-            dest = {"label": out.targets}
-            samples = [out.samples] if isinstance(out.samples, torch.Tensor) else list(out.samples)
-            dest.update({f"sample{i}": s for i, s in enumerate(samples)})
-            if self.stores_activations:
-                dest["activation"] = out.activations
+        dest = self._destination(req, b)
         # Representatives land in host rows first when the output lives on a GPU.
         host = self._staging if self._staging is not None else {k: v[first : first + self.R] for k, v in dest.items()}
+        setup = time.perf_counter() - t0
+
+        m, local_s = self._read_representatives(host)
+        t2 = time.perf_counter()
+        self._place_representatives(dest, {k: v[:m] for k, v in host.items()}, first)
+        if self.mode == "standard":
+            self._place_new(req, dest, b)
+        weights = self._weights(req, first, m)
+        if self._staging is not None:
+            self._cuda_stream.synchronize()
+        t3 = time.perf_counter()
+        self._add_time("copy", setup + local_s + t3 - t2)
+
+        self._update(req)
+        self._add_time("update", time.perf_counter() - t3)
+        self._iterations += 1
+        self.last_num_representatives = m
+
+        n_out = first + m
+        samples_out = [dest[f"sample{i}"][:n_out] for i in range(len(self.sample_shapes))]
+        return AugmentedBatch(
+            samples=samples_out if self.multi else samples_out[0],
+            targets=dest["label"][:n_out],
+            weights=weights,
+            activations=dest["activation"][:n_out] if self.stores_activations else None,
+        )
+
+    def _destination(self, req: _Request, b: int) -> dict[str, torch.Tensor]:
+        """The output tensors of a batch of ``b`` new rows, by field: the caller's ``out``, or pooled ones."""
+        if req.out is None:
+            return self._output_block(b + self.R, b + self.R)
+        out = req.out
+        dest = {"label": out.targets}
+        samples = [out.samples] if isinstance(out.samples, torch.Tensor) else list(out.samples)
+        dest.update({f"sample{i}": s for i, s in enumerate(samples)})
+        if self.stores_activations:
+            dest["activation"] = out.activations
+        return dest
+
+    def _read_representatives(self, host: dict[str, torch.Tensor]) -> tuple[int, float]:
+        """Draw the representatives and read them into the first rows of ``host``.
+
+        Returns how many, and the seconds the local reads took (timed as copying, remote reads as fetching)."""
         # uint8 (rows, bytes) numpy views of those rows, for the one-sided Gets to land in directly
         host_bytes = {
             k: v.reshape(v.shape[0], math.prod(v.shape[1:])).view(torch.uint8).numpy() for k, v in host.items()
         }
-        setup = time.perf_counter() - t0
-
         t0 = time.perf_counter()
         ranks, flat_slots, windowed = self._draw()
         m = len(flat_slots)
@@ -701,54 +692,44 @@ class RehearsalBuffer:
                 self.storage.end_remote()
         t2 = time.perf_counter()
         self._add_time("remote_fetch", t2 - t1)
-        rep_rows = {k: v[:m] for k, v in host.items()}
-
         local = np.nonzero(is_local)[0]
         if len(local):
             lo, hi = int(local[0]), int(local[-1]) + 1
             self.storage.read_local(
-                torch.from_numpy(flat_slots[lo:hi]), {k: v[lo:hi] for k, v in rep_rows.items()}
+                torch.from_numpy(flat_slots[lo:hi]), {k: v[lo:hi] for k, v in host.items()}
             )
-        if self._staging is not None:
-            # Order after work already queued on the default stream (e.g. kernels still reading
-            # memory the caching allocator just handed to this batch).
-            self._cuda_stream.wait_stream(torch.cuda.default_stream(self.device))
-            with torch.cuda.stream(self._cuda_stream):
-                for k, v in rep_rows.items():
-                    dest[k][first : first + m].copy_(v, non_blocking=True)
-        if self.mode == "standard":
-            news = [("label", req.targets)] + [(f"sample{i}", s) for i, s in enumerate(req.samples)]
-            if self.stores_activations:
-                news.append(("activation", req.activations))
-            for key, src in news:
-                if not _is_prefix(src, dest[key]):  # already in place: nothing to copy
-                    self._copy_rows(dest[key][:b], src)
+        return m, time.perf_counter() - t2
+
+    def _place_representatives(self, dest: dict[str, torch.Tensor], rep_rows: dict[str, torch.Tensor],
+                               first: int) -> None:
+        """Copy staged representatives (GPU outputs only) into the output rows from ``first`` on."""
+        if self._staging is None:
+            return  # already read in place
+        # Order after work already queued on the default stream (e.g. kernels still reading
+        # memory the caching allocator just handed to this batch).
+        self._cuda_stream.wait_stream(torch.cuda.default_stream(self.device))
+        with torch.cuda.stream(self._cuda_stream):
+            for k, v in rep_rows.items():
+                dest[k][first : first + v.shape[0]].copy_(v, non_blocking=True)
+
+    def _place_new(self, req: _Request, dest: dict[str, torch.Tensor], b: int) -> None:
+        """Copy the batch's own rows in front of the representatives (standard mode)."""
+        news = [("label", req.targets)] + [(f"sample{i}", s) for i, s in enumerate(req.samples)]
+        if self.stores_activations:
+            news.append(("activation", req.activations))
+        for key, src in news:
+            if not _is_prefix(src, dest[key]):  # already in place: nothing to copy
+                self._copy_rows(dest[key][:b], src)
+
+    def _weights(self, req: _Request, first: int, m: int) -> torch.Tensor:
+        """Per-row loss weights: 1 for the new rows, the rehearsal weight (0 for ``kd``) for representatives."""
         weights = torch.empty(first + m, dtype=torch.float32)
         weights[:first] = 1.0
         weights[first:] = 0.0 if self.task == "kd" else self.rehearsal_weight
         if req.out is not None:
             req.out.weights[: first + m].copy_(weights)
-            weights = req.out.weights[: first + m]
-        else:
-            weights = weights.to(self.device)
-        if self._staging is not None:
-            self._cuda_stream.synchronize()
-        t3 = time.perf_counter()
-        self._add_time("copy", setup + t3 - t2)
-
-        self._update(req)
-        self._add_time("update", time.perf_counter() - t3)
-        self._iterations += 1
-        self.last_num_representatives = m
-
-        n_out = first + m
-        samples_out = [dest[f"sample{i}"][:n_out] for i in range(len(self.sample_shapes))]
-        return AugmentedBatch(
-            samples=samples_out if self.multi else samples_out[0],
-            targets=dest["label"][:n_out],
-            weights=weights,
-            activations=dest["activation"][:n_out] if self.stores_activations else None,
-        )
+            return req.out.weights[: first + m]
+        return weights.to(self.device)
 
     def _draw(self) -> tuple[np.ndarray, np.ndarray, bool]:
         """Pick representatives; with global sampling this opens the shared read epoch on all ranks."""

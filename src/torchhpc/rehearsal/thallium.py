@@ -19,15 +19,14 @@ from mpi4py import MPI
 
 from torchhpc import native
 from torchhpc.errors import PeerFailedError, PeerTimeoutError, TorchhpcError
-from torchhpc.waiting import agreed, wait_requests
+from torchhpc.waiting import agreed, barrier, wait_requests
 
 from .layout import RecordLayout
+from .options import PROTOCOLS
 from .storage import SlotStorage
 
 __all__ = ["PROTOCOLS", "ThalliumSlotStorage", "default_protocol"]
 
-# Mercury protocols: shared memory on one node; libfabric TCP, InfiniBand verbs, HPE Slingshot across nodes.
-PROTOCOLS = ("na+sm", "ofi+tcp", "ofi+verbs", "ofi+cxi")
 _ADDR_BYTES = 256
 # Margo: a progress execution stream of its own (never the training thread) that also runs the RPC
 # handlers (rpc_thread_count -1), and blocks in Mercury's progress rather than spinning after each operation
@@ -142,9 +141,8 @@ class ThalliumSlotStorage(SlotStorage):
     def free(self) -> None:
         """Wait until no rank can still read (collective, with a deadline), then stop the engine."""
         if self.transport is not None:
-            hint = f"{_WHAT}.close() is collective: every rank must close its buffer"
             try:
-                wait_requests([self.comm.Ibarrier()], self.timeout, hint)
+                barrier(self.comm, self.timeout, f"{_WHAT}.close()")
             finally:
                 self.transport.close()
                 self.transport = None
