@@ -72,17 +72,21 @@ clean-env: ## Remove the local venv
 	rm -rf "$(VENV)"
 
 # ---- virtual cluster: utils/vcluster/vcluster.sh (root; Linux namespaces; docs/vcluster.md) -----------
-# NODES namespaced nodes on this host joined by a bridge, a real Slurm across them.  CMD='...' for
-# cluster-exec; RATE=10gbit|1gbit|none for cluster-link; NODE=nodeK for cluster-shell.
+# NODES namespaced nodes on this host joined by a bridge, a real Slurm (SCHEDULER=slurm, the default) or a
+# real OpenPBS (SCHEDULER=pbs; built once by `make openpbs`) across them.  CMD='...' for cluster-exec;
+# RATE=10gbit|1gbit|none for cluster-link; NODE=nodeK for cluster-shell.
 NODES ?= 2
 RATE  ?= none
 NODE  ?= node1
 VCLUSTER  = VENV="$(VENV)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)" bash utils/vcluster/vcluster.sh
 
-.PHONY: cluster-up cluster-down cluster-exec cluster-shell cluster-status cluster-link
+.PHONY: cluster-up cluster-down cluster-exec cluster-shell cluster-status cluster-link openpbs
 
-cluster-up: $(PY) ## A virtual cluster of NODES=2 nodes (namespaces) on this host, Slurm across them (root)
-	@$(VCLUSTER) up "$(NODES)"
+cluster-up: $(PY) ## A virtual cluster of NODES=2 nodes (namespaces) on this host, SCHEDULER=slurm|pbs across them (root)
+	@$(VCLUSTER) up "$(NODES)" "$(or $(SCHEDULER),slurm)"
+
+openpbs: ## Build OpenPBS (pinned commit; the archive in ../shared/vendor, else GitHub) into $(TORCHHPC_PREFIX)/openpbs
+	@TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)" bash utils/vcluster/build_openpbs.sh
 
 cluster-down: ## Stop the virtual cluster; remove every namespace, link and file it made
 	@$(VCLUSTER) down
@@ -112,6 +116,8 @@ PYTORCH_LATEST    := $(lastword $(PYTORCH_VERSIONS))
 TORCHHPC_PREFIX   ?= $(CURDIR)/build
 ALL_REDUCE_TEST   ?= tests/all_reduce_test.py
 BACKENDS          ?= nccl,mpi,accl
+# Options for tests/all_reduce_test.py in test-pbs / test-slurm jobs, e.g. ALL_REDUCE_ARGS='-e 64M -n 20'.
+ALL_REDUCE_ARGS   ?=
 CLUSTER_VARS       = SITE="$(SITE)" DRY_RUN="$(DRY_RUN)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
 
 .PHONY: cluster-versions nccl-ofi nccl-ofi-inputs spack-env spack-fake-install spack-install install-packages \
@@ -151,15 +157,17 @@ spack-install: spack-env ## Spack route: build and install the whole stack of sp
 install-packages: ## Install torchhpc (+ mpi4py built against the site MPI) into the site environment
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/install_packages.sh
 
-test-pbs: ## Run tests/all_reduce_test.py on 2 GPU nodes (nccl, mpi, accl backends) in a PBS job; show its table
+test-pbs: ## Run tests/all_reduce_test.py on 2 nodes (nccl, mpi, accl backends) in a PBS job (qsub); show its table
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/submit_job.sh \
 	  --scheduler pbs --name torchhpc-test-all-reduce --shape test \
-	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" bash utils/run_all_reduce.sh
+	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" ALL_REDUCE_ARGS="$(ALL_REDUCE_ARGS)" \
+	  bash utils/run_all_reduce.sh
 
 test-slurm: ## The same all-reduce table on 2 nodes as a Slurm job (mpiexec or srun --mpi=..., per LAUNCHER)
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/submit_job.sh \
 	  --scheduler slurm --name torchhpc-test-all-reduce --shape test \
-	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" bash utils/run_all_reduce.sh
+	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" ALL_REDUCE_ARGS="$(ALL_REDUCE_ARGS)" \
+	  bash utils/run_all_reduce.sh
 
 clean-pytorch: ## Remove PyTorch/torchvision sources, wheels and their stamps (keeps NCCL and environments)
 	rm -rf "$(TORCHHPC_PREFIX)"/src/pytorch-v* "$(TORCHHPC_PREFIX)"/src/vision-v* "$(TORCHHPC_PREFIX)/wheels"

@@ -5,8 +5,9 @@
 #   [ALL_REDUCE_TEST=tests/all_reduce_test.py] [BACKENDS=nccl,mpi,accl] [ALL_REDUCE_ARGS='-e 1M'] [DRY_RUN=1] \
 #     utils/run_all_reduce.sh
 #
-# Nodes: the distinct hosts in $PBS_NODEFILE, or $SLURM_JOB_NUM_NODES.  Ranks per node: the Slurm
-# allocation's tasks per node, else TORCHHPC_GPUS_PER_NODE (site profile).
+# Nodes: the distinct hosts in $PBS_NODEFILE, or $SLURM_JOB_NUM_NODES.  Ranks per node: the first host's
+# lines in $PBS_NODEFILE (select's mpiprocs), or the Slurm allocation's tasks per node, else
+# TORCHHPC_GPUS_PER_NODE (site profile).
 # The launcher: TORCHHPC_LAUNCHER=mpiexec (the site's mpiexec: MPICH/PALS style `-ppn`, or Open MPI's
 # `--map-by ppr:N:node`; both read the PBS or Slurm allocation), or srun (Slurm only) with
 # `--mpi=$TORCHHPC_SRUN_MPI` (pmix, pmi2, cray_shasta: what the MPI library was built for).
@@ -20,7 +21,9 @@ backends=${BACKENDS:-nccl,mpi,accl}
 ppn=$TORCHHPC_GPUS_PER_NODE
 launcher=$TORCHHPC_LAUNCHER
 if [[ -n "${PBS_NODEFILE:-}" && -r "${PBS_NODEFILE:-}" ]]; then
+  # one line per MPI process (select's mpiprocs), hosts in order
   nodes=$(sort -u "$PBS_NODEFILE" | wc -l)
+  ppn=$(grep -cxF "$(head -n 1 "$PBS_NODEFILE")" "$PBS_NODEFILE")
 elif [[ -n "${SLURM_JOB_ID:-}" ]]; then
   nodes=${SLURM_JOB_NUM_NODES:?SLURM_JOB_NUM_NODES not set inside Slurm job $SLURM_JOB_ID}
   # "2(x2)" or "4,2": the first node's task count (this test wants the same count on every node)
@@ -36,10 +39,20 @@ case "$launcher" in
     [[ -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] || die "LAUNCHER=srun needs a Slurm allocation"
     launch=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$nodes" --ntasks-per-node "$ppn" -n "$((nodes * ppn))") ;;
   mpiexec)
-    if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
-      launch=(mpiexec -n "$((nodes * ppn))" --map-by "ppr:$ppn:node")
+    # Under PBS, an MPI without PBS support (TM) built in, such as the Open MPI and MPICH wheels, learns
+    # the job's hosts from $PBS_NODEFILE as a host file; Cray's and PBS-aware mpiexecs read it themselves.
+    version=$(mpiexec --version 2>/dev/null || true)
+    hosts=()
+    if [[ -n "${PBS_NODEFILE:-}" ]]; then
+      case "$version" in
+        *"Open MPI"* | *"Open RTE"*) hosts=(--hostfile "$PBS_NODEFILE") ;;
+        *HYDRA*) hosts=(-f "$PBS_NODEFILE") ;;
+      esac
+    fi
+    if [[ "$version" == *"Open MPI"* || "$version" == *"Open RTE"* ]]; then
+      launch=(mpiexec "${hosts[@]}" -n "$((nodes * ppn))" --map-by "ppr:$ppn:node")
     else
-      launch=(mpiexec -n "$((nodes * ppn))" -ppn "$ppn")
+      launch=(mpiexec "${hosts[@]}" -n "$((nodes * ppn))" -ppn "$ppn")
     fi ;;
   *) die "LAUNCHER '$launcher' is not mpiexec or srun" ;;
 esac

@@ -45,6 +45,7 @@ while (($#)); do
 done
 (($#)) || die "no command given after --"
 JOB_COMMAND=$(quote_cmd "$@")
+JOB_EXPORTS=$(job_exports)  # the knobs as the user set them, before config_env.sh derives its own
 TORCHHPC_NO_ENV=1 TORCHHPC_NO_MODULES=1 TORCHHPC_QUIET=1 load_config
 
 job_resolve

@@ -4,7 +4,8 @@
 # exit status and the log.  Sourced after utils/lib/common.sh and load_config (config_env.sh).
 #
 # Inputs (set by the caller): JOB_NAME JOB_SHAPE JOB_SCHEDULER JOB_WALLTIME JOB_ACCOUNT JOB_QUEUE JOB_NODES
-# JOB_PPN JOB_CPUS JOB_GPUS JOB_SELECT JOB_SUBMIT JOB_COMMAND; empty means "the site's default".
+# JOB_PPN JOB_CPUS JOB_GPUS JOB_SELECT JOB_SUBMIT JOB_COMMAND; empty means "the site's default".  JOB_EXPORTS:
+# the job's export lines (job_exports, before config_env.sh is loaded).
 # JOB_WAIT_TIMEOUT (seconds, 0 = none): give up waiting (and cancel the job) after that long.
 
 # PBS Pro select chunks: N:key=value[:key=value...][+N:...]; these keys must be whole numbers.
@@ -100,6 +101,11 @@ job_directives() {
     printf '#PBS %s\n' "-N $JOB_NAME"
     [[ -n "$JOB_ACCOUNT" ]] && printf '#PBS %s\n' "-A $JOB_ACCOUNT"
     printf '#PBS %s\n' "-q $JOB_QUEUE" "-l select=$JOB_SELECT" "-l walltime=$JOB_WALLTIME" "-j oe" "-o $JOB_LOG"
+    # a test spreads its chunks over as many hosts (PBS packs them by default); a site's own place= wins
+    if [[ "$JOB_SHAPE" == test && ("$JOB_SELECT" == *+* || "${JOB_SELECT%%:*}" -gt 1) \
+      && " ${JOB_EXTRA[*]} " != *place=* ]]; then
+      printf '#PBS %s\n' "-l place=scatter"
+    fi
     ((${#JOB_EXTRA[@]})) && printf '#PBS %s\n' "${JOB_EXTRA[*]}"
   else
     printf '#SBATCH %s\n' "--job-name=$JOB_NAME"
@@ -126,10 +132,32 @@ set -euo pipefail
 cd $(printf '%q' "$TORCHHPC_ROOT")
 export SITE=$(printf '%q' "$TORCHHPC_SITE") PYTORCH_VERSION=$(printf '%q' "$PYTORCH_VERSION") TORCHHPC_PREFIX=$(printf '%q' "$TORCHHPC_PREFIX") SCHEDULER=$JOB_SCHEDULER
 echo "job \${PBS_JOBID:-\${SLURM_JOB_ID:-?}} on \$(hostname) at \$(date -u +%FT%TZ)"
+$JOB_EXPORTS
 printf 'command: %s\n' $(printf '%q' "$JOB_COMMAND")
 $JOB_COMMAND
 JOB
   )
+}
+
+# The knobs of config_env.sh and the build scripts (docs/cluster.md): those set at submission are written
+# into the job script, since PBS starts a job in a fresh login environment (Slurm would pass them on).
+JOB_KNOBS="ENV_KIND TORCHHPC_ENV_PREFIX_OVERRIDE TORCHHPC_VENV_ARGS TORCHHPC_NO_MODULES TORCHHPC_NO_ENV
+  NCCL_OFI_PREFIX_OVERRIDE NCCL_VERSION_OVERRIDE TORCH_CUDA_ARCH_LIST_OVERRIDE MAX_JOBS GPUS_PER_NODE LAUNCHER
+  SRUN_MPI STOP_AFTER TORCHHPC_PATCH_DIR PYTORCH_GIT TORCHVISION_GIT NCCL_GIT NCCL_HOME AWS_OFI_NCCL_GIT
+  AWS_OFI_NCCL_SOURCES AWS_OFI_NCCL_TAG AWS_OFI_NCCL_VERSION CUDA_HOME CUDNN_ROOT LIBFABRIC_ROOT HWLOC_ROOT
+  MPICC MPICXX"
+
+# The job's export lines: the knobs set here, and with TORCHHPC_NO_ENV=1 (no site environment is
+# activated) the venv active at submission, so that the job runs in the same environment.
+job_exports() {
+  local name
+  for name in $JOB_KNOBS; do
+    [[ -n "${!name+set}" ]] && printf 'export %s=%q\n' "$name" "${!name}"
+  done
+  if [[ "${TORCHHPC_NO_ENV:-0}" == 1 && -n "${VIRTUAL_ENV:-}" && -f "${VIRTUAL_ENV:-}/bin/activate" ]]; then
+    printf 'source %q\n' "$VIRTUAL_ENV/bin/activate"
+  fi
+  return 0
 }
 
 job_build_submit() {
@@ -163,40 +191,115 @@ job_run() {
   printf '%s\n' "$JOB_SCRIPT_TEXT" >"$JOB_SCRIPT"
   if [[ "$JOB_SCHEDULER" == slurm ]]; then
     job_run_slurm
+  elif [[ "$JOB_SUBMIT" == qsub ]]; then
+    job_run_pbs
   fi
-  step "submitting $JOB_NAME ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE) with ${JOB_SUBMIT_CMD[0]}; log: $JOB_LOG"
+  # NCAR's qcmd: it blocks, streams the job's output and returns its exit status; it takes no job id.
+  step "submitting $JOB_NAME ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE) with qcmd"
   local status=0
   "${JOB_SUBMIT_CMD[@]}" || status=$?
-  [[ "$JOB_SUBMIT" == qsub ]] && job_show_log
   step "$JOB_NAME finished with exit status $status"
   exit "$status"
 }
 
-# Slurm: submit, poll the job's state (growing interval, capped; deadline JOB_WAIT_TIMEOUT), then turn
-# its final state and ExitCode into this script's exit status and a clear message.
+# job_wait WHAT TEST...: the one wait on the scheduler.  Poll TEST (0.2 s growing to 5 s) until it succeeds;
+# past JOB_WAIT_TIMEOUT seconds (0 or unset: no limit) return 1 and say what was waited for.
+job_wait() {
+  local what=$1 step_ms=200 waited=0 deadline_ms=$((${JOB_WAIT_TIMEOUT:-0} * 1000))
+  shift
+  until "$@"; do
+    if ((deadline_ms > 0 && waited >= deadline_ms)); then
+      step "gave up waiting for $what after JOB_WAIT_TIMEOUT=${JOB_WAIT_TIMEOUT}s"
+      return 1
+    fi
+    sleep "$((step_ms / 1000)).$(printf '%03d' $((step_ms % 1000)))"
+    waited=$((waited + step_ms))
+    step_ms=$((step_ms * 2 > 5000 ? 5000 : step_ms * 2))
+  done
+}
+
+# PBS: `qsub -W block=true` prints the job id at once and returns when the job ends, with its exit status.
+# It runs in the background so that Ctrl-C and JOB_WAIT_TIMEOUT can delete the job (qdel), which a killed
+# qsub would leave running.  The job's record (qstat -x, job history) then gives how it ended, once PBS has
+# copied its output back.
+job_run_pbs() {
+  local out="$JOB_DIR/$JOB_NAME.qsub" qsub_pid id status=0 info state substate code
+  step "submitting $JOB_NAME ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE) with qsub -W block=true; log: $JOB_LOG"
+  rm -f "$JOB_LOG"
+  "${JOB_SUBMIT_CMD[@]}" >"$out" 2>&1 &
+  qsub_pid=$!
+  JOB_WAIT_TIMEOUT=60 job_wait "qsub to print the job id" job_pbs_submitted "$out" "$qsub_pid" || true
+  id=$(head -n 1 "$out")
+  if [[ ! "$id" =~ ^[0-9]+(\[\])?\.[A-Za-z0-9_.-]+$ ]]; then
+    wait "$qsub_pid" || true
+    die "qsub refused the job: $(cat "$out"); script: $JOB_SCRIPT"
+  fi
+  step "submitted $JOB_NAME as PBS job $id"
+  trap 'job_pbs_delete "$id" "$qsub_pid"; step "interrupted: deleted PBS job $id"; job_show_log; exit 130' INT TERM
+  if ! job_wait "PBS job $id" job_pid_gone "$qsub_pid"; then
+    job_pbs_delete "$id" "$qsub_pid"
+    job_show_log
+    die "gave up on PBS job $id after JOB_WAIT_TIMEOUT=${JOB_WAIT_TIMEOUT}s; it was deleted (qdel)"
+  fi
+  trap - INT TERM
+  wait "$qsub_pid" || status=$?
+  JOB_WAIT_TIMEOUT=120 job_wait "PBS job $id to finish (state F)" job_pbs_finished "$id" || true
+  info=$(qstat -x -f "$id" 2>&1) || true
+  state=$(sed -n 's/^ *job_state = //p' <<<"$info")
+  substate=$(sed -n 's/^ *substate = //p' <<<"$info")
+  code=$(sed -n 's/^ *Exit_status = //p' <<<"$info")
+  if [[ -z "$code" ]]; then
+    step "PBS job $id has no exit status (state ${state:-unknown}); qsub returned $status"
+  elif ((substate == 91)); then  # JOB_SUBSTATE_TERMINATED: deleted by qdel
+    status=130
+    step "PBS job $id was deleted (qdel, or by an administrator) before it finished"
+  elif ((code == -29)); then  # JOB_EXEC_KILL_WALLTIME
+    status=124
+    step "PBS job $id hit its walltime ($JOB_WALLTIME) and was killed: raise it (PBS_WALLTIME_${JOB_SHAPE^^} / --walltime)"
+  elif ((code < 0)); then
+    status=1
+    step "PBS could not run job $id (Exit_status $code: see 'JOB_EXEC' codes in the PBS admin guide; comment: $(sed -n 's/^ *comment = //p' <<<"$info"))"
+  elif ((code >= 256)); then  # killed by a signal: PBS reports 256 + the signal
+    status=$((128 + code - 256))
+    step "PBS job $id was killed by signal $((code - 256))"
+  else
+    status=$code
+    ((code == 0)) || step "PBS job $id failed: exit status $code"
+  fi
+  job_show_log
+  step "$JOB_NAME (PBS job $id) finished: exit status $status"
+  exit "$status"
+}
+
+# job_pbs_delete ID QSUB_PID: qdel the job, stop the waiting qsub, and give PBS up to 30 s to copy the
+# job's output back (so that its log can be shown).
+job_pbs_delete() {
+  qdel "$1" 2>/dev/null || true
+  kill "$2" 2>/dev/null || true
+  JOB_WAIT_TIMEOUT=30 job_wait "PBS job $1 to finish (state F)" job_pbs_finished "$1" || true
+}
+job_pbs_submitted() { [[ -s "$1" ]] || ! kill -0 "$2" 2>/dev/null; }
+job_pid_gone() { ! kill -0 "$1" 2>/dev/null; }
+job_pbs_finished() { [[ $(qstat -x -f "$1" 2>/dev/null | sed -n 's/^ *job_state = //p') == F ]]; }
+
+# Slurm: submit, poll the job's state, then turn its final state and ExitCode into this script's exit
+# status and a clear message.
 job_run_slurm() {
-  local out id state="" info="" exit_code status waited=0 step_ms=200 deadline_ms
+  local out id info="" state exit_code status
   out=$("${JOB_SUBMIT_CMD[@]}") || die "sbatch refused the job (above); script: $JOB_SCRIPT"
   id=${out%%;*}
   [[ "$id" =~ ^[0-9]+$ ]] || die "sbatch printed '$out', not a job id"
   JOB_LOG=${JOB_LOG//%j/$id}
   step "submitted $JOB_NAME as Slurm job $id ($JOB_NODES node(s) x $JOB_PPN task(s), $JOB_CPUS cpu(s)/task, time $JOB_WALLTIME${JOB_QUEUE:+, partition $JOB_QUEUE}); log: $JOB_LOG"
   trap 'scancel "$id" 2>/dev/null; step "interrupted: cancelled Slurm job $id"; job_show_log; exit 130' INT TERM
-  deadline_ms=$((${JOB_WAIT_TIMEOUT:-0} * 1000))
-  while :; do
-    info=$(scontrol show job -o "$id" 2>&1) || die "scontrol show job $id failed: $info"
-    state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")
-    [[ "$SLURM_DONE_STATES" == *" $state "* ]] && break
-    if ((deadline_ms > 0 && waited >= deadline_ms)); then
-      scancel "$id" 2>/dev/null || true
-      job_show_log
-      die "gave up on Slurm job $id after JOB_WAIT_TIMEOUT=${JOB_WAIT_TIMEOUT}s (state $state); it was cancelled"
-    fi
-    sleep "$((step_ms / 1000)).$(printf '%03d' $((step_ms % 1000)))"
-    waited=$((waited + step_ms))
-    step_ms=$((step_ms * 2 > 5000 ? 5000 : step_ms * 2))
-  done
+  if ! job_wait "Slurm job $id" job_slurm_done "$id"; then
+    scancel "$id" 2>/dev/null || true
+    job_show_log
+    die "gave up on Slurm job $id after JOB_WAIT_TIMEOUT=${JOB_WAIT_TIMEOUT}s (state $(job_slurm_state "$id")); it was cancelled"
+  fi
   trap - INT TERM
+  info=$(scontrol show job -o "$id" 2>&1) || die "scontrol show job $id failed: $info"
+  state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")
   exit_code=$(sed -n 's/.* ExitCode=\([0-9]*:[0-9]*\).*/\1/p' <<<"$info")
   local code=${exit_code%%:*} signal=${exit_code##*:}
   case "$state" in
@@ -213,4 +316,12 @@ job_run_slurm() {
   job_show_log
   step "$JOB_NAME (Slurm job $id) finished: $state, exit status $status"
   exit "$status"
+}
+
+job_slurm_state() { scontrol show job -o "$1" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p'; }
+job_slurm_done() {
+  local state
+  state=$(job_slurm_state "$1")
+  [[ -n "$state" ]] || die "scontrol show job $1 failed"
+  [[ "$SLURM_DONE_STATES" == *" $state "* ]]
 }

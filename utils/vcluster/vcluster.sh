@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
 # A virtual cluster on this host: N nodes, each a Linux network, UTS, mount and IPC namespace (its own
 # hostname, System V IPC, /tmp, /dev/shm and /run, one address on a veth joined to the others by a bridge),
-# with a real Slurm across them (munged on every node, slurmctld on node1, one slurmd per node).  The project's
-# directory stays shared, like a cluster's parallel file system.  Needs root, iproute2 and util-linux.
+# with a real batch scheduler across them: Slurm (munged on every node, slurmctld on node1, one slurmd per
+# node) or OpenPBS (server, scheduler and comm on node1, one pbs_mom per node; built by build_openpbs.sh).
+# The project's directory stays shared, like a cluster's parallel file system.  Needs root, iproute2 and
+# util-linux.
 #
-#   vcluster.sh up N          build N nodes and start Slurm (a no-op when the same cluster is up and healthy)
+#   vcluster.sh up N [slurm|pbs]
+#                             build N nodes and start the scheduler (default slurm; a no-op when the same
+#                             cluster is up and healthy)
 #   vcluster.sh down          stop everything and remove every namespace, link and file it made
 #   vcluster.sh exec [-n NODE] CMD...
-#                             run CMD on NODE (default node1) as a user on a login node would: Slurm's
-#                             clients and the project's venv on PATH, the project's directory as cwd
+#                             run CMD on NODE (default node1) as a user on a login node would: the
+#                             scheduler's clients and the project's venv on PATH, the project's directory
+#                             as cwd
 #   vcluster.sh shell [NODE]  an interactive login shell there
-#   vcluster.sh status        the nodes, their addresses and `sinfo`
+#   vcluster.sh status        the nodes, their addresses and `sinfo` or `pbsnodes`
 #   vcluster.sh link RATE     shape every node's link with tc's token bucket (e.g. 10gbit, 1gbit; `none` clears)
 #   vcluster.sh kill-node NODE
 #                             a node failure: its link is cut and every process in it killed
 #
 # Variables: VCLUSTER_DIR (shared state, default $TORCHHPC_PREFIX/vcluster or build/vcluster), VENV (.venv),
 # VCLUSTER_SUBNET (first three octets, default 10.212.0), VCLUSTER_CPUS (CPUs each node declares to
-# Slurm, default this host's core count).  Inside the cluster `ssh NODE CMD` enters NODE the same way
-# (bin/ssh in the state directory), so `mpiexec --host node1:2,node2:2` launches across nodes.
+# Slurm and PBS, default this host's core count), OPENPBS_PREFIX (where build_openpbs.sh installs OpenPBS).
+# Inside the cluster `ssh NODE CMD` enters NODE the same way (bin/ssh in the state directory), so
+# `mpiexec --host node1:2,node2:2` launches across nodes.  Login shells on the nodes (PBS jobs, `bash -l`)
+# read the cluster's /etc/profile.d, which sources the same login environment (profile.sh).
 set -Eeuo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -28,6 +35,7 @@ dir=${VCLUSTER_DIR:-$prefix/vcluster}
 venv=${VENV:-.venv}
 [[ "$venv" = /* ]] || venv="$repo/$venv"
 subnet=${VCLUSTER_SUBNET:-10.212.0}
+pbs_exec=${OPENPBS_PREFIX:-$prefix/openpbs}
 ns_prefix=torchhpc
 switch_ns=$ns_prefix-switch
 
@@ -36,6 +44,9 @@ say() { printf 'vcluster: %s\n' "$*" >&2; }
 
 # Nodes of the cluster that is up, in order (from the state directory).
 nodes() { [[ -f "$dir/nodes.list" ]] && cat "$dir/nodes.list"; return 0; }
+
+# The scheduler of the cluster that is up (slurm or pbs).
+scheduler() { cat "$dir/scheduler" 2>/dev/null || echo slurm; }
 
 node_pid() {
   local pid
@@ -58,35 +69,38 @@ enter() {
 unfit() { printf 'vcluster: cannot run here: %s\n' "$*" >&2; exit 3; }
 
 preflight() {
-  [[ $(id -u) -eq 0 ]] || unfit "needs root (network namespaces, mounts, slurmd)"
-  local tool
+  local sched=$1 tool
+  [[ $(id -u) -eq 0 ]] || unfit "needs root (network namespaces, mounts, the scheduler's daemons)"
   for tool in ip nsenter unshare tc; do command -v "$tool" >/dev/null || unfit "'$tool' not found (iproute2, util-linux)"; done
-  for tool in munged slurmctld slurmd sinfo srun; do
-    command -v "$tool" >/dev/null || unfit "'$tool' not found: apt-get install slurm-wlm munge"
-  done
+  if [[ "$sched" == slurm ]]; then
+    for tool in munged slurmctld slurmd sinfo srun; do
+      command -v "$tool" >/dev/null || unfit "'$tool' not found: apt-get install slurm-wlm munge"
+    done
+  else
+    id postgres >/dev/null 2>&1 || unfit "no 'postgres' user for the PBS server's datastore: apt-get install postgresql"
+    OPENPBS_PREFIX=$pbs_exec bash "$here/build_openpbs.sh"  # a no-op once built; exit 3 where it cannot be
+  fi
   [[ -x "$venv/bin/python" ]] || die "no venv at $venv: run 'make env' first"
   ip netns add "$ns_prefix-probe" 2>/dev/null || unfit "cannot create a network namespace here (ip netns add)"
   ip netns del "$ns_prefix-probe"
 }
 
 write_files() {
-  local n=$1 i cpus=${VCLUSTER_CPUS:-$(nproc)}
-  mkdir -p "$dir"/{nodes,log,bin,slurm/state,munge}
-  chmod 0700 "$dir/munge"
+  local n=$1 sched=$2 i
+  mkdir -p "$dir"/{nodes,log,bin,profile.d}
+  echo "$sched" >"$dir/scheduler"
   : >"$dir/nodes.list"
   {
     printf '127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n'
     for ((i = 1; i <= n; i++)); do printf '%s.%d\tnode%d\n' "$subnet" "$i" "$i"; done
   } >"$dir/hosts"
   for ((i = 1; i <= n; i++)); do echo "node$i" >>"$dir/nodes.list"; done
-  [[ -f "$dir/munge/munge.key" ]] || { head -c 1024 /dev/urandom >"$dir/munge/munge.key"; chmod 0400 "$dir/munge/munge.key"; }
   ln -sfn "$here/ssh" "$dir/bin/ssh"
   # The login environment of every node: what a site's /etc/profile.d and the user's ~/.bashrc would set.
   cat >"$dir/profile.sh" <<EOF
 # torchhpc virtual cluster: login environment (written by utils/vcluster/vcluster.sh)
-export PATH="$dir/bin:$venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+export PATH="$dir/bin:$venv/bin:$([[ "$sched" == pbs ]] && echo "$pbs_exec/bin:")/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 export VIRTUAL_ENV="$venv"
-export SLURM_CONF="$dir/slurm.conf"
 export TORCHHPC_VCLUSTER="$dir"
 # Open MPI refuses root without these; the nodes share this host's cores, so nothing is bound to a core.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -96,6 +110,25 @@ export PRTE_MCA_hwloc_default_binding_policy=none
 # an Ethernet cluster (one-sided MPI then runs osc/rdma over the tcp BTL).
 export OMPI_MCA_osc=^ucx OMPI_MCA_btl=^uct OMPI_MCA_pml=^ucx
 EOF
+  if [[ "$sched" == slurm ]]; then
+    printf 'export SLURM_CONF="%s"\n' "$dir/slurm.conf" >>"$dir/profile.sh"
+    write_slurm_conf "$n"
+  else
+    # shellcheck disable=SC2016  # $(hostname) is for the node's shell
+    printf '# this node'"'"'s PBS configuration (its PBS_HOME is node-local)\nexport PBS_CONF_FILE="%s/pbs/$(hostname).conf"\n' \
+      "$dir" >>"$dir/profile.sh"
+    write_pbs_conf "$n"
+  fi
+  # The nodes' /etc/profile.d: the host's, and the cluster's login environment for login shells (PBS jobs)
+  cp -a /etc/profile.d/. "$dir/profile.d/" 2>/dev/null || true
+  printf '# torchhpc virtual cluster\n. "%s"\n' "$dir/profile.sh" >"$dir/profile.d/zz-torchhpc-vcluster.sh"
+}
+
+write_slurm_conf() {
+  local n=$1 i cpus=${VCLUSTER_CPUS:-$(nproc)}
+  mkdir -p "$dir"/{slurm/state,munge}
+  chmod 0700 "$dir/munge"
+  [[ -f "$dir/munge/munge.key" ]] || { head -c 1024 /dev/urandom >"$dir/munge/munge.key"; chmod 0400 "$dir/munge/munge.key"; }
   {
     cat <<EOF
 # torchhpc virtual cluster: $n nodes (written by utils/vcluster/vcluster.sh)
@@ -132,6 +165,26 @@ EOF
   } >"$dir/slurm.conf"
 }
 
+# One pbs.conf per node (PBS_CONF_FILE in the login environment points each node at its own): node1 runs
+# the server, scheduler and comm, every node a mom; PBS_HOME is node-local, as /var/spool/pbs is on a site.
+write_pbs_conf() {
+  local n=$1 i first
+  mkdir -p "$dir/pbs"
+  for ((i = 1; i <= n; i++)); do
+    first=$((i == 1 ? 1 : 0))
+    cat >"$dir/pbs/node$i.conf" <<EOF
+PBS_EXEC=$pbs_exec
+PBS_HOME=/run/pbs
+PBS_SERVER=node1
+PBS_START_SERVER=$first
+PBS_START_SCHED=$first
+PBS_START_COMM=$first
+PBS_START_MOM=1
+PBS_CORE_LIMIT=unlimited
+EOF
+  done
+}
+
 # Runs inside a new UTS + mount namespace (see make_node): the node's own hostname, /tmp, /dev/shm, /run
 # and /etc/hosts; then it holds the namespaces open.
 node_init() {
@@ -142,6 +195,8 @@ node_init() {
   mount -t tmpfs -o mode=1777 tmpfs /dev/shm
   mount -t tmpfs -o mode=0755 tmpfs /run
   mkdir -p /run/munge /run/slurmd
+  # what systemd-tmpfiles would make at boot: PostgreSQL's socket directory (the PBS server's datastore)
+  if id postgres >/dev/null 2>&1; then install -d -m 2775 -o postgres -g postgres /run/postgresql; fi
   # /sys of this node's network namespace (its /sys/class/net), keeping the host's cgroup mounts for slurmd
   mkdir /tmp/.sys
   mount -t sysfs sysfs /tmp/.sys
@@ -150,6 +205,7 @@ node_init() {
   mount --move /tmp/.sys /sys
   rmdir /tmp/.sys 2>/dev/null || true
   mount --bind "$dir/hosts" /etc/hosts
+  mount --bind "$dir/profile.d" /etc/profile.d
   echo $$ >"$dir/nodes/$name.pid"
   exec sleep infinity
 }
@@ -197,28 +253,60 @@ start_slurm() {
   wait_for "all nodes idle in sinfo" 60 sinfo_idle
 }
 
-healthy() {
+pbs_all_free() {
+  local n
+  n=$(enter node1 pbsnodes -a | grep -c '^ *state = free$')
+  [[ "$n" -eq $(nodes | wc -l) ]]
+}
+
+# OpenPBS as a site runs it: PBS_HOME made by pbs_habitat on every node, the moms told that the server's
+# host may command them and that job files go to the shared file system by cp ($usecp, instead of scp),
+# the daemons started by pbs_init.d; then the server is set up with qmgr as an administrator would.
+start_pbs() {
   local node
-  [[ -f "$dir/nodes.list" && $(nodes | wc -l) -eq $1 ]] || return 1
+  for node in $(nodes); do
+    enter "$node" env LANG=C "$pbs_exec/libexec/pbs_habitat" >"$dir/log/pbs-habitat-$node.log" 2>&1
+    # every path but the node-local /tmp, /run and /dev/shm is on the one shared file system
+    # shellcheck disable=SC2016  # the mom's own syntax
+    printf '$clienthost node1\n$usecp *:/ /\n' | enter "$node" tee -a /run/pbs/mom_priv/config >/dev/null
+  done
+  enter node1 env LANG=C "$pbs_exec/libexec/pbs_init.d" start >"$dir/log/pbs-start-node1.log" 2>&1
+  wait_for "PBS server on node1" 60 enter node1 qstat -B
+  # Jobs run as root here (the only user of this host): the server accepts root's jobs only when told to.
+  # Finished jobs stay visible (qstat -x) for their exit status.
+  enter node1 qmgr -c "set server acl_roots += root" -c "set server job_history_enable = true"
+  for node in $(nodes); do
+    enter node1 qmgr -c "list node $node" >/dev/null 2>&1 || enter node1 qmgr -c "create node $node"
+  done
+  for node in $(nodes | tail -n +2); do
+    enter "$node" env LANG=C "$pbs_exec/libexec/pbs_init.d" start >"$dir/log/pbs-start-$node.log" 2>&1
+  done
+  wait_for "all nodes free in pbsnodes" 60 pbs_all_free
+}
+
+healthy() {
+  local n=$1 sched=$2 node
+  [[ -f "$dir/nodes.list" && $(nodes | wc -l) -eq $n && $(scheduler) == "$sched" ]] || return 1
   for node in $(nodes); do [[ -d /proc/$(cat "$dir/nodes/$node.pid" 2>/dev/null || echo none) ]] || return 1; done
-  sinfo_idle 2>/dev/null
+  if [[ "$sched" == slurm ]]; then sinfo_idle 2>/dev/null; else pbs_all_free 2>/dev/null; fi
 }
 
 cmd_up() {
-  local n=${1:-2} i
+  local n=${1:-2} sched=${2:-slurm} i
   [[ "$n" =~ ^[0-9]+$ && "$n" -ge 1 && "$n" -le 64 ]] || die "NODES must be a whole number from 1 to 64, got '$n'"
-  preflight
-  if healthy "$n"; then say "already up: $n nodes, all idle"; cmd_status; return 0; fi
+  [[ "$sched" == slurm || "$sched" == pbs ]] || die "SCHEDULER must be slurm or pbs, got '$sched'"
+  preflight "$sched"
+  if healthy "$n" "$sched"; then say "already up: $n nodes, $sched, all idle"; cmd_status; return 0; fi
   cmd_down quiet
   trap 'say "bring-up failed; logs:"; tail -n 15 "$dir"/log/*.log >&2 || true; cmd_down quiet' ERR
-  write_files "$n"
+  write_files "$n" "$sched"
   ip netns add "$switch_ns"
   ip -n "$switch_ns" link add br0 type bridge
   ip -n "$switch_ns" link set br0 up
   for ((i = 1; i <= n; i++)); do make_node "$i"; done
-  start_slurm
+  if [[ "$sched" == slurm ]]; then start_slurm; else start_pbs; fi
   trap - ERR
-  say "up: $n nodes"
+  say "up: $n nodes, $sched"
   cmd_status
 }
 
@@ -252,7 +340,7 @@ cmd_status() {
     printf '%-8s %s  %s\n' "$node" "$(awk -v n="$node" '$2 == n { print $1 }' "$dir/hosts")" \
       "$(ip -n "$ns_prefix-$node" -br link show eth0 2>/dev/null | awk '{ print $2 }')"
   done
-  enter node1 sinfo
+  if [[ $(scheduler) == slurm ]]; then enter node1 sinfo; else enter node1 pbsnodes -aS; fi
 }
 
 cmd_link() {
