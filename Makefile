@@ -160,13 +160,15 @@ install-packages: ## Install torchhpc (+ mpi4py built against the site MPI) into
 test-pbs: ## Run tests/all_reduce_test.py on 2 nodes (nccl, mpi, accl backends) in a PBS job (qsub); show its table
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/submit_job.sh \
 	  --scheduler pbs --name torchhpc-test-all-reduce --shape test \
-	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" ALL_REDUCE_ARGS="$(ALL_REDUCE_ARGS)" \
+	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" \
+	  $(if $(ALL_REDUCE_ARGS),ALL_REDUCE_ARGS="$(ALL_REDUCE_ARGS)") \
 	  bash utils/run_all_reduce.sh
 
 test-slurm: ## The same all-reduce table on 2 nodes as a Slurm job (mpiexec or srun --mpi=..., per LAUNCHER)
 	@$(CLUSTER_VARS) PYTORCH_VERSION="$(or $(PYTORCH_VERSION),$(PYTORCH_LATEST))" bash utils/submit_job.sh \
 	  --scheduler slurm --name torchhpc-test-all-reduce --shape test \
-	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" ALL_REDUCE_ARGS="$(ALL_REDUCE_ARGS)" \
+	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" \
+	  $(if $(ALL_REDUCE_ARGS),ALL_REDUCE_ARGS="$(ALL_REDUCE_ARGS)") \
 	  bash utils/run_all_reduce.sh
 
 clean-pytorch: ## Remove PyTorch/torchvision sources, wheels and their stamps (keeps NCCL and environments)

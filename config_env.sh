@@ -60,7 +60,7 @@ _torchhpc_load_modules() {
 }
 
 _torchhpc_create_env() {
-  local prefix=$1 kind=$2 python_version=$3 py
+  local prefix=$1 kind=$2 python_version=$3 py cand
   if [[ "$kind" == conda ]]; then
     if ! declare -F conda >/dev/null; then
       command -v conda >/dev/null || { _torchhpc_err "SITE_ENV_KIND=conda but no conda command"; return 1; }
@@ -74,8 +74,12 @@ _torchhpc_create_env() {
     fi
   else
     if [[ ! -x "$prefix/bin/python" ]]; then
-      py=$(command -v "python$python_version" || command -v python3 || true)
-      [[ -n "$py" ]] || { _torchhpc_err "no python$python_version or python3 to create the venv"; return 1; }
+      # the first that runs: a pyenv shim can name a version that is installed but not enabled
+      py=""
+      for cand in "python$python_version" python3; do
+        cand=$(command -v "$cand") && "$cand" -c 'import venv' >/dev/null 2>&1 && { py=$cand; break; }
+      done
+      [[ -n "$py" ]] || { _torchhpc_err "no python$python_version or python3 (with venv) to create the venv"; return 1; }
       _torchhpc_say "creating venv $prefix with $py"
       # shellcheck disable=SC2086  # TORCHHPC_VENV_ARGS is a list of options
       "$py" -m venv ${TORCHHPC_VENV_ARGS:-} "$prefix" || { _torchhpc_err "python -m venv $prefix failed"; return 1; }

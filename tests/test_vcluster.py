@@ -21,66 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _mpijob import STACKS_MARGIN, inner_pytest_argv, kill_session
+from _mpijob import STACKS_MARGIN, inner_pytest_argv
+from _vcluster import ROOT, VCLUSTER, Cluster, cluster_up
 
 from torchhpc.mpirun import side_mpich
 
-ROOT = Path(__file__).resolve().parents[1]
-VCLUSTER = ROOT / "utils" / "vcluster" / "vcluster.sh"
 NODES = 4
 PYTHON = "python"  # the venv's, first on the nodes' PATH
 # what every rank needs beyond the login environment: the tests' helpers, one thread per rank (2 cores here)
 RANK_ENV = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-
-
-class Cluster:
-    """The running virtual cluster: commands on its login node, and MPI jobs launched across it."""
-
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        self.shared = state / "shared"  # on the project's file system: every node sees it
-        self.shared.mkdir(exist_ok=True)
-
-    def run(self, cmd: str, timeout: float = 120, env: dict[str, str] | None = None,
-            node: str = "node1") -> subprocess.CompletedProcess[str]:
-        """Run the shell command ``cmd`` on ``node`` as a login shell would; kill it at ``timeout``."""
-        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
-        argv = ["bash", str(VCLUSTER), "exec", "-n", node, "bash", "-c", exports + cmd]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_session(proc.pid)
-            self.reap()
-            out, _ = proc.communicate()
-            pytest.fail(f"`{cmd}` did not finish in {timeout:.0f}s on the virtual cluster:\n{out[-30000:]}")
-        return subprocess.CompletedProcess(argv, proc.returncode, out, None)
-
-    def reap(self) -> None:
-        """Cancel every Slurm job and kill every process on the nodes but the daemons and namespace holders."""
-        subprocess.run(["bash", str(VCLUSTER), "exec", "scancel", "--user=root"], capture_output=True, timeout=30)
-        keep = {"munged", "slurmctld", "slurmd", "sleep"}
-        for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
-            if not ns.startswith("torchhpc-node"):
-                continue
-            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-                try:
-                    if Path(f"/proc/{pid}/comm").read_text().strip() not in keep:
-                        os.kill(int(pid), 9)
-                except (OSError, ValueError):
-                    pass
-
-    def ok(self, cmd: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
-        proc = self.run(cmd, timeout, env)
-        assert proc.returncode == 0, f"`{cmd}` failed ({proc.returncode}):\n{proc.stdout[-30000:]}"
-        return proc.stdout
-
-    def logs(self) -> str:
-        out = []
-        for path in sorted((self.state / "log").glob("*.log")):
-            out.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
-        return "\n".join(out)
 
 
 def launch(cluster: Cluster, how: str, layout: list[int], argv: list[str], mpi: str = "openmpi",
@@ -140,23 +89,8 @@ def mpi_suite(cluster: Cluster, how: str, layout: list[int], target: str, timeou
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    # the venv running these tests is the one the nodes put on PATH
-    env = {**os.environ, "VENV": sys.prefix}
-    up = subprocess.run(["bash", str(VCLUSTER), "up", str(NODES)], capture_output=True, text=True, timeout=180,
-                        env=env)
-    if up.returncode == 3:  # the script's own pre-flight: not root, no Slurm, no network namespaces
-        pytest.skip(up.stderr.strip())
-    if up.returncode != 0:
-        pytest.fail(f"the virtual cluster did not come up:\n{up.stdout}\n{up.stderr}")
-    prefix = Path(os.environ.get("TORCHHPC_PREFIX") or ROOT / "build")
-    state = Path(os.environ.get("VCLUSTER_DIR") or prefix / "vcluster")
-    try:
-        yield Cluster(state)
-    finally:
-        down = subprocess.run(["bash", str(VCLUSTER), "down"], capture_output=True, text=True, timeout=120)
-        assert down.returncode == 0, down.stderr
-        leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        assert "torchhpc-" not in leftover, f"cluster-down left namespaces behind: {leftover}"
+    with cluster_up(NODES, "slurm") as up:
+        yield up
 
 
 # ---- the nodes ---------------------------------------------------------------------------------------------

@@ -39,20 +39,12 @@ case "$launcher" in
     [[ -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] || die "LAUNCHER=srun needs a Slurm allocation"
     launch=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$nodes" --ntasks-per-node "$ppn" -n "$((nodes * ppn))") ;;
   mpiexec)
-    # Under PBS, an MPI without PBS support (TM) built in, such as the Open MPI and MPICH wheels, learns
-    # the job's hosts from $PBS_NODEFILE as a host file; Cray's and PBS-aware mpiexecs read it themselves.
-    version=$(mpiexec --version 2>/dev/null || true)
-    hosts=()
-    if [[ -n "${PBS_NODEFILE:-}" ]]; then
-      case "$version" in
-        *"Open MPI"* | *"Open RTE"*) hosts=(--hostfile "$PBS_NODEFILE") ;;
-        *HYDRA*) hosts=(-f "$PBS_NODEFILE") ;;
-      esac
-    fi
-    if [[ "$version" == *"Open MPI"* || "$version" == *"Open RTE"* ]]; then
-      launch=(mpiexec "${hosts[@]}" -n "$((nodes * ppn))" --map-by "ppr:$ppn:node")
+    # Under PBS both wheels' mpiexecs read the job's hosts from $PBS_NODEFILE themselves (Open MPI: PRRTE's
+    # ras/pbs; MPICH: Hydra's PBS support) and start remote ranks over ssh, as Cray's PALS mpiexec does.
+    if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
+      launch=(mpiexec -n "$((nodes * ppn))" --map-by "ppr:$ppn:node")
     else
-      launch=(mpiexec "${hosts[@]}" -n "$((nodes * ppn))" -ppn "$ppn")
+      launch=(mpiexec -n "$((nodes * ppn))" -ppn "$ppn")
     fi ;;
   *) die "LAUNCHER '$launcher' is not mpiexec or srun" ;;
 esac

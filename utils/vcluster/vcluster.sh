@@ -274,7 +274,8 @@ start_pbs() {
   wait_for "PBS server on node1" 60 enter node1 qstat -B
   # Jobs run as root here (the only user of this host): the server accepts root's jobs only when told to.
   # Finished jobs stay visible (qstat -x) for their exit status.
-  enter node1 qmgr -c "set server acl_roots += root" -c "set server job_history_enable = true"
+  enter node1 qmgr -c "set server acl_roots = root"
+  enter node1 qmgr -c "set server job_history_enable = true"
   for node in $(nodes); do
     enter node1 qmgr -c "list node $node" >/dev/null 2>&1 || enter node1 qmgr -c "create node $node"
   done
@@ -282,6 +283,14 @@ start_pbs() {
     enter "$node" env LANG=C "$pbs_exec/libexec/pbs_init.d" start >"$dir/log/pbs-start-$node.log" 2>&1
   done
   wait_for "all nodes free in pbsnodes" 60 pbs_all_free
+  wait_for "the PBS server to accept root's jobs" 30 pbs_takes_jobs
+}
+
+# A held job of root's is accepted (then deleted with its history): the server is ready for users.
+pbs_takes_jobs() {
+  local job
+  job=$(echo true | enter node1 qsub -h -N vcluster-probe) || return 1
+  enter node1 qdel -x "$job"
 }
 
 healthy() {

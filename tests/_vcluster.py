@@ -1,0 +1,100 @@
+"""The virtual cluster as tests use it (utils/vcluster/vcluster.sh): bring it up for a module, run commands on
+its login node as a user would, reap what a test left behind, and read the daemons' logs on failure.
+
+Shared by tests/test_vcluster.py (Slurm, 4 nodes) and tests/test_vcluster_pbs.py (OpenPBS, 2 nodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _mpijob import kill_session
+
+ROOT = Path(__file__).resolve().parents[1]
+VCLUSTER = ROOT / "utils" / "vcluster" / "vcluster.sh"
+# The daemons and namespace holders that reap() leaves alone, per scheduler.
+DAEMONS = {"slurm": {"munged", "slurmctld", "slurmd", "sleep"},
+           "pbs": {"pbs_server.bin", "pbs_sched", "pbs_comm", "pbs_mom", "postgres", "sleep"}}
+# Cancel every job of the user, per scheduler.
+CANCEL_ALL = {"slurm": "scancel --user=root", "pbs": "j=$(qselect); [ -z \"$j\" ] || qdel -W force $j"}
+
+
+class Cluster:
+    """The running virtual cluster: commands on its login node, and MPI jobs launched across it."""
+
+    def __init__(self, state: Path, scheduler: str) -> None:
+        self.state = state
+        self.scheduler = scheduler
+        self.shared = state / "shared"  # on the project's file system: every node sees it
+        self.shared.mkdir(exist_ok=True)
+
+    def run(self, cmd: str, timeout: float = 120, env: dict[str, str] | None = None,
+            node: str = "node1") -> subprocess.CompletedProcess[str]:
+        """Run the shell command ``cmd`` on ``node`` as a login shell would; kill it at ``timeout``."""
+        exports = "".join(f"export {k}={shlex.quote(v)}; " for k, v in (env or {}).items())
+        argv = ["bash", str(VCLUSTER), "exec", "-n", node, "bash", "-c", exports + cmd]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_session(proc.pid)
+            self.reap()
+            out, _ = proc.communicate()
+            pytest.fail(f"`{cmd}` did not finish in {timeout:.0f}s on the virtual cluster:\n{out[-30000:]}")
+        return subprocess.CompletedProcess(argv, proc.returncode, out, None)
+
+    def reap(self) -> None:
+        """Cancel every job and kill every process on the nodes but the daemons and namespace holders."""
+        subprocess.run(["bash", str(VCLUSTER), "exec", "bash", "-c", CANCEL_ALL[self.scheduler]],
+                       capture_output=True, timeout=30)
+        keep = DAEMONS[self.scheduler]
+        for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split():
+            if not ns.startswith("torchhpc-node"):
+                continue
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                try:
+                    if Path(f"/proc/{pid}/comm").read_text().strip() not in keep:
+                        os.kill(int(pid), 9)
+                except (OSError, ValueError):
+                    pass
+
+    def ok(self, cmd: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+        proc = self.run(cmd, timeout, env)
+        assert proc.returncode == 0, f"`{cmd}` failed ({proc.returncode}):\n{proc.stdout[-30000:]}"
+        return proc.stdout
+
+    def logs(self) -> str:
+        out = []
+        for path in sorted((self.state / "log").glob("*.log")):
+            out.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:]))
+        return "\n".join(out)
+
+
+@contextlib.contextmanager
+def cluster_up(nodes: int, scheduler: str, timeout: float = 180) -> Iterator[Cluster]:
+    """A cluster of ``nodes`` nodes running ``scheduler`` for the caller's lifetime; skips where vcluster.sh's
+    own pre-flight says this host cannot carry one (exit 3); removes it, and checks nothing is left, after."""
+    env = {**os.environ, "VENV": sys.prefix}  # the venv running these tests is the one the nodes put on PATH
+    up = subprocess.run(["bash", str(VCLUSTER), "up", str(nodes), scheduler], capture_output=True, text=True,
+                        timeout=timeout, env=env)
+    if up.returncode == 3:  # not root, no Slurm, no network namespaces, OpenPBS cannot be built here
+        pytest.skip(up.stderr.strip().splitlines()[-1])
+    if up.returncode != 0:
+        pytest.fail(f"the virtual cluster did not come up:\n{up.stdout}\n{up.stderr}")
+    prefix = Path(os.environ.get("TORCHHPC_PREFIX") or ROOT / "build")
+    state = Path(os.environ.get("VCLUSTER_DIR") or prefix / "vcluster")
+    try:
+        yield Cluster(state, scheduler)
+    finally:
+        down = subprocess.run(["bash", str(VCLUSTER), "down"], capture_output=True, text=True, timeout=120)
+        assert down.returncode == 0, down.stderr
+        leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert "torchhpc-" not in leftover, f"cluster-down left namespaces behind: {leftover}"

@@ -1,0 +1,241 @@
+"""The PBS targets end to end on a real OpenPBS across a 2-node virtual cluster (`make cluster-up SCHEDULER=pbs`).
+
+OpenPBS is built once from the pinned commit (utils/vcluster/build_openpbs.sh; the vendor archive in CI); node1
+runs the server, scheduler, comm and a mom, node2 a mom; output comes back through the moms' `$usecp` to the
+shared file system, as on a site.  Every job goes through the real `qsub`, is deleted with the real `qdel`,
+and its exit status comes from PBS's own job record (`qstat -x`).  The module skips, saying why, where the
+cluster or OpenPBS cannot be built or started here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _upstream import PG_MPI, tagged_upstream
+from _vcluster import ROOT, Cluster, cluster_up
+
+from torchhpc.mpirun import side_mpich
+
+SUBMIT = "bash utils/submit_job.sh --scheduler pbs --shape build --select 1:ncpus=1"
+
+
+@pytest.fixture(scope="module")
+def pbs() -> Iterator[Cluster]:
+    # the first bring-up in a fresh checkout builds OpenPBS (about 2-3 minutes on 2 cores)
+    with cluster_up(2, "pbs", timeout=900) as up:
+        yield up
+
+
+@pytest.fixture()
+def prefix(pbs: Cluster, request: pytest.FixtureRequest) -> Path:
+    """A TORCHHPC_PREFIX of the test's own on the shared file system (job scripts and logs land there)."""
+    path = pbs.shared / request.node.name
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def submit(pbs: Cluster, prefix: Path, command: str, name: str = "t", timeout: float = 120,
+           **env: str) -> tuple[int, str]:
+    """`utils/submit_job.sh` on node1 for a build-shaped job running ``command``: exit status and console."""
+    proc = pbs.run(f"{SUBMIT} --name {name} --walltime {env.pop('WALLTIME', '00:05:00')} -- {command}",
+                   timeout=timeout, env={"SITE": "generic", "TORCHHPC_NO_ENV": "1",
+                                         "TORCHHPC_PREFIX": str(prefix), **env})
+    return proc.returncode, proc.stdout
+
+
+def job_id(console: str) -> str:
+    return console.split(" as PBS job ")[1].split()[0]
+
+
+def qstat_x(pbs: Cluster, job: str) -> dict[str, str]:
+    """PBS's record of a job (job history is on): its attributes by name."""
+    out = pbs.ok(f"qstat -x -f -F json {job}")
+    return json.loads(out)["Jobs"][job]
+
+
+# ---- the server and its nodes --------------------------------------------------------------------------------
+
+
+def test_both_moms_are_free_and_cluster_up_is_idempotent(pbs: Cluster) -> None:
+    nodes = json.loads(pbs.ok("pbsnodes -a -F json"))["nodes"]
+    assert sorted(nodes) == ["node1", "node2"], nodes
+    assert {n["state"] for n in nodes.values()} == {"free"}, nodes
+    assert "acl_roots = root" in pbs.ok("qmgr -c 'list server'")
+    kept = subprocess.run(["make", "--no-print-directory", "cluster-up", "SCHEDULER=pbs", "NODES=2",
+                           f"VENV={sys.prefix}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert kept.returncode == 0 and "already up: 2 nodes, pbs" in kept.stderr, kept.stderr
+
+
+# ---- submit_job.sh through the real qsub --------------------------------------------------------------------
+
+
+def test_job_that_succeeds_comes_back_with_its_log(pbs: Cluster, prefix: Path) -> None:
+    rc, out = submit(pbs, prefix, "bash -c 'echo hello from $PBS_JOBID on $(hostname)'")
+    assert rc == 0, out
+    job = job_id(out)
+    log = (prefix / "jobs/t.log").read_text()
+    assert f"hello from {job} on node1" in log, log
+    assert f"hello from {job}" in out, "the log is shown"
+    assert f"(PBS job {job}) finished: exit status 0" in out
+    script = (prefix / "jobs/t.pbs").read_text().splitlines()
+    assert script[0] == "#!/bin/bash -l" and "#PBS -l select=1:ncpus=1" in script, script
+    assert qstat_x(pbs, job)["Exit_status"] == 0
+
+
+def test_job_that_fails_returns_its_status_and_shows_its_log(pbs: Cluster, prefix: Path) -> None:
+    rc, out = submit(pbs, prefix, "bash -c 'echo about to fail >&2; exit 3'")
+    assert rc == 3, out
+    assert "failed: exit status 3" in out and "about to fail" in out, out
+
+
+def test_qdel_of_a_running_job_says_so(pbs: Cluster, prefix: Path) -> None:
+    """The job is deleted from another shell while it runs: the submission ends with 130 and says why."""
+    script = (f"{SUBMIT} --name t --walltime 00:05:00 -- sleep 300 & "
+              "for _ in $(seq 100); do j=$(qselect -N t -s R); [ -n \"$j\" ] && break; sleep 0.2; done; "
+              "qdel $j; wait $!")
+    proc = pbs.run(script, timeout=120, env={"SITE": "generic", "TORCHHPC_NO_ENV": "1",
+                                             "TORCHHPC_PREFIX": str(prefix)})
+    assert proc.returncode == 130, proc.stdout
+    job = job_id(proc.stdout)
+    assert f"PBS job {job} was deleted (qdel" in proc.stdout, proc.stdout
+    assert qstat_x(pbs, job)["job_state"] == "F"
+
+
+def test_wait_deadline_deletes_the_job(pbs: Cluster, prefix: Path) -> None:
+    t0 = time.monotonic()
+    rc, out = submit(pbs, prefix, "sleep 300", JOB_WAIT_TIMEOUT="2")
+    assert rc != 0 and "gave up on PBS job" in out and "it was deleted (qdel)" in out, out
+    assert time.monotonic() - t0 < 60
+    assert qstat_x(pbs, job_id(out))["job_state"] in ("E", "F")
+
+
+def test_walltime_kill_says_so(pbs: Cluster, prefix: Path) -> None:
+    rc, out = submit(pbs, prefix, "sleep 300", WALLTIME="00:00:03")
+    assert rc == 124, out
+    assert "hit its walltime (00:00:03) and was killed" in out and "job killed: walltime" in out, out
+
+
+def test_knobs_reach_the_job(pbs: Cluster, prefix: Path) -> None:
+    """PBS starts jobs in a fresh login shell: the variables a user sets for make must still reach the job."""
+    rc, out = submit(pbs, prefix, "bash -c 'echo knob=$STOP_AFTER python=$(command -v python)'",
+                     STOP_AFTER="patches")
+    assert rc == 0, out
+    log = (prefix / "jobs/t.log").read_text()
+    assert "knob=patches" in log and f"python={sys.prefix}/bin/python" in log, log
+
+
+# ---- mpiexec inside a PBS job, both MPIs, as users write the job script --------------------------------------
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_mpiexec_in_a_job_places_ranks_from_the_allocation(pbs: Cluster, prefix: Path, mpi: str) -> None:
+    """`mpiexec` with no host list inside `select=2:ncpus=2:mpiprocs=2` puts 2 ranks on each node: both wheels'
+    mpiexecs read $PBS_NODEFILE themselves; the launcher's facts agree with where each rank runs."""
+    if mpi == "mpich":
+        root = side_mpich()
+        if root is None:
+            pytest.skip("no MPICH: `make env` puts the pinned mpich wheel's files in $VENV/mpich")
+        launch = f"export MPI4PY_LIBMPI={root}/lib/libmpi.so.12\n{root}/bin/mpiexec -n 4 -ppn 2"
+    else:
+        launch = "mpiexec -n 4 --map-by ppr:2:node"
+    script = prefix / "whoami.pbs"
+    script.write_text("#!/bin/bash -l\n#PBS -l select=2:ncpus=2:mpiprocs=2\n#PBS -l place=scatter\n"
+                      f"#PBS -l walltime=00:05:00\n#PBS -j oe\n#PBS -o {prefix}/whoami.out\n"
+                      f"source {shlex.quote(sys.prefix + '/bin/activate')}\n"
+                      f"{launch} python {ROOT}/tests/vcluster/whoami.py\n")
+    out = pbs.ok(f"qsub -W block=true {script}", timeout=180)
+    deadline = time.monotonic() + 30  # the mom copies the output back after the job ends
+    while time.monotonic() < deadline and not (prefix / "whoami.out").exists():
+        time.sleep(0.2)
+    text = (prefix / "whoami.out").read_text()
+    ranks = [json.loads(line.split("WHOAMI ", 1)[1]) for line in text.splitlines() if "WHOAMI " in line]
+    assert Counter(r["host"] for r in ranks) == Counter({"node1": 2, "node2": 2}), out + text
+    for r in ranks:
+        assert r["info_size"] == 4 and r["local_size"] == 2 and r["mpi_local_size"] == 2, r
+        assert r["mpi_nodes"] == 2 and r["info_rank"] == r["rank"], r
+
+
+def test_make_test_pbs_prints_the_table_with_ranks_on_both_nodes(pbs: Cluster, prefix: Path) -> None:
+    env = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "TORCHHPC_PREFIX": str(prefix),
+           "PBS_SELECT_TEST": "2:ncpus=2:mpiprocs=2", "PBS_WALLTIME_TEST": "00:05:00",
+           "ALL_REDUCE_ARGS": "-e 64K -n 3 -w 1"}
+    out = pbs.ok("make --no-print-directory test-pbs BACKENDS=accl", timeout=300, env=env)
+    log = (prefix / "jobs/torchhpc-test-all-reduce.log").read_text()
+    placed = re.findall(r"#  Rank +(\d) Pid +\d+ on +(node\d) device cpu", log)
+    assert sorted(placed) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], log
+    assert "# Out of bounds values : 0 OK" in log, log
+    assert "+ mpiexec -n 4 --map-by ppr:2:node python" in log, log
+    assert "# Out of bounds values : 0 OK" in out, "the table is shown"
+    script = (prefix / "jobs/torchhpc-test-all-reduce.pbs").read_text()
+    assert "#PBS -l place=scatter" in script, script
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")
+def test_build_target_runs_under_qsub(pbs: Cluster, prefix: Path) -> None:
+    """`make build-pytorch-v2.5.1-pbs`: the real build target in a PBS job, stopped after the patches."""
+    upstream = tagged_upstream(prefix / "upstream", "v2.5.1")
+    env = {"SITE": "generic", "TORCHHPC_PREFIX": str(prefix / "build"), "PYTORCH_GIT": f"file://{upstream}",
+           "CUDA_HOME": str(prefix / "nocuda"), "ENV_KIND": "venv", "TORCHHPC_VENV_ARGS": "--without-pip",
+           "STOP_AFTER": "patches", "PBS_SELECT_BUILD": "1:ncpus=1", "PBS_WALLTIME_BUILD": "00:10:00"}
+    out = pbs.ok("make --no-print-directory build-pytorch-v2.5.1-pbs", timeout=300, env=env)
+    assert "STOP_AFTER=patches: stopping here" in out, "the job's log is shown"
+    patched = (prefix / "build/src/pytorch-v2.5.1" / PG_MPI).read_text()
+    assert "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA" in patched
+    script = (prefix / "build/jobs/torchhpc-build-v2.5.1.pbs").read_text()
+    assert "#PBS -l walltime=00:10:00" in script and "\nmake build-pytorch-v2.5.1 SITE=generic" in script
+
+
+# ---- the site profiles' directives against the real server ---------------------------------------------------
+
+
+def site_script(pbs: Cluster, prefix: Path, site: str, shape: str) -> Path:
+    """The job script `make` would submit for ``site`` and ``shape`` (from its dry run), on the shared disk."""
+    proc = pbs.run(f"bash utils/submit_job.sh --scheduler pbs --name {site}-{shape} --shape {shape} -- true",
+                   env={"SITE": site, "DRY_RUN": "1", "PBS_ACCOUNT": "UABC0001", "TORCHHPC_PREFIX": str(prefix)})
+    assert proc.returncode == 0, proc.stdout
+    text = proc.stdout.split(":\n", 1)[1].split("# submit command:")[0]
+    assert text.startswith("#!/bin/bash -l\n#PBS "), text
+    path = prefix / f"{site}-{shape}.pbs"
+    path.write_text(text)
+    return path
+
+
+def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Path) -> None:
+    """Every SITE_PBS_* value of the derecho and generic profiles reaches a real qsub and is accepted.  What
+    OpenPBS does not define (the `ngpus` and `job_priority` resources, Derecho's `main` queue) is refused
+    until created with qmgr, as a site's admin would; jobs are held (qsub -h) and deleted: they could never
+    fit here."""
+    derecho = site_script(pbs, prefix, "derecho", "test")
+    refused = pbs.run(f"qsub -h {derecho}")
+    assert refused.returncode != 0 and re.search(r"Unknown resource|Unknown queue", refused.stdout), refused.stdout
+    pbs.ok("qmgr -c 'list queue main' >/dev/null 2>&1 || "
+           "qmgr -c 'create queue main queue_type=execution,enabled=true,started=true'")
+    # GPUs per host, consumable (flag=nh: the scheduler counts them per node), and Derecho's priority class
+    for name, how in (("ngpus", "type=long,flag=nh"), ("job_priority", "type=string")):
+        pbs.ok(f"qmgr -c 'list resource {name}' >/dev/null 2>&1 || qmgr -c 'create resource {name} {how}'")
+    for site in ("derecho", "generic"):
+        for shape in ("build", "test"):
+            script = site_script(pbs, prefix, site, shape)
+            job = pbs.ok(f"qsub -h {script}").strip().splitlines()[-1]
+            try:
+                rec = qstat_x(pbs, job)
+                asked = [line.split()[2].split("=", 1) for line in script.read_text().splitlines()
+                         if line.startswith("#PBS -l ")]
+                assert len(asked) >= 2, script.read_text()
+                for key, value in asked:
+                    assert str(rec["Resource_List"][key]) == value, (site, shape, key, rec["Resource_List"])
+                assert rec["queue"] == ("main" if site == "derecho" else "workq"), rec["queue"]
+                assert rec.get("Account_Name") == "UABC0001", rec
+            finally:
+                pbs.ok(f"qdel {job}")
