@@ -15,6 +15,8 @@ naming the rank and its error (the failing rank re-raises its own), all within a
 
 from __future__ import annotations
 
+import builtins
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +25,8 @@ from typing import Any
 
 from .errors import PeerTimeoutError, RemoteError
 
-__all__ = ["Backoff", "wait_until", "wait_requests", "barrier", "agree", "agreed", "ABANDONED"]
+__all__ = ["Backoff", "wait_until", "wait_requests", "barrier", "allgather_bytes", "allgather_object", "agree",
+           "agreed", "ABANDONED"]
 
 # Requests given up at a deadline, with their buffers.  MPI may still complete them (a late peer writes
 # into a receive buffer; a nonblocking collective must never be freed or cancelled), so both stay
@@ -128,46 +131,80 @@ def _rank_label(comm: Any) -> str:
     return f"rank {rank} (world rank {world.Get_rank()})"
 
 
-def agree(comm: Any, error: BaseException | None, timeout: float, what: str,
-          message: Callable[[], str] | None = None) -> None:
-    """Collective over ``comm``: each rank passes ``None`` (ok) or its exception.
-
-    If another rank failed, raise :class:`RemoteError` naming it and its error.  A rank that failed
-    itself returns (its caller re-raises its own error, with a note naming any other failing ranks).
-    Raises :class:`PeerTimeoutError` (only on ranks that did not fail) if the ranks do not all arrive
-    within ``timeout`` s; ``message``, if given, builds its text (a subpackage's own wording)."""
+def allgather_bytes(comm: Any, payload: bytes, timeout: float, what: str,
+                    message: Callable[[], str] | None = None) -> list[bytes]:
+    """Collective over ``comm``: every rank's ``payload``, in rank order, or :class:`PeerTimeoutError` after
+    ``timeout`` s naming ``what`` (``message``, if given, builds the whole text).  When every payload is
+    empty this is one small exchange."""
     import numpy as np
     from mpi4py import MPI
 
+    size = comm.Get_size()
+    lengths = np.zeros(size, dtype=np.int64)
+    mine = np.array([len(payload)], dtype=np.int64)
+    wait_requests([comm.Iallgather([mine, MPI.INT64_T], [lengths, MPI.INT64_T])], timeout, what,
+                  keep=(mine, lengths), message=message)
+    if not lengths.any():
+        return [b""] * size
+    displs = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    texts = bytearray(int(lengths.sum()))
+    send = bytearray(payload)
+    wait_requests([comm.Iallgatherv([send, MPI.BYTE], [texts, (lengths, displs), MPI.BYTE])], timeout, what,
+                  keep=(send, texts), message=message)
+    return [bytes(texts[d:d + n]) for d, n in zip(displs.tolist(), lengths.tolist(), strict=True)]
+
+
+def allgather_object(comm: Any, obj: Any, timeout: float, what: str) -> list[Any]:
+    """Collective over ``comm``: every rank's picklable ``obj``, in rank order, within ``timeout`` s."""
+    import pickle
+
+    hint = f"{what} is collective over {comm.Get_size()} ranks and every rank must call it"
+    parts = allgather_bytes(comm, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), timeout, hint)
+    return [pickle.loads(p) for p in parts]
+
+
+@functools.cache
+def _remote_error_class(type_name: str) -> type[RemoteError]:
+    """:class:`RemoteError` that is also the builtin exception class ``type_name`` (when one exists and mixes)."""
+    base = getattr(builtins, type_name, None)
+    if not (isinstance(base, type) and issubclass(base, Exception)) or issubclass(RemoteError, base):
+        return RemoteError
+    try:
+        return type(f"Remote{type_name}", (RemoteError, base), {"__module__": __name__})
+    except TypeError:  # an incompatible layout (e.g. OSError's): the plain family error
+        return RemoteError
+
+
+def agree(comm: Any, error: BaseException | None, timeout: float, what: str,
+          message: Callable[[], str] | None = None, *, keep_type: bool = False) -> None:
+    """Collective over ``comm``: each rank passes ``None`` (ok) or its exception.
+
+    If another rank failed, raise :class:`RemoteError` naming it and its error (with ``keep_type``, one
+    that is also an instance of the first failing rank's exception class when that is a builtin one, so
+    that ``except ValueError`` catches it on every rank).  A rank that failed itself returns (its caller
+    re-raises its own error, with a note naming any other failing ranks).  Raises
+    :class:`PeerTimeoutError` (only on ranks that did not fail) if the ranks do not all arrive within
+    ``timeout`` s; ``message``, if given, builds its text (a subpackage's own wording)."""
     size = comm.Get_size()
     if size == 1:
         return
     payload = b"" if error is None else (
         f"{_rank_label(comm)}\0{type(error).__name__}: {error}".encode(errors="replace")[:4000])
-    lengths = np.zeros(size, dtype=np.int64)
-    mine = np.array([len(payload)], dtype=np.int64)
     hint = (f"{what} is collective over {size} ranks: every rank must call it; "
             f"rank {comm.Get_rank()} waited for the others to report success or failure")
     try:
-        wait_requests([comm.Iallgather([mine, MPI.INT64_T], [lengths, MPI.INT64_T])], timeout, hint,
-                      keep=(mine, lengths), message=message)
-        if not lengths.any():
-            return
-        counts = lengths.astype(np.int64)
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        texts = bytearray(int(counts.sum()))
-        send = bytearray(payload)
-        wait_requests([comm.Iallgatherv([send, MPI.BYTE], [texts, (counts, displs), MPI.BYTE])], timeout,
-                      hint, keep=(send, texts), message=message)
+        texts = allgather_bytes(comm, payload, timeout, hint, message)
     except PeerTimeoutError:
         if error is not None:
             return  # the caller's own error says more than the missing peers
         raise
     failures: dict[int, str] = {}
-    for r in np.flatnonzero(counts):
-        raw = bytes(texts[displs[r]:displs[r] + counts[r]]).decode(errors="replace")
-        label, _, text = raw.partition("\0")
-        failures[int(r)] = f"{label}: {text}"
+    for r, raw in enumerate(texts):
+        if raw:
+            label, _, text = raw.decode(errors="replace").partition("\0")
+            failures[r] = f"{label}: {text}"
+    if not failures:
+        return
     me = comm.Get_rank()
     others = {r: t for r, t in failures.items() if r != me}
     if error is not None:
@@ -176,16 +213,18 @@ def agree(comm: Any, error: BaseException | None, timeout: float, what: str,
         return
     first = min(others)
     listing = "; ".join(others.values())
-    raise RemoteError(f"{what} failed on {len(others)} of {size} ranks ({listing}); "
+    cls = _remote_error_class(others[first].split(": ", 2)[1]) if keep_type else RemoteError
+    raise cls(f"{what} failed on {len(others)} of {size} ranks ({listing}); "
                       f"{_rank_label(comm)} stops too", first, others[first], others)
 
 
 @contextmanager
-def agreed(comm: Any, timeout: float, what: str, message: Callable[[], str] | None = None) -> Iterator[None]:
+def agreed(comm: Any, timeout: float, what: str, message: Callable[[], str] | None = None, *,
+           keep_type: bool = False) -> Iterator[None]:
     """Run the ``with`` body, then :func:`agree` over ``comm``: an exception on any rank becomes one on all."""
     try:
         yield
     except Exception as exc:
-        agree(comm, exc, timeout, what, message)
+        agree(comm, exc, timeout, what, message, keep_type=keep_type)
         raise
-    agree(comm, None, timeout, what, message)
+    agree(comm, None, timeout, what, message, keep_type=keep_type)

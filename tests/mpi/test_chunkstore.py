@@ -360,8 +360,7 @@ def test_a_gather_peers_never_join_times_out(comm):
             else:
                 ct._exchange.fail(RuntimeError("late"))
         # construction (and every other collective entry point) waits for the peers with the same deadline
-        from torchhpc import waiting as waiting_all
-        from torchhpc.chunkstore import waiting
+        from torchhpc import waiting
 
         if comm.rank == 0:
             with pytest.raises(TimeoutError, match=r"ChunkTensor\(\) is collective"):
@@ -370,6 +369,6 @@ def test_a_gather_peers_never_join_times_out(comm):
         if comm.rank == 0:
             waiting.ABANDONED.pop()[0][0].Wait()  # (requests, buffers) given up at the deadline
         else:
-            waiting_all.agree(comm, None, 10.0, "ChunkTensor()")  # what the late peers' constructors start with
+            waiting.agree(comm, None, 10.0, "ChunkTensor()")  # what the late peers' constructors start with
     finally:
         side.Free()

@@ -19,9 +19,13 @@ on one rank makes every rank of that step raise.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import math
 import operator
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -31,12 +35,13 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ..waiting import agreed
+from ..errors import PeerTimeoutError, TorchhpcError
+from ..waiting import ABANDONED, agreed, allgather_object, barrier, wait_requests
 from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
+from .options import DEFAULT_TIMEOUT, ChunkStoreOptions
 from .shm import Segment
 from .topology import NodeTopology, node_topology
-from ..waiting import barrier as rendezvous  # replaced below
 
 __all__ = ["ChunkTensor", "TierPart", "IndexSplit", "MemoryReport", "SUPPORTED_DTYPES"]
 
@@ -46,6 +51,12 @@ _NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.float16: np
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _index_select = torch.index_select
 _LOAD_BLOCK_BYTES = 64 << 20  # rows are copied in blocks of this size: bounded extra memory
+
+
+def _agreement_timeout(options: ChunkStoreOptions | None, timeout: object) -> float:
+    """Deadline of the constructor's first agreement, before the settings are known to be valid."""
+    t = timeout if timeout is not None else getattr(options, "timeout", DEFAULT_TIMEOUT)
+    return float(t) if isinstance(t, int | float) and t > 0 else DEFAULT_TIMEOUT
 
 
 def _as_index(idx: torch.Tensor | Sequence[int]) -> torch.Tensor:
@@ -95,79 +106,96 @@ class MemoryReport:
 class ChunkTensor:
     """A 1-D or 2-D tensor whose rows are spread over the ranks' devices, node host memory and nodes.
 
-    Construction is collective over ``comm``.  ``capacity_per_device`` is in bytes; rows go
-    first to the device tier of each local rank (up to that capacity, spread evenly), the rest
-    of the node's rows to its shared host tier; with several nodes the rows are sharded evenly
-    by node.  ``hot_order`` (a permutation of row ids, hottest first; read on rank 0) places
-    the hottest rows in the fastest tiers while callers keep using the original ids.
-    ``group`` is the torch.distributed group that carries rows between nodes (default: the
+    Construction is collective over ``comm``.  Rows go first to the device tier of each local rank (up to
+    ``capacity_per_device`` bytes, spread evenly), the rest of the node's rows to its shared host tier; with
+    several nodes the rows are sharded evenly by node.  ``hot_order`` (a permutation of row ids, hottest
+    first; read on rank 0) places the hottest rows in the fastest tiers while callers keep using the
+    original ids.  ``group`` is the torch.distributed group that carries rows between nodes (default: the
     default group); its ranks must be the ranks of ``comm``, which carries the small metadata.
-    ``ranks_per_node`` overrides the shared-memory node detection (see :func:`node_topology`).
-    ``timeout`` (seconds) bounds how long a collective step (construction, loading, reports,
-    cross-node gathers) waits for its peers to join; past it a :class:`TimeoutError` is raised.
+
+    The settings (``capacity_per_device``, ``ranks_per_node``, ``use_cuda``, ``timeout``) are the fields of
+    :class:`~torchhpc.chunkstore.ChunkStoreOptions`, each documented there: given as keywords, or as
+    ``options=ChunkStoreOptions(...)``, or both (keywords that are not ``None`` override the options'
+    fields).  No collective step (construction, loading, reports, cross-node gathers) waits for its peers
+    longer than ``timeout`` seconds; past it a :class:`~torchhpc.errors.PeerTimeoutError` (a
+    ``TimeoutError``) is raised, and an error on one rank of a step is raised on every rank of it.
     """
 
     def __init__(
         self,
         shape: int | Sequence[int],
         dtype: torch.dtype,
-        capacity_per_device: int,
+        capacity_per_device: int | None = None,
         group: dist.ProcessGroup | None = None,
         *,
         comm: MPI.Comm | None = None,
         hot_order: torch.Tensor | None = None,
         ranks_per_node: int | None = None,
         use_cuda: bool | None = None,
-        timeout: float = 600.0,
+        timeout: float | None = None,
+        options: ChunkStoreOptions | None = None,
     ):
-        # Every later step is a blocking collective: first every rank checks its arguments and the ranks
-        # agree (an error on one rank is an error on all, naming it), all within the deadline.
-        agree_s = float(timeout) if isinstance(timeout, (int, float)) and timeout > 0 else 600.0
-        with agreed(comm if comm is not None else MPI.COMM_WORLD, agree_s, "ChunkTensor()"):
-            try:
-                shape = (operator.index(shape),) if not isinstance(shape, Sequence) else \
-                    tuple(operator.index(s) for s in shape)
-            except TypeError:
-                raise TypeError(f"ChunkTensor shape must be an int or a sequence of ints, got {shape!r}") from None
-            if len(shape) not in (1, 2) or any(s < 0 for s in shape):
-                raise ValueError(f"ChunkTensor shape must be 1-D or 2-D with sizes >= 0, got {shape}")
-            if dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"ChunkTensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
-            if isinstance(capacity_per_device, float) and capacity_per_device.is_integer():
-                capacity_per_device = int(capacity_per_device)  # 1e9 and the like
-            if not isinstance(capacity_per_device, int):
-                raise TypeError(f"capacity_per_device is a number of bytes (int), got {capacity_per_device!r}")
-            if not timeout > 0:
-                raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-            self.timeout = float(timeout)
+        given = {"capacity_per_device": capacity_per_device, "ranks_per_node": ranks_per_node,
+                 "use_cuda": use_cuda, "timeout": timeout}
+        comm = MPI.COMM_WORLD if comm is None else comm
+        self._closed = False
+        self._segments: list[Segment] = []
+        self._ipc_keep: list[torch.Tensor] = []
+        # Every later step is collective: first every rank checks its arguments and the ranks agree (an
+        # error on one rank is an error on all, naming it), all within the deadline.
+        with agreed(comm, _agreement_timeout(options, timeout), "ChunkTensor()", keep_type=True):
+            self._configure(shape, dtype, options, given)
+        self.topo: NodeTopology = node_topology(comm, self.options.ranks_per_node)
+        with self._step("ChunkTensor()"):
+            self._plan(group)
+        self._exchange: RowExchange | None = None
+        if self.topo.num_nodes > 1:
+            self._exchange = RowExchange(self.topo.comm, self.group, self.comm_device, self.row_bytes,
+                                         self.timeout)
+        self._open_memory(hot_order)
+        self._init_index()
+
+    # ------------------------------------------------------------------ construction steps
+    def _configure(self, shape: int | Sequence[int], dtype: torch.dtype, options: ChunkStoreOptions | None,
+                   given: dict[str, object]) -> None:
+        """Validate the arguments (local): the tensor's shape and dtype, and the settings."""
+        try:
+            shape = (operator.index(shape),) if not isinstance(shape, Sequence) else \
+                tuple(operator.index(s) for s in shape)
+        except TypeError:
+            raise TypeError(f"ChunkTensor shape must be an int or a sequence of ints, got {shape!r}") from None
+        if len(shape) not in (1, 2) or any(s < 0 for s in shape):
+            raise ValueError(f"ChunkTensor shape must be 1-D or 2-D with sizes >= 0, got {shape}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"ChunkTensor dtype must be one of {SUPPORTED_DTYPES}, got {dtype}")
+        if options is None and given["capacity_per_device"] is None:
+            raise TypeError("ChunkTensor needs capacity_per_device (bytes) or options=ChunkStoreOptions(...)")
+        opts = ChunkStoreOptions.resolve(options, **given)
+        opts.validate()
+        self.options = opts
+        self.timeout = float(opts.timeout)
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.row_shape = tuple(shape[1:])
         self.row_bytes = math.prod(self.row_shape) * torch.empty((), dtype=dtype).element_size()
-        self.capacity_per_device = int(capacity_per_device)
-        self.topo: NodeTopology = node_topology(comm, ranks_per_node)
+        self.capacity_per_device = opts.capacity_bytes
+
+    def _plan(self, group: dist.ProcessGroup | None) -> None:
+        """Choose the device and the layout of the rows over nodes and tiers (local, given the topology)."""
         topo = self.topo
         self.group = None
         self.comm_device = torch.device("cpu")
-        with agreed(topo.comm, self.timeout, "ChunkTensor()"):
-            self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
-            if self.use_cuda and not torch.cuda.is_available():
-                raise RuntimeError("use_cuda=True but torch.cuda.is_available() is False")
-            self.device = (torch.device("cuda", topo.local_rank % torch.cuda.device_count())
-                           if self.use_cuda else torch.device("cpu"))
-            self.layout: Layout = plan_layout(shape[0], self.row_bytes, self.capacity_per_device,
-                                              [len(r) for r in topo.node_ranks])
-            if topo.num_nodes > 1:
-                self.group = self._check_group(group)
-        self._exchange: RowExchange | None = None
+        use_cuda = self.options.use_cuda
+        self.use_cuda = torch.cuda.is_available() if use_cuda is None else use_cuda
+        if self.use_cuda and not torch.cuda.is_available():
+            raise RuntimeError("use_cuda=True but torch.cuda.is_available() is False")
+        self.device = (torch.device("cuda", topo.local_rank % torch.cuda.device_count())
+                       if self.use_cuda else torch.device("cpu"))
+        self.layout: Layout = plan_layout(self.shape[0], self.row_bytes, self.capacity_per_device,
+                                          [len(r) for r in topo.node_ranks])
         if topo.num_nodes > 1:
-            self._exchange = RowExchange(topo.comm, self.group, self.comm_device, self.row_bytes, timeout)
-        self._closed = False
-        self._segments: list[Segment] = []
-        self._ipc_keep: list[torch.Tensor] = []
-        self._setup_memory(hot_order)
+            self.group = self._check_group(group)
 
-    # ------------------------------------------------------------------ set-up
     def _check_group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         topo = self.topo
         if not dist.is_available() or not dist.is_initialized():
@@ -181,117 +209,113 @@ class ChunkTensor:
         self.comm_device = self.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         return group
 
-    def _agree(self, error: BaseException | None, setup: bool = True) -> None:
-        """Collective: raise on every rank if a step failed on any rank (instead of leaving peers hanging).
-
-        Peers raise the same exception type as the failing rank, with its rank and message.  A
-        failed set-up step (``setup``) also releases what was mapped; a refused load leaves the
-        tensor usable.
-        """
-        info = None if error is None else (type(error), str(error))
+    @contextmanager
+    def _setup_step(self) -> Iterator[None]:
+        """One set-up step, agreed over every rank: a failure on any rank releases what was mapped, on all."""
         try:
-            infos = self.topo.comm.allgather(info)
-        except Exception:  # exception type not picklable: fall back to its message
-            infos = self.topo.comm.allgather(None if error is None else (RuntimeError, str(error)))
-        if error is not None:
-            if setup:
-                self.close()
-            raise error
-        bad = [(r, i) for r, i in enumerate(infos) if i is not None]
-        if bad:
-            if setup:
-                self.close()
-            rank, (typ, msg) = bad[0]
-            try:
-                exc = typ(f"on rank {rank}: {msg}")
-            except Exception:
-                exc = RuntimeError(f"on rank {rank}: {typ.__name__}: {msg}")
-            raise exc
+            with self._step("ChunkTensor()"):
+                yield
+        except BaseException:
+            self.close()
+            raise
 
-    def _setup_memory(self, hot_order: torch.Tensor | None) -> None:
-        topo, lay = self.topo, self.layout
-        node, lr = topo.node, topo.local_rank
-        my_dev_rows = lay.device_rows[node][lr]
-        host_rows = lay.host_rows(node)
-        # Every rank must describe the same tensor, or the layouts (and every gather) would disagree.
-        sig = (tuple(self.shape), str(self.dtype), self.capacity_per_device, self.use_cuda)
-        sigs = topo.comm.allgather(sig)
-        bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-        if bad:
-            raise ValueError(f"ChunkTensor (shape, dtype, capacity_per_device, use_cuda) differ between "
-                             f"ranks: rank 0 has {sigs[0]}, rank {bad[0]} has {sigs[bad[0]]}")
-        ordered = topo.comm.bcast(hot_order is not None if topo.rank == 0 else None, root=0)
-        mine: dict[str, tuple[str, int] | None] = {"host": None, "map": None}
-        error = None
-        dev_tensor = None
-        try:
-            if self.use_cuda:
-                dev_tensor = torch.empty((my_dev_rows, *self.row_shape), dtype=self.dtype, device=self.device)
-            if lr == 0:
-                # With CUDA the segment is the host tier; without, it holds the whole node shard and
-                # the ranks' device chunks are its leading sub-ranges (see _gather_node).
-                seg = Segment.create((host_rows if self.use_cuda else lay.node_rows(node)) * self.row_bytes)
-                self._segments.append(seg)
-                mine["host"] = (str(seg.path), seg.nbytes)
-                if ordered:
-                    seg = Segment.create(2 * 8 * lay.num_rows)
-                    self._segments.append(seg)
-                    mine["map"] = (str(seg.path), seg.nbytes)
-        except BaseException as e:  # noqa: BLE001 - re-raised on every rank by _agree
-            error = e
-        self._agree(error)
-
-        # Map the peers' segments, then let owners unlink the names: nothing can leak after this.
-        error = None
-        descs = topo.node_comm.allgather(mine)
+    def _open_memory(self, hot_order: torch.Tensor | None) -> None:
+        """Collective: create this node's segments, map every local rank's memory, then the hot-row order."""
+        ordered = self._check_same_tensor(hot_order is not None)
+        with self._setup_step():
+            mine, dev_tensor = self._create_segments(ordered)
+        what = "ChunkTensor() memory set-up"
+        node_comm = self.topo.node_comm
+        descs = allgather_object(node_comm, mine, self.timeout, what)
         cuda_handles = None
         if self.use_cuda:
             from torch.multiprocessing.reductions import reduce_tensor
-            cuda_handles = topo.node_comm.allgather(reduce_tensor(dev_tensor) if dev_tensor.numel() else None)
-        own = {str(s.path): s for s in self._segments}
-        try:
-            seg = own.get(descs[0]["host"][0]) or Segment.attach(*descs[0]["host"])
-            if seg not in self._segments:
-                self._segments.append(seg)
-            self._host_seg = seg
-            seg_rows = host_rows if self.use_cuda else lay.node_rows(node)
-            whole = seg.tensor.view(self.dtype).view(seg_rows, *self.row_shape)
-            starts = lay.segment_starts(node)
-            self._node_view = None if self.use_cuda else whole
-            self._host_view = whole if self.use_cuda else whole[starts[-1]:]
-            self._device_views: list[torch.Tensor] = []
-            for j in range(len(descs)):
-                if self.use_cuda:
-                    if j == lr:
-                        t = dev_tensor
-                    elif cuda_handles[j] is None:
-                        t = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device)
-                    else:
-                        fn, args = cuda_handles[j]
-                        t = fn(*args)
-                    self._ipc_keep.append(t)
-                else:
-                    t = whole[starts[j]:starts[j + 1]]
-                self._device_views.append(t)
-            self._pos_of = self._id_at = None
-            if ordered:
-                seg = own.get(descs[0]["map"][0]) or Segment.attach(*descs[0]["map"])
-                if seg not in self._segments:
-                    self._segments.append(seg)
-                maps = seg.tensor.view(torch.int64).view(2, lay.num_rows)
-                self._pos_of, self._id_at = maps[0], maps[1]
-        except BaseException as e:  # noqa: BLE001
-            error = e
-        topo.node_comm.Barrier()
-        for s in self._segments:
-            s.unlink()
-        self._agree(error)
+            cuda_handles = allgather_object(node_comm, reduce_tensor(dev_tensor) if dev_tensor.numel() else None,
+                                            self.timeout, what)
+        # Map the peers' segments, then let owners unlink the names: nothing can leak after this.
+        with self._setup_step():
+            try:
+                self._map_segments(descs, dev_tensor, cuda_handles)
+            finally:
+                barrier(node_comm, self.timeout, what)
+                for s in self._segments:
+                    s.unlink()
         if self.use_cuda and self._host_view.numel():
             # Page-lock the host tier so copies to the GPU run at full speed (cudaHostRegisterDefault).
             torch.cuda.cudart().cudaHostRegister(self._host_view.data_ptr(), self._host_seg.nbytes, 0)
             self._registered = self._host_view.data_ptr()
         if ordered:
             self._fill_order(hot_order)
+
+    def _check_same_tensor(self, have_order: bool) -> bool:
+        """Collective: refuse, on every rank, ranks that describe different tensors; whether rank 0 gave an order."""
+        # Every rank must describe the same tensor, or the layouts (and every gather) would disagree.
+        sig = (tuple(self.shape), str(self.dtype), self.capacity_per_device, self.use_cuda)
+        sigs = allgather_object(self.topo.comm, (sig, have_order), self.timeout, "ChunkTensor()")
+        bad = [r for r, (s, _) in enumerate(sigs) if s != sigs[0][0]]
+        if bad:
+            raise ValueError(f"ChunkTensor (shape, dtype, capacity_per_device, use_cuda) differ between "
+                             f"ranks: rank 0 has {sigs[0][0]}, rank {bad[0]} has {sigs[bad[0]][0]}")
+        return bool(sigs[0][1])
+
+    def _create_segments(self, ordered: bool) -> tuple[dict[str, tuple[str, int] | None], torch.Tensor | None]:
+        """This rank's device chunk (CUDA) and, on a node's first rank, the node's segments (local)."""
+        lay, node = self.layout, self.topo.node
+        mine: dict[str, tuple[str, int] | None] = {"host": None, "map": None}
+        dev_tensor = None
+        if self.use_cuda:
+            rows = lay.device_rows[node][self.topo.local_rank]
+            dev_tensor = torch.empty((rows, *self.row_shape), dtype=self.dtype, device=self.device)
+        if self.topo.local_rank == 0:
+            # With CUDA the segment is the host tier; without, it holds the whole node shard and
+            # the ranks' device chunks are its leading sub-ranges (see _gather_node).
+            seg = Segment.create((lay.host_rows(node) if self.use_cuda else lay.node_rows(node)) * self.row_bytes)
+            self._segments.append(seg)
+            mine["host"] = (str(seg.path), seg.nbytes)
+            if ordered:
+                seg = Segment.create(2 * 8 * lay.num_rows)
+                self._segments.append(seg)
+                mine["map"] = (str(seg.path), seg.nbytes)
+        return mine, dev_tensor
+
+    def _attach(self, desc: tuple[str, int]) -> Segment:
+        """The segment ``desc`` names: this rank's own, or a peer's mapped here (kept for :meth:`close`)."""
+        seg = next((s for s in self._segments if str(s.path) == desc[0]), None) or Segment.attach(*desc)
+        if seg not in self._segments:
+            self._segments.append(seg)
+        return seg
+
+    def _map_segments(self, descs: list[dict], dev_tensor: torch.Tensor | None, cuda_handles: list | None) -> None:
+        """Views of the node's host tier, every local rank's device chunk and the hot-row maps (local)."""
+        lay, node, lr = self.layout, self.topo.node, self.topo.local_rank
+        seg = self._host_seg = self._attach(descs[0]["host"])
+        seg_rows = lay.host_rows(node) if self.use_cuda else lay.node_rows(node)
+        whole = seg.tensor.view(self.dtype).view(seg_rows, *self.row_shape)
+        starts = lay.segment_starts(node)
+        self._node_view = None if self.use_cuda else whole
+        self._host_view = whole if self.use_cuda else whole[starts[-1]:]
+        self._device_views: list[torch.Tensor] = []
+        for j in range(len(descs)):
+            if not self.use_cuda:
+                self._device_views.append(whole[starts[j]:starts[j + 1]])
+                continue
+            if j == lr:
+                t = dev_tensor
+            elif cuda_handles[j] is None:
+                t = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device)
+            else:
+                fn, args = cuda_handles[j]
+                t = fn(*args)
+            self._ipc_keep.append(t)
+            self._device_views.append(t)
+        self._pos_of = self._id_at = None
+        if descs[0]["map"] is not None:
+            maps = self._attach(descs[0]["map"]).tensor.view(torch.int64).view(2, lay.num_rows)
+            self._pos_of, self._id_at = maps[0], maps[1]
+
+    def _init_index(self) -> None:
+        """The lookup structures every gather uses (local)."""
+        topo, lay, node = self.topo, self.layout, self.topo.node
         starts = lay.segment_starts(node)
         self._seg_starts = starts
         self._row_size = torch.Size(self.row_shape)
@@ -302,26 +326,27 @@ class ChunkTensor:
         self._node_end = lay.node_starts[node + 1]
         self._node_edges = torch.tensor(lay.node_starts[1:-1], dtype=torch.int64)
         # rank that serves this rank's requests on each node: the same local rank, wrapped if that node is smaller
+        lr = topo.local_rank
         self._dest_of_node = torch.tensor([r[lr % len(r)] for r in topo.node_ranks], dtype=torch.int64)
 
     def _fill_order(self, hot_order: torch.Tensor | None) -> None:
+        """Collective: rank 0 turns ``hot_order`` into the position maps; node leaders write them."""
         topo = self.topo
-        error = None
-        if topo.rank == 0:
-            try:
+        pos_of = id_at = None
+        with self._setup_step():
+            if topo.rank == 0:
                 pos_of, id_at = positions_from_order(hot_order, self.layout)
-            except BaseException as e:  # noqa: BLE001
-                error, pos_of, id_at = e, None, None
-        self._agree(error)
+        what = "ChunkTensor() hot-row order"
         leaders = topo.comm.Split(0 if topo.local_rank == 0 else MPI.UNDEFINED, topo.rank)
         if topo.local_rank == 0:
             buf = torch.stack([pos_of, id_at]) if topo.rank == 0 else torch.empty(2, self.layout.num_rows,
                                                                                    dtype=torch.int64)
-            leaders.Bcast(buf.numpy(), root=0)
+            data = buf.numpy()
+            wait_requests([leaders.Ibcast(data, root=0)], self.timeout, what, keep=(buf, data))
             self._pos_of.copy_(buf[0])
             self._id_at.copy_(buf[1])
             leaders.Free()
-        topo.node_comm.Barrier()
+        barrier(topo.node_comm, self.timeout, what)
 
     # ------------------------------------------------------------------ properties and views
     def __len__(self) -> int:
@@ -604,53 +629,84 @@ class ChunkTensor:
             raise ValueError(f"{what} has shape {tuple(shape)} but the ChunkTensor has shape "
                              f"{tuple(self.shape)}")
 
+    def _step(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """One step of a collective method, agreed over every rank: an error on one rank raises on all (the
+        others raise :class:`~torchhpc.errors.RemoteError`, also of the failing rank's builtin type)."""
+        return agreed(self.topo.comm, self.timeout, what, keep_type=True)
+
+    def _wait_work(self, work: dist.Work, what: str) -> None:
+        """Complete a torch.distributed transfer within the deadline, else PeerTimeoutError (kept alive).
+
+        The backend's own deadline wait, as gloo's send and receive requests report completion only to it."""
+        t0 = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            if isinstance(exc, TorchhpcError) or time.monotonic() - t0 < self.timeout:
+                raise
+            ABANDONED.append(([work], None))
+            raise PeerTimeoutError(f"{what} did not complete within {self.timeout:g} s: the peer rank died, is "
+                                   f"stuck, or did not make the same call ({exc})", [work]) from None
+
     def load_from_tensor(self, t: torch.Tensor | None, src: int | None = 0) -> None:
         """Fill from tensor ``t`` held by rank ``src`` (``src=None``: every rank passes the same ``t``).
 
         Collective.  Only node leaders write; rows for other nodes go to their leaders over
-        torch.distributed in bounded blocks.
+        torch.distributed in bounded blocks.  A refused input leaves the tensor as it was.
         """
-        self._check_open()
+        what = "ChunkTensor.load_from_tensor()"
+        with self._step(what):
+            self._check_open()
+            have = self._check_input_tensor(t, src)
+        with self._step(what):  # its agreement is also the barrier after every rank's writes
+            self._copy_from_tensor(t, src, have)
+            self._sync_device()
+
+    def _check_input_tensor(self, t: torch.Tensor | None, src: int | None) -> bool:
+        """Refuse a bad input of :meth:`load_from_tensor` (local); whether this rank holds the source."""
         topo = self.topo
-        rendezvous(topo.comm, self.timeout, "ChunkTensor.load_from_tensor()")
-        error = None
         have = src is None or topo.rank == src
         if have:
-            try:
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"load_from_tensor needs a tensor on rank {topo.rank}, "
-                                    f"got {type(t).__name__}")
-                self._check_source(tuple(t.shape), "load_from_tensor input")
-                if t.dtype != self.dtype:
-                    raise TypeError(f"load_from_tensor input has dtype {t.dtype} but the ChunkTensor holds "
-                                    f"{self.dtype}; convert it first")
-            except BaseException as e:  # noqa: BLE001
-                error = e
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"load_from_tensor needs a tensor on rank {topo.rank}, got {type(t).__name__}")
+            self._check_source(tuple(t.shape), "load_from_tensor input")
+            if t.dtype != self.dtype:
+                raise TypeError(f"load_from_tensor input has dtype {t.dtype} but the ChunkTensor holds "
+                                f"{self.dtype}; convert it first")
         if src is not None and not 0 <= src < topo.size:
-            error = error or ValueError(f"src={src} is not a rank of the communicator (size {topo.size})")
-        self._agree(error, setup=False)
-        lay = self.layout
+            raise ValueError(f"src={src} is not a rank of the communicator (size {topo.size})")
+        return have
+
+    def _copy_from_tensor(self, t: torch.Tensor | None, src: int | None, have: bool) -> None:
+        """Write every node's rows: from ``t`` where the writer holds it, else sent by ``src`` in blocks."""
+        topo, lay = self.topo, self.layout
         block = max(1, _LOAD_BLOCK_BYTES // max(self.row_bytes, 1))
         src_node = None if src is None else next(n for n, r in enumerate(topo.node_ranks) if src in r)
         for n in range(topo.num_nodes):
             lo, hi = lay.node_starts[n], lay.node_starts[n + 1]
             leader = topo.node_ranks[n][0]
             writer = leader if src is None or src_node != n else src
+            if topo.rank not in (writer, src):
+                continue
             for a in range(lo, hi, block):
-                b = min(hi, a + block)
-                if topo.rank == writer and have:
-                    rows = t.index_select(0, self._ids_at(a, b).to(t.device)).cpu()
-                    self._write_node_rows(a - lo, rows)
-                elif topo.rank == src:
-                    rows = t.index_select(0, self._ids_at(a, b).to(t.device)).contiguous()
-                    payload = self._as_bytes(rows).to(self.comm_device)
-                    dist.send(payload, dst=leader, group=self.group)
-                elif topo.rank == writer:
-                    payload = torch.empty((b - a, self.row_bytes), dtype=torch.uint8, device=self.comm_device)
-                    dist.recv(payload, src=src, group=self.group)
-                    rows = payload.cpu().view(self.dtype).reshape(b - a, *self.row_shape)
-                    self._write_node_rows(a - lo, rows)
-        self._sync()
+                self._copy_block(t, src, have, writer, leader, a, min(hi, a + block), lo)
+
+    def _copy_block(self, t: torch.Tensor | None, src: int | None, have: bool, writer: int, leader: int,
+                    a: int, b: int, lo: int) -> None:
+        """Storage positions ``a:b`` of a node starting at ``lo``: written here, sent to its leader, or received."""
+        what = f"ChunkTensor.load_from_tensor() rows {a}:{b} from rank {src}"
+        if self.topo.rank == writer and have:
+            rows = t.index_select(0, self._ids_at(a, b).to(t.device)).cpu()
+            self._write_node_rows(a - lo, rows)
+        elif self.topo.rank == src:
+            rows = t.index_select(0, self._ids_at(a, b).to(t.device)).contiguous()
+            payload = self._as_bytes(rows).to(self.comm_device)
+            self._wait_work(dist.isend(payload, dst=leader, group=self.group), what)
+        else:  # the writer, fed by src
+            payload = torch.empty((b - a, self.row_bytes), dtype=torch.uint8, device=self.comm_device)
+            self._wait_work(dist.irecv(payload, src=src, group=self.group), what)
+            rows = payload.cpu().view(self.dtype).reshape(b - a, *self.row_shape)
+            self._write_node_rows(a - lo, rows)
 
     def load_from_file(self, source: str | Path | np.ndarray) -> None:
         """Fill from a ``.npy`` file, a raw binary file (C order, this dtype) or a (memory-mapped) array.
@@ -659,30 +715,35 @@ class ChunkTensor:
         map in bounded blocks, so no process ever holds the whole tensor.  A file must be
         readable at the same path on every node; bfloat16 data is read as uint16 bit patterns.
         """
-        self._check_open()
-        topo = self.topo
-        rendezvous(topo.comm, self.timeout, "ChunkTensor.load_from_file()")
-        error = None
-        arr = None
-        try:
-            if isinstance(source, np.ndarray):
-                arr = source
+        what = "ChunkTensor.load_from_file()"
+        with self._step(what):
+            self._check_open()
+            arr = self._open_source(source)
+        with self._step(what):  # its agreement is also the barrier after every rank's writes
+            self._copy_from_array(arr)
+            self._sync_device()
+
+    def _open_source(self, source: str | Path | np.ndarray) -> np.ndarray:
+        """``source`` as a (memory-mapped) array of this tensor's shape and dtype, or an error (local)."""
+        if isinstance(source, np.ndarray):
+            arr = source
+        else:
+            path = Path(source)
+            if path.suffix == ".npy":
+                arr = np.load(path, mmap_mode="r")
             else:
-                path = Path(source)
-                if path.suffix == ".npy":
-                    arr = np.load(path, mmap_mode="r")
-                else:
-                    arr = np.memmap(path, dtype=_NUMPY_DTYPES[self.dtype], mode="r", shape=tuple(self.shape))
-            name = "array" if isinstance(source, np.ndarray) else str(source)
-            self._check_source(arr.shape, f"source {name}")
-            want = np.dtype(_NUMPY_DTYPES[self.dtype])
-            if arr.dtype != want:
-                raise TypeError(f"source holds {arr.dtype} but the ChunkTensor holds {self.dtype} "
-                                f"(needs numpy {want})")
-        except BaseException as e:  # noqa: BLE001
-            error = e
-        self._agree(error, setup=False)
-        lay = self.layout
+                arr = np.memmap(path, dtype=_NUMPY_DTYPES[self.dtype], mode="r", shape=tuple(self.shape))
+        name = "array" if isinstance(source, np.ndarray) else str(source)
+        self._check_source(arr.shape, f"source {name}")
+        want = np.dtype(_NUMPY_DTYPES[self.dtype])
+        if arr.dtype != want:
+            raise TypeError(f"source holds {arr.dtype} but the ChunkTensor holds {self.dtype} "
+                            f"(needs numpy {want})")
+        return arr
+
+    def _copy_from_array(self, arr: np.ndarray) -> None:
+        """This local rank's share of its node's rows, from ``arr`` in bounded blocks (local)."""
+        topo, lay = self.topo, self.layout
         lo, hi = lay.node_starts[topo.node], lay.node_starts[topo.node + 1]
         share = -(-(hi - lo) // topo.local_size)
         my_lo, my_hi = min(hi, lo + topo.local_rank * share), min(hi, lo + (topo.local_rank + 1) * share)
@@ -700,23 +761,20 @@ class ChunkTensor:
             if self.dtype == torch.bfloat16:
                 rows = rows.view(torch.bfloat16)
             self._write_node_rows(a - lo, rows)
-        self._sync()
 
-    def _sync(self) -> None:
+    def _sync_device(self) -> None:
         if self.use_cuda:
             torch.cuda.synchronize(self.device)
-        self.topo.comm.Barrier()
 
     # ------------------------------------------------------------------ reporting and lifecycle
     def memory_report(self) -> MemoryReport:
         """Bytes per tier per rank and per node (collective over the communicator)."""
         topo, lay = self.topo, self.layout
-        rendezvous(topo.comm, self.timeout, "ChunkTensor.memory_report()")
         me = {"rank": topo.rank, "node": topo.node,
               "device_bytes": lay.device_rows[topo.node][topo.local_rank] * self.row_bytes,
               "host_bytes_mapped": lay.host_rows(topo.node) * self.row_bytes,
               "exchange_buffer_bytes": 0 if self._exchange is None else self._exchange.buffer_bytes}
-        per_rank = topo.comm.allgather(me)
+        per_rank = allgather_object(topo.comm, me, self.timeout, "ChunkTensor.memory_report()")
         per_node = []
         for n in range(topo.num_nodes):
             dev = sum(lay.device_rows[n]) * self.row_bytes
