@@ -191,6 +191,61 @@ def _from_mpi4py() -> WorldInfo:
         node.Free()
 
 
+def _check_mpi_launchers_agree(mpi: list[WorldInfo]) -> None:
+    """Refuse two MPI launchers' variables naming different ranks (stale variables)."""
+    for other in mpi[1:]:
+        if (other.rank, other.world_size) != (mpi[0].rank, mpi[0].world_size):
+            raise LauncherError(
+                f"launchers disagree: {mpi[0].launcher} says rank {mpi[0].rank} of {mpi[0].world_size}, "
+                f"{other.launcher} says rank {other.rank} of {other.world_size}; "
+                "clear the stale variables or launch with one launcher"
+            )
+
+
+def _reconcile_torchrun(torchrun: WorldInfo, mpi: list[WorldInfo], env: Mapping[str, str]) -> list[WorldInfo]:
+    """torchrun's variables beside an MPI launcher's: refuse contradictions; the MPI launchers that still count."""
+    m = mpi[0]
+    if "TORCHELASTIC_RUN_ID" in env and m.world_size > 1:
+        raise LauncherError(
+            f"torchrun is running under {m.launcher} mpiexec with {m.world_size} MPI ranks: every MPI rank "
+            "started its own torchrun, giving independent jobs that will deadlock or clobber each other. "
+            "Launch with `mpiexec -n N python train.py` or with `torchrun` alone, not both."
+        )
+    if "TORCHELASTIC_RUN_ID" in env:
+        return []  # `mpiexec -n 1 torchrun ...`: torchrun's workers own the ranks
+    if (torchrun.rank, torchrun.world_size) != (m.rank, m.world_size):
+        raise LauncherError(
+            f"RANK/WORLD_SIZE say rank {torchrun.rank} of {torchrun.world_size} but {m.launcher} says "
+            f"rank {m.rank} of {m.world_size}; unset RANK/WORLD_SIZE or fix the launch"
+        )
+    return mpi
+
+
+def _fill_local(info: WorldInfo, others: list[WorldInfo], ask_mpi: bool) -> WorldInfo:
+    """Fill a local rank/size the first launcher left out from the other launchers, then from MPI."""
+    for other in others:
+        if info.local_rank < 0 and other.local_rank >= 0:
+            info = replace(info, local_rank=other.local_rank)
+        if info.local_size < 0 and other.local_size >= 0:
+            info = replace(info, local_size=other.local_size)
+    if info.local_rank >= 0 and info.local_size >= 0:
+        return info
+    if info.world_size == 1:
+        return replace(info, local_rank=0, local_size=1)
+    if not ask_mpi:
+        raise LauncherError(
+            f"{info.launcher}: local rank/size not in the environment and MPI not available to find them; "
+            "set LOCAL_RANK and LOCAL_WORLD_SIZE"
+        )
+    local = _from_mpi4py()
+    if (local.rank, local.world_size) != (info.rank, info.world_size):
+        raise LauncherError(
+            f"{info.launcher} says rank {info.rank} of {info.world_size} but MPI_COMM_WORLD is rank "
+            f"{local.rank} of {local.world_size}"
+        )
+    return replace(info, local_rank=local.local_rank, local_size=local.local_size)
+
+
 def world_info(env: Mapping[str, str] | None = None, *, use_mpi: bool | None = None) -> WorldInfo:
     """Return rank, local rank, world size, local size and the launcher detected from ``env``.
 
@@ -203,28 +258,9 @@ def world_info(env: Mapping[str, str] | None = None, *, use_mpi: bool | None = N
 
     torchrun = _from_torchrun(env)
     mpi = _from_mpi_launchers(env)
-    for other in mpi[1:]:
-        if (other.rank, other.world_size) != (mpi[0].rank, mpi[0].world_size):
-            raise LauncherError(
-                f"launchers disagree: {mpi[0].launcher} says rank {mpi[0].rank} of {mpi[0].world_size}, "
-                f"{other.launcher} says rank {other.rank} of {other.world_size}; "
-                "clear the stale variables or launch with one launcher"
-            )
+    _check_mpi_launchers_agree(mpi)
     if torchrun is not None and mpi:
-        m = mpi[0]
-        if "TORCHELASTIC_RUN_ID" in env and m.world_size > 1:
-            raise LauncherError(
-                f"torchrun is running under {m.launcher} mpiexec with {m.world_size} MPI ranks: every MPI rank "
-                "started its own torchrun, giving independent jobs that will deadlock or clobber each other. "
-                "Launch with `mpiexec -n N python train.py` or with `torchrun` alone, not both."
-            )
-        if "TORCHELASTIC_RUN_ID" in env:
-            mpi = []  # `mpiexec -n 1 torchrun ...`: torchrun's workers own the ranks
-        elif (torchrun.rank, torchrun.world_size) != (m.rank, m.world_size):
-            raise LauncherError(
-                f"RANK/WORLD_SIZE say rank {torchrun.rank} of {torchrun.world_size} but {m.launcher} says "
-                f"rank {m.rank} of {m.world_size}; unset RANK/WORLD_SIZE or fix the launch"
-            )
+        mpi = _reconcile_torchrun(torchrun, mpi, env)
 
     candidates = ([torchrun] if torchrun else []) + mpi
     info = candidates[0] if candidates else _from_slurm(env)
@@ -232,29 +268,7 @@ def world_info(env: Mapping[str, str] | None = None, *, use_mpi: bool | None = N
         if use_mpi:
             return _validated(_from_mpi4py(), "mpi4py")
         return WorldInfo(0, 0, 1, 1, "single")
-
-    # Fill a local rank/size the first launcher left out from another launcher, then from MPI.
-    for other in candidates[1:]:
-        if info.local_rank < 0 and other.local_rank >= 0:
-            info = replace(info, local_rank=other.local_rank)
-        if info.local_size < 0 and other.local_size >= 0:
-            info = replace(info, local_size=other.local_size)
-    if info.local_rank < 0 or info.local_size < 0:
-        if info.world_size == 1:
-            info = replace(info, local_rank=0, local_size=1)
-        elif use_mpi or (mpi and env is os.environ):
-            local = _from_mpi4py()
-            if (local.rank, local.world_size) != (info.rank, info.world_size):
-                raise LauncherError(
-                    f"{info.launcher} says rank {info.rank} of {info.world_size} but MPI_COMM_WORLD is rank "
-                    f"{local.rank} of {local.world_size}"
-                )
-            info = replace(info, local_rank=local.local_rank, local_size=local.local_size)
-        else:
-            raise LauncherError(
-                f"{info.launcher}: local rank/size not in the environment and MPI not available to find them; "
-                "set LOCAL_RANK and LOCAL_WORLD_SIZE"
-            )
+    info = _fill_local(info, candidates[1:], bool(use_mpi or (mpi and env is os.environ)))
     return _validated(info, info.launcher)
 
 

@@ -113,43 +113,26 @@ def _has_symbol(lib: ctypes.CDLL, name: str) -> bool:
     return True
 
 
-def diagnose(environ: Mapping[str, str] | None = None, timeout: float = 60.0) -> tuple[str, str, str]:
-    """(status ok|warn|fail, what NCCL would do, what to change): the plugin probed in a child process."""
-    env = dict(os.environ if environ is None else environ)
-    setting = env.get("NCCL_NET_PLUGIN")
-    names = ["libnccl-net.so"] if setting is None else [n for n in setting.split(",") if n and n.lower() != "none"]
-    net = env.get("NCCL_NET", "")
-    library = nccl_library(env)
-    nccl_version, wanted = nccl_plugin_versions(library) if library else ("?", [])
-    nccl_text = (f"NCCL {nccl_version} ({library}) asks for {', '.join(f'v{v}' for v in wanted)}" if library
-                 else "no libnccl found (TORCHHPC_NCCL_LIB=<path> names one)")
+Verdict = tuple[str, str, str]
+
+
+def _probe_child(names: list[str], wanted: list[int], env: dict[str, str], timeout: float) -> dict | Verdict:
+    """:func:`probe` run in a child process with ``env``: its report, or the verdict when the child failed."""
     if not names:
-        found: dict[str, object] = {"tried": []}
-    else:
-        cmd = [sys.executable, "-m", "torchhpc.nccl_plugin", "--wanted", ",".join(map(str, wanted)), *names]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-        except subprocess.TimeoutExpired:
-            return "fail", f"loading {', '.join(names)} did not finish in {timeout:.0f} s", "check the plugin"
-        if proc.returncode != 0:
-            return ("fail", f"loading {', '.join(names)} crashed the process (status {proc.returncode}): "
-                    f"{proc.stderr.strip()[-300:]}", "rebuild the plugin against this system (`make nccl-ofi`)")
-        found = json.loads(proc.stdout)
-    tried = ", ".join(found["tried"]) or "NCCL_NET_PLUGIN=none"  # type: ignore[arg-type]
-    if "error" in found:
-        return ("fail", f"{found['tried'][-1]}: dlopen failed: {found['error']}",  # type: ignore[index]
-                "NCCL would skip this plugin: fix its missing libraries (ldd) or rebuild it (`make nccl-ofi`)")
-    if "path" not in found:
-        if net and net.lower() not in (n.lower() for n in INTERNAL_NETS):
-            return ("fail", f"NCCL_NET={net} but no plugin loads (tried {tried}); {nccl_text}",
-                    "put the plugin's lib/ on LD_LIBRARY_PATH (`source config_env.sh`) or set NCCL_NET_PLUGIN")
-        return "ok", f"none loadable (tried {tried}): NCCL uses its own IB/Socket transports; {nccl_text}", ""
-    if found["version"] is None:
-        exported = ", ".join(f"v{v}" for v in found["exported"]) or "none"  # type: ignore[attr-defined]
-        return ("fail", f"{found['path']} exports ncclNetPlugin {exported}; {nccl_text}",
-                "this plugin does not fit this NCCL: build an aws-ofi-nccl release that does (`make nccl-ofi`)")
-    name = str(found["name"])
-    value = f"{found['path']}: symbol ncclNetPlugin_v{found['version']}, name '{name}'; {nccl_text}"
+        return {"tried": []}
+    cmd = [sys.executable, "-m", "torchhpc.nccl_plugin", "--wanted", ",".join(map(str, wanted)), *names]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return "fail", f"loading {', '.join(names)} did not finish in {timeout:.0f} s", "check the plugin"
+    if proc.returncode != 0:
+        return ("fail", f"loading {', '.join(names)} crashed the process (status {proc.returncode}): "
+                f"{proc.stderr.strip()[-300:]}", "rebuild the plugin against this system (`make nccl-ofi`)")
+    return json.loads(proc.stdout)
+
+
+def _selection(net: str, name: str, value: str) -> Verdict:
+    """What ``NCCL_NET`` makes of a loaded plugin called ``name``."""
     if not net:
         return "ok", value + f"; NCCL tries '{name}' first, then IB, then Socket", ""
     if net.lower() == name.lower():
@@ -159,6 +142,41 @@ def diagnose(environ: Mapping[str, str] | None = None, timeout: float = 60.0) ->
                 f"unset NCCL_NET or set NCCL_NET='{name}' to use the plugin")
     return ("fail", value + f"; NCCL_NET={net} matches no network (plugin '{name}', IB, Socket)",
             f"NCCL would fail with 'Failed to initialize any NET plugin': set NCCL_NET='{name}'")
+
+
+def _verdict(found: dict, net: str, nccl_text: str) -> Verdict:
+    """The verdict on a probe report ``found``, given ``NCCL_NET`` and the NCCL in use."""
+    tried = ", ".join(found["tried"]) or "NCCL_NET_PLUGIN=none"
+    if "error" in found:
+        return ("fail", f"{found['tried'][-1]}: dlopen failed: {found['error']}",
+                "NCCL would skip this plugin: fix its missing libraries (ldd) or rebuild it (`make nccl-ofi`)")
+    if "path" not in found:
+        if net and net.lower() not in (n.lower() for n in INTERNAL_NETS):
+            return ("fail", f"NCCL_NET={net} but no plugin loads (tried {tried}); {nccl_text}",
+                    "put the plugin's lib/ on LD_LIBRARY_PATH (`source config_env.sh`) or set NCCL_NET_PLUGIN")
+        return "ok", f"none loadable (tried {tried}): NCCL uses its own IB/Socket transports; {nccl_text}", ""
+    if found["version"] is None:
+        exported = ", ".join(f"v{v}" for v in found["exported"]) or "none"
+        return ("fail", f"{found['path']} exports ncclNetPlugin {exported}; {nccl_text}",
+                "this plugin does not fit this NCCL: build an aws-ofi-nccl release that does (`make nccl-ofi`)")
+    name = str(found["name"])
+    value = f"{found['path']}: symbol ncclNetPlugin_v{found['version']}, name '{name}'; {nccl_text}"
+    return _selection(net, name, value)
+
+
+def diagnose(environ: Mapping[str, str] | None = None, timeout: float = 60.0) -> Verdict:
+    """(status ok|warn|fail, what NCCL would do, what to change): the plugin probed in a child process."""
+    env = dict(os.environ if environ is None else environ)
+    setting = env.get("NCCL_NET_PLUGIN")
+    names = ["libnccl-net.so"] if setting is None else [n for n in setting.split(",") if n and n.lower() != "none"]
+    library = nccl_library(env)
+    nccl_version, wanted = nccl_plugin_versions(library) if library else ("?", [])
+    nccl_text = (f"NCCL {nccl_version} ({library}) asks for {', '.join(f'v{v}' for v in wanted)}" if library
+                 else "no libnccl found (TORCHHPC_NCCL_LIB=<path> names one)")
+    found = _probe_child(names, wanted, env, timeout)
+    if isinstance(found, tuple):
+        return found
+    return _verdict(found, env.get("NCCL_NET", ""), nccl_text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -372,6 +372,7 @@ def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bo
 
 
 # ---------------------------------------------------------------------------- deadlines
+from torchhpc import waiting  # noqa: E402
 from torchhpc.braid import transport  # noqa: E402
 from torchhpc.braid.transport import PeerTimeoutError  # noqa: E402
 
@@ -407,7 +408,8 @@ def test_collective_with_a_missing_rank_times_out(comm: MPI.Comm, op: str) -> No
     late = comm.Get_size() - 1  # bcast from the missing rank, gather to a present one: both must wait
     calls = {
         "dup": (lambda c: transport.dup(c, _TMO), r"MPI_Comm_idup"),
-        "barrier": (lambda c: transport.barrier(c, _TMO), r"MPI_Ibarrier"),
+        "barrier": (lambda c: waiting.barrier(c, _TMO, "barrier (MPI_Ibarrier)", lambda: transport.timeout_message(
+            "barrier (MPI_Ibarrier)", c, _TMO)), r"MPI_Ibarrier"),
         "allreduce": (lambda c: transport.allreduce(c, 1.5, "sum", _TMO, "residual"), r"residual \(MPI_Iallreduce"),
         "allgather": (lambda c: transport.allgather_int(c, 3, _TMO), r"MPI_Iallgather"),
         "bcast_tensor": (lambda c: transport.bcast_tensor(c, None, late, (2, 3), torch.float64, "cpu", _TMO),

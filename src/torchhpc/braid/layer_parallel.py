@@ -224,22 +224,27 @@ class LayerParallel(nn.Module):
             need.update(k for k, _ in self._pieces(n - j1, n - j0))
         return need
 
+    def _layer_plan(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """(rank, layer) pairs this rank sends and the layers it receives; recomputed when the levels change."""
+        key = tuple((o.max_levels, tuple(o.cfactor), o.min_coarse) for o in (self.fwd_opts, self.bwd_opts))
+        if self._plan_key == key:
+            return self._plan
+        fwd, bwd = self._hierarchies()
+        sends: list[tuple[int, int]] = []
+        recvs: list[int] = []
+        if fwd.nlevels > 1 or bwd.nlevels > 1 or self.engine == "xbraid":  # XBraid's adjoint: always
+            for r in range(self.size):
+                need = sorted(self._needed_layers(r, fwd, bwd))
+                if r == self.rank:
+                    recvs = [k for k in need if not self._owns(k)]
+                else:
+                    sends += [(r, k) for k in need if self._owns(k)]
+        self._plan, self._plan_key = (sends, recvs), key
+        return self._plan
+
     def _exchange_layers(self, device: torch.device) -> None:
         """Send owned weights to the ranks whose coarse steps use them; receive the ones this rank uses."""
-        key = tuple((o.max_levels, tuple(o.cfactor), o.min_coarse) for o in (self.fwd_opts, self.bwd_opts))
-        if self._plan_key != key:  # which owned layers go to whom, and which this rank receives
-            fwd, bwd = self._hierarchies()
-            sends: list[tuple[int, int]] = []
-            recvs: list[int] = []
-            if fwd.nlevels > 1 or bwd.nlevels > 1 or self.engine == "xbraid":  # XBraid's adjoint: always
-                for r in range(self.size):
-                    need = sorted(self._needed_layers(r, fwd, bwd))
-                    if r == self.rank:
-                        recvs = [k for k in need if not self._owns(k)]
-                    else:
-                        sends += [(r, k) for k in need if self._owns(k)]
-            self._plan, self._plan_key = (sends, recvs), key
-        sends, recvs = self._plan
+        sends, recvs = self._layer_plan()
         if not sends and not recvs:
             return
         t0 = time.perf_counter()

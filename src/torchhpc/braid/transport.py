@@ -5,8 +5,9 @@ the raw bytes.  CPU tensors travel as NumPy views; CUDA tensors go straight to M
 CUDA-aware (``TORCHHPC_CUDA_AWARE_MPI=1`` or Open MPI reporting CUDA support) and are staged
 through host memory otherwise.
 
-Collectives (dup, barrier, allreduce, allgather, bcast, gather) are MPI's nonblocking ones,
-polled to completion by :func:`wait_all`.  No call here can hang on a lost peer: past its
+Collectives (dup, allreduce, allgather, bcast, gather) are MPI's nonblocking ones, polled to
+completion by :func:`wait_all`; a barrier is :func:`torchhpc.waiting.barrier` (with
+:func:`timeout_message` for braid's wording).  No call here can hang on a lost peer: past its
 deadline it raises :class:`PeerTimeoutError` naming the operation, the rank and the likely
 cause.  The default deadline is :data:`DEFAULT_TIMEOUT` seconds, or ``TORCHHPC_BRAID_TIMEOUT``.
 
@@ -32,7 +33,7 @@ from torchhpc.waiting import wait_requests
 
 __all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "agreement_timeout",
            "timeout_message",
-           "cuda_aware_mpi", "wait_all", "dup", "barrier", "allreduce", "allgather_int", "bcast_tensor",
+           "cuda_aware_mpi", "wait_all", "dup", "allreduce", "allgather_int", "bcast_tensor",
            "bcast_object", "gather_object"]
 
 DEFAULT_TIMEOUT = 300.0
@@ -114,11 +115,6 @@ def dup(comm: MPI.Comm, timeout: float, what: str = "communicator duplication (M
     new, req = comm.Idup()
     wait_all([req], timeout, what, comm, keep=new)
     return new
-
-
-def barrier(comm: MPI.Comm, timeout: float, what: str = "barrier (MPI_Ibarrier)") -> None:
-    """Wait until every rank of ``comm`` has arrived, or raise at the deadline."""
-    wait_all([comm.Ibarrier()], timeout, what, comm)
 
 
 _OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}
