@@ -4,6 +4,10 @@ and the helper behind it, ``torchhpc.waiting.agreed``, across ranks.
 One rank gets a bad argument (or a bad launch environment); it raises its own error and every other
 rank raises :class:`~torchhpc.errors.RemoteError` naming that rank and the error, within seconds,
 instead of waiting in the entry point's first collective.  (accl group creation: test_accl_groups.py.)
+
+After construction too (issue 25): a rank that fails inside a later collective step makes the others
+raise RemoteError at once, and a rank that never makes the call makes them raise PeerTimeoutError within
+the object's deadline, never wait for ever.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import os
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
 from torch import nn
 
 from torchhpc import errors, waiting
+from torchhpc.chunkstore import ChunkTensor
 
 MPI_RANKS = (2, 3)
 MPI_VARIANTS = ("mpich",)
@@ -71,8 +77,6 @@ def test_rehearsal_buffer_launcher_contradiction(comm: MPI.Comm, monkeypatch: py
 
 
 def test_chunk_tensor_bad_dtype(comm: MPI.Comm) -> None:
-    from torchhpc.chunkstore import ChunkTensor
-
     one_rank_fails(comm, lambda bad: ChunkTensor((40, 2), torch.complex64 if bad else torch.float32, 0, timeout=60),
                    TypeError, "ChunkTensor dtype must be one of")
 
@@ -112,6 +116,125 @@ def test_init_distributed_backend_missing_on_one_rank(comm: MPI.Comm) -> None:
     one_rank_fails(comm, lambda bad: init_distributed("nccl" if bad else "gloo", timeout=60),
                    errors.LauncherError, "backend 'nccl' requested but this PyTorch has no NCCL")
     assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- after construction
+DEADLINE = 3.0  # seconds: the objects' timeout in the tests of a rank that never joins
+SLACK = 15.0  # an oversubscribed, loaded machine: ranks may start their wait late
+
+
+def others_time_out(comm: MPI.Comm, call: Callable[[], object], text: str) -> None:
+    """Every rank but the last runs ``call`` and must raise PeerTimeoutError matching ``text`` within the deadline
+    (plus slack); the last rank never joins.  Whatever ``call`` abandons is never used again."""
+    if comm.Get_rank() != comm.Get_size() - 1:
+        t0 = time.monotonic()
+        with pytest.raises(errors.PeerTimeoutError, match=text):
+            call()
+        elapsed = time.monotonic() - t0
+        assert DEADLINE <= elapsed < DEADLINE + SLACK, elapsed
+    comm.Barrier()  # the late rank waits here until the others have given up
+
+
+def test_rehearsal_close_without_one_rank_times_out_then_completes(comm: MPI.Comm) -> None:
+    """close() frees memory peers read, so it waits for them: once with a deadline, not for ever (it hung in
+    MPI_Win_free); a later close(), once the late rank has closed, frees the buffer."""
+    from torchhpc.rehearsal import RehearsalBuffer
+
+    sub = comm.Dup()
+    buf = RehearsalBuffer(4, 8, 4, 2, (3,), comm=sub, timeout=DEADLINE)
+    others_time_out(comm, buf.close, r"RehearsalBuffer.close\(\) is collective over")
+    if comm.Get_rank() != comm.Get_size() - 1:
+        with pytest.raises(RuntimeError, match="closed"):
+            buf.accumulate(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int64))
+    buf.close()  # the late rank closes; the others complete the close they gave up
+    buf.close()  # closed: nothing more
+    sub.Free()
+
+
+@pytest.mark.parametrize("method", ["load_from_tensor", "load_from_file", "memory_report"])
+def test_chunk_tensor_method_without_one_rank_times_out(comm: MPI.Comm, method: str) -> None:
+    sub = comm.Dup()  # abandoned to the late rank's missing step, never used again
+    t = torch.arange(80, dtype=torch.float32).reshape(40, 2)
+    ct = ChunkTensor(t.shape, t.dtype, 0, comm=sub, timeout=DEADLINE)
+    calls = {"load_from_tensor": lambda: ct.load_from_tensor(t), "load_from_file": lambda: ct.load_from_file(t.numpy()),
+             "memory_report": ct.memory_report}
+    others_time_out(comm, calls[method], rf"ChunkTensor.{method}\(\) is collective over {comm.Get_size()} ranks")
+    ct.close()
+
+
+class _Unreadable(np.ndarray):
+    """An array whose rows cannot be read (a file system gone away under a memory map)."""
+
+    def __getitem__(self, key: object) -> object:
+        raise OSError("read error: the file system went away")
+
+
+def test_chunk_tensor_load_failing_on_one_rank_mid_copy(comm: MPI.Comm) -> None:
+    """A rank that fails while writing its rows (after the input checks passed) left the others in the load's
+    final barrier; now they raise RemoteError naming it (also an OSError, its type), at once."""
+    t = np.arange(80, dtype=np.float32).reshape(40, 2)
+    with ChunkTensor((40, 2), torch.float32, 0, timeout=60) as ct:
+        one_rank_fails(comm, lambda bad: ct.load_from_file(t.view(_Unreadable) if bad else t), OSError,
+                       "read error: the file system went away")
+        ct.load_from_file(t)  # the tensor is usable again
+        assert torch.equal(ct[torch.arange(40)], torch.from_numpy(t))
+
+
+class _LostTensor(torch.Tensor):
+    """A tensor whose rows cannot be read any more (a device lost after the load's checks)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func is torch.Tensor.index_select:
+            raise RuntimeError("device lost while reading rows")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_chunk_tensor_load_from_tensor_failing_on_the_source_rank(comm: MPI.Comm) -> None:
+    t = torch.arange(80, dtype=torch.float32).reshape(40, 2)
+    with ChunkTensor((40, 2), torch.float32, 0, timeout=60) as ct:
+        t0 = time.monotonic()
+        if comm.Get_rank() == 0:
+            with pytest.raises(RuntimeError, match="device lost"):
+                ct.load_from_tensor(t.as_subclass(_LostTensor), src=0)
+        else:
+            with pytest.raises(errors.RemoteError, match=r"rank 0\b.*RuntimeError: device lost"):
+                ct.load_from_tensor(None, src=0)
+        assert time.monotonic() - t0 < 30
+        ct.load_from_tensor(t if comm.Get_rank() == 0 else None, src=0)
+        assert torch.equal(ct[torch.arange(40)], t)
+
+
+def _linear() -> nn.Module:
+    return nn.Linear(4, 4, dtype=torch.float64)
+
+
+def test_layer_parallel_backward_without_one_rank_times_out(comm: MPI.Comm) -> None:
+    from torchhpc.braid import LayerParallel
+
+    lp = LayerParallel(comm, [_linear], [2 * comm.Get_size()], Tf=1.0, timeout=DEADLINE)
+    y = lp(torch.ones(2, 4, dtype=torch.float64))
+    others_time_out(comm, lambda: y.sum().backward(), r"did not complete within 3 s")
+
+
+def test_layer_parallel_serial_twin_without_one_rank_times_out(comm: MPI.Comm) -> None:
+    from torchhpc.braid import LayerParallel
+
+    lp = LayerParallel(comm, [_linear], [2 * comm.Get_size()], Tf=1.0, timeout=DEADLINE)
+    if comm.Get_rank() == 0:  # only the root waits for everyone's weights
+        t0 = time.monotonic()
+        with pytest.raises(errors.PeerTimeoutError, match=r"build_sequential_on_root: weights"):
+            lp.build_sequential_on_root()
+        assert DEADLINE <= time.monotonic() - t0 < DEADLINE + SLACK
+    comm.Barrier()
+
+
+def test_gru_parallel_forward_without_one_rank_times_out(comm: MPI.Comm) -> None:
+    from torchhpc.braid import GRUParallel
+
+    gru = GRUParallel(comm, 3, 4, dtype=torch.float64, timeout=DEADLINE)
+    x = torch.ones(2, 4 * comm.Get_size(), 3, dtype=torch.float64)
+    others_time_out(comm, lambda: gru(x), r"did not complete within 3 s")
 
 
 # ---------------------------------------------------------------- torchhpc.waiting.agreed itself
