@@ -220,3 +220,27 @@ def test_argument_mistakes_and_use_after_close_are_clear():
                 lambda: ct.load_from_tensor(torch.zeros(10, 4))):
         with pytest.raises(RuntimeError, match="closed"):
             use()
+
+
+def test_options_object_and_keywords_are_one_convention():
+    """ChunkStoreOptions holds the settings; keywords that are given override its fields; validate() names the field."""
+    from torchhpc.chunkstore import ChunkStoreOptions
+
+    opts = ChunkStoreOptions(capacity_per_device=64, timeout=30.0)
+    opts.validate()
+    with ChunkTensor((10, 4), torch.float32, options=opts) as ct:
+        assert (ct.capacity_per_device, ct.timeout) == (64, 30.0) and ct.options == opts
+    with ChunkTensor((10, 4), torch.float32, 32, options=opts) as ct:  # the keyword wins
+        assert (ct.capacity_per_device, ct.timeout) == (32, 30.0)
+    for bad, typ, field in ((ChunkStoreOptions(capacity_per_device="1k"), TypeError, "capacity_per_device"),
+                            (ChunkStoreOptions(capacity_per_device=-1), ValueError, "capacity_per_device"),
+                            (ChunkStoreOptions(ranks_per_node=0), ValueError, "ranks_per_node"),
+                            (ChunkStoreOptions(timeout=-1.0), ValueError, "timeout")):
+        with pytest.raises(typ, match=field):
+            bad.validate()
+        with pytest.raises(typ, match=field):
+            ChunkTensor((10, 4), torch.float32, options=bad)
+    with pytest.raises(TypeError, match="capacity_per_device"):
+        ChunkTensor((10, 4), torch.float32)  # no capacity given at all
+    with pytest.raises(TypeError, match="ChunkStoreOptions"):
+        ChunkTensor((10, 4), torch.float32, options={"capacity_per_device": 0})

@@ -465,3 +465,30 @@ def test_worker_holds_a_new_batch_back_only_until_it_is_waited_for() -> None:
         t0 = time.perf_counter()
         run_steps(buf, 1, 5)  # accumulate then wait straight away: never held back
         assert time.perf_counter() - t0 < 2.5
+
+
+def test_options_object_and_keywords_are_one_convention() -> None:
+    """RehearsalOptions holds every setting; keywords that are given override its fields; validate() names the field."""
+    import dataclasses
+
+    from torchhpc.rehearsal import RehearsalOptions
+
+    opts = RehearsalOptions(4, 8, 4, 2, (3,), global_sampling=False, seed=1, max_pending=2)
+    opts.validate()
+    with RehearsalBuffer(options=opts) as buf:
+        assert (buf.K, buf.N, buf.C, buf.R, buf.max_pending) == (4, 8, 4, 2, 2) and buf.options == opts
+    with RehearsalBuffer(num_representatives=3, options=opts) as buf:  # the keyword wins
+        assert buf.R == 3 and buf.options.seed == 1
+    for field, value in (("num_classes", 0), ("task", "nope"), ("mode", "fast"), ("transport", "tcp"),
+                         ("worker_niceness", 20), ("start_delay", -1.0), ("timeout", float("nan")),
+                         ("progress_interval", -1.0)):
+        bad = dataclasses.replace(opts, **{field: value})
+        with pytest.raises(ValueError, match=field):
+            bad.validate()
+        with pytest.raises(ValueError, match=field):
+            RehearsalBuffer(options=bad)
+    with pytest.raises(TypeError, match="num_classes"):
+        RehearsalBuffer(slots_per_class=8, num_candidates=4, num_representatives=2, sample_shapes=(3,),
+                        global_sampling=False)
+    with pytest.raises(TypeError, match="RehearsalOptions"):
+        RehearsalBuffer(options={"num_classes": 4})

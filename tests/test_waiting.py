@@ -63,3 +63,20 @@ def test_agreed_single_rank_reraises_own_error() -> None:
         raise ValueError("mine")
     with waiting.agreed(MPI.COMM_SELF, 1.0, "thing"):
         pass
+
+
+def test_barrier_and_allgather_on_one_rank() -> None:
+    from mpi4py import MPI
+
+    waiting.barrier(MPI.COMM_SELF, 1.0, "nothing")
+    assert waiting.allgather_object(MPI.COMM_SELF, {"a": 1}, 1.0, "thing") == [{"a": 1}]
+    assert waiting.allgather_bytes(MPI.COMM_SELF, b"", 1.0, "thing") == [b""]
+
+
+def test_remote_error_may_keep_the_failing_rank_type() -> None:
+    """agree(keep_type=True): the others' RemoteError is also the failing rank's builtin exception type."""
+    cls = waiting._remote_error_class("ValueError")
+    err = cls("Thing() failed on 1 of 2 ranks", 1, "ValueError: bad")
+    assert isinstance(err, errors.RemoteError) and isinstance(err, ValueError) and err.rank == 1
+    assert waiting._remote_error_class("NoSuchError") is errors.RemoteError
+    assert waiting._remote_error_class("RuntimeError") is errors.RemoteError
