@@ -1,6 +1,6 @@
 """The job layer (utils/submit_job.sh + utils/lib/jobs.sh) without a scheduler: one generator for PBS and
-Slurm job scripts, directive syntax checks, scheduler detection.  A PBS server cannot run here, so PBS
-scripts and submit lines are checked as DRY_RUN=1 prints them; Slurm runs for real in test_cluster_slurm.py.
+Slurm job scripts, directive syntax checks, scheduler detection, as DRY_RUN=1 prints them.  Slurm runs for
+real in test_cluster_slurm.py, PBS (OpenPBS on the virtual cluster) in test_vcluster_pbs.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,27 @@ def test_pbs_and_slurm_scripts_come_from_one_generator(tmp_path: Path) -> None:
     assert "#SBATCH --gpus-per-node=4" in slurm and "#SBATCH --time=00:15:00" in slurm
     assert f"#SBATCH --output={tmp_path}/build/jobs/j-%j.log" in slurm
     assert "#PBS -l select=2:ncpus=8:mpiprocs=4:ngpus=4" in pbs and f"#PBS -o {tmp_path}/build/jobs/j.log" in pbs
+
+
+def test_pbs_test_jobs_take_whole_hosts_unless_the_site_says_where(tmp_path: Path) -> None:
+    test, _ = script_lines(submit(tmp_path, "--scheduler", "pbs", "--shape", "test", "--", "true").stdout)
+    build, _ = script_lines(submit(tmp_path, "--scheduler", "pbs", "--shape", "build", "--", "true").stdout)
+    one, _ = script_lines(submit(tmp_path, "--scheduler", "pbs", "--shape", "test", "--select", "1:ncpus=4",
+                                 "--", "true").stdout)
+    site, _ = script_lines(submit(tmp_path, "--scheduler", "pbs", "--shape", "test", "--", "true",
+                                  PBS_EXTRA="-l place=pack").stdout)
+    assert "#PBS -l place=scatter:excl" in test
+    assert not any("place=scatter" in line for line in build + one + site), (build, one, site)
+    assert "#PBS -l place=pack" in site
+
+
+def test_knobs_set_at_submission_are_written_into_the_job(tmp_path: Path) -> None:
+    """Only what the user set, before config_env.sh derives its own values (CUDA_HOME, MAX_JOBS, ...)."""
+    lines, _ = script_lines(submit(tmp_path, "--scheduler", "pbs", "--shape", "build", "--", "true",
+                                   STOP_AFTER="patches", PYTORCH_GIT="file:///a b").stdout)
+    exports = [line for line in lines if line.startswith("export ") and "SITE=" not in line]
+    assert exports == ["export STOP_AFTER=patches", "export PYTORCH_GIT=file:///a\\ b"], exports
+    assert not any(line.startswith("source ") for line in lines), "no venv unless TORCHHPC_NO_ENV=1"
 
 
 def test_slurm_overrides_and_options(tmp_path: Path) -> None:

@@ -178,7 +178,7 @@ def test_make_test_pbs_prints_the_table_with_ranks_on_both_nodes(pbs: Cluster, p
     assert "+ mpiexec -n 4 --map-by ppr:2:node python" in log, log
     assert "# Out of bounds values : 0 OK" in out, "the table is shown"
     script = (prefix / "jobs/torchhpc-test-all-reduce.pbs").read_text()
-    assert "#PBS -l place=scatter" in script, script
+    assert "#PBS -l place=scatter:excl" in script, script
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git not installed")

@@ -101,10 +101,10 @@ job_directives() {
     printf '#PBS %s\n' "-N $JOB_NAME"
     [[ -n "$JOB_ACCOUNT" ]] && printf '#PBS %s\n' "-A $JOB_ACCOUNT"
     printf '#PBS %s\n' "-q $JOB_QUEUE" "-l select=$JOB_SELECT" "-l walltime=$JOB_WALLTIME" "-j oe" "-o $JOB_LOG"
-    # a test spreads its chunks over as many hosts (PBS packs them by default); a site's own place= wins
+    # a test takes whole hosts, one chunk each (PBS packs chunks by default); a site's own place= wins
     if [[ "$JOB_SHAPE" == test && ("$JOB_SELECT" == *+* || "${JOB_SELECT%%:*}" -gt 1) \
       && " ${JOB_EXTRA[*]} " != *place=* ]]; then
-      printf '#PBS %s\n' "-l place=scatter"
+      printf '#PBS %s\n' "-l place=scatter:excl"
     fi
     ((${#JOB_EXTRA[@]})) && printf '#PBS %s\n' "${JOB_EXTRA[*]}"
   else
