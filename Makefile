@@ -23,7 +23,7 @@ NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/n
 NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
                   NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-unit test-mpi test-torch-suite lint bench doctor clean-env native clean-native
+.PHONY: help env test test-unit test-mpi test-torch-suite lint bench doctor clean-env native clean-native mpi-backend
 
 help: ## List every target with one line each
 	@printf 'torchhpc targets (variables: VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) MPI=$(MPI)):\n\n'
@@ -40,6 +40,9 @@ native: $(NATIVE_PARTS) ## Build every native engine (all native-* targets) into
 native-%: $(PY) ## native-mochi / native-xbraid: build one native library stack + its extension module
 	@[[ -f utils/native/build_$*.sh ]] || { echo "no native part '$*' (have: $(NATIVE_PARTS))" >&2; exit 2; }
 	@$(NATIVE_VARS) bash utils/native/build_$*.sh
+
+mpi-backend: $(PY) ## PyTorch's own MPI backend for this torch: upstream ProcessGroupMPI.cpp + patches/pytorch, per MPI wheel ("mpi_upstream")
+	@$(PY) -m torchhpc.mpi_upstream.build --all
 
 clean-native: ## Remove NATIVE_PREFIX (native libraries, extension modules, stamps)
 	rm -rf "$(NATIVE_PREFIX)"
