@@ -6,7 +6,11 @@ fails ends the job and the next test starts in a fresh one; a test that runs pas
 killed, is recorded as ``timeout``, and the suite goes on.  Both backends run through this same harness.
 
     python tests/torch_suite/driver.py --out torch-suite-results [--np 3] [--backends accl,gloo]
-        [--tests name,name,...] [--per-test-timeout 120]
+        [--tests name,name,...] [--per-test-timeout 120] [--mpich]
+
+``--backends mpi_upstream`` runs PyTorch's own MPI backend built by ``make mpi-backend`` as torch's ``"mpi"``
+(``BACKEND=mpi``, as PyTorch's CI runs the suite for it); ``--mpich`` launches with the MPICH that ``make env``
+puts beside the Open MPI venv instead of the venv's mpiexec.
 
 writes ``<out>/<backend>.jsonl`` (one line per test), ``<out>/summary.json`` and prints the counts, the
 tests that pass on gloo but not on accl, and those skipped on accl but run on gloo; the latter (torch marks
@@ -38,24 +42,32 @@ def all_test_names() -> list[str]:
     return out.stdout.split()
 
 
-def _job_env() -> dict[str, str]:
+def _job_env(mpich: bool = False) -> tuple[dict[str, str], str | None]:
+    """The jobs' environment and mpiexec (None: the venv's); ``mpich``: the side MPICH's."""
     sys.path.insert(0, str(ROOT / "src"))
-    from torchhpc.mpirun import local_job_env
+    from torchhpc.mpirun import local_job_env, side_mpich, side_mpich_env
 
     env = local_job_env()
+    mpiexec = None
+    if mpich:
+        root = side_mpich()
+        if root is None:
+            raise RuntimeError("--mpich: no MPICH beside this venv (`make env` puts the mpich wheel in $VENV/mpich)")
+        env, mpiexec = side_mpich_env(root, env), str(root / "bin" / "mpiexec")
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"
     env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] = "1"
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(var, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
-    return env
+    return env, mpiexec
 
 
 def run_backend(backend: str, names: list[str], out: Path, np: int, per_test_timeout: float,
                 declare_features: bool = True, log=print, ignore_skip_markers: bool = False,
-                tag: str = "") -> list[dict]:
+                tag: str = "", mpich: bool = False) -> list[dict]:
     """Run ``names`` on ``backend``; return one record per test (outcome pass/fail/skip/timeout).
-    ``ignore_skip_markers``: run tests whose unittest skip marker says not to (for gloo-only tests)."""
+    ``ignore_skip_markers``: run tests whose unittest skip marker says not to (for gloo-only tests);
+    ``mpich``: launch with the side MPICH (see :func:`_job_env`)."""
     from torchhpc.mpirun import mpiexec_argv
 
     stem = backend + tag
@@ -65,7 +77,7 @@ def run_backend(backend: str, names: list[str], out: Path, np: int, per_test_tim
     results.unlink(missing_ok=True)
     progress = out / f"{stem}.progress"
     log_file = out / f"{stem}.log"
-    env = _job_env()
+    env, mpiexec = _job_env(mpich)
     start = 0
     with open(log_file, "w") as logf:
         while start < len(names):
@@ -76,8 +88,8 @@ def run_backend(backend: str, names: list[str], out: Path, np: int, per_test_tim
                 argv.append("--declare-features")
             if ignore_skip_markers:
                 argv.append("--ignore-skip-markers")
-            proc = subprocess.Popen(mpiexec_argv(np, argv), stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)
+            proc = subprocess.Popen(mpiexec_argv(np, argv, mpiexec=mpiexec), stdout=logf, stderr=subprocess.STDOUT,
+                                    env=env, start_new_session=True)
             launched = time.time()
             timed_out = None
             while proc.poll() is None:
@@ -161,6 +173,7 @@ def main() -> int:
     parser.add_argument("--backends", default="accl,gloo")
     parser.add_argument("--tests", default="", help="comma-separated test names (default: all)")
     parser.add_argument("--per-test-timeout", type=float, default=150.0)
+    parser.add_argument("--mpich", action="store_true", help="launch with the MPICH beside the venv")
     parser.add_argument("--no-declare-features", action="store_true",
                         help="do not enter accl in torch's DistTestCases.backend_feature sets")
     args = parser.parse_args()
@@ -170,8 +183,9 @@ def main() -> int:
     t0 = time.time()
     for backend in args.backends.split(","):
         results[backend] = run_backend(backend, names, args.out, args.np, args.per_test_timeout,
-                                       declare_features=not args.no_declare_features)
-    summary = {"np": args.np, "tests": len(names), "seconds": round(time.time() - t0),
+                                       declare_features=not args.no_declare_features, mpich=args.mpich)
+    summary = {"np": args.np, "tests": len(names), "mpi": "mpich" if args.mpich else "default",
+               "seconds": round(time.time() - t0),
                "date": time.strftime("%Y-%m-%d", time.gmtime()),
                "counts": {b: counts(r) for b, r in results.items()}}
     if "accl" in results and "gloo" in results:

@@ -10,7 +10,9 @@ with ``MPI_Bcast``.  Only the harness is adapted; the tests and their assertions
 The one declaration made for a third-party backend: ``DistTestCases.backend_feature`` lists, per feature,
 the backends that implement it (``"plugin"`` is torch's slot for out-of-tree backends); with
 ``--declare-features`` the accl backend is entered for ``plugin``, ``ddp`` and ``subgroup`` (what it
-implements on CPU).  Results go to a JSON-lines file, one line per test, written by rank 0.
+implements on CPU).  ``--backend mpi_upstream`` (PyTorch's own ProcessGroupMPI, ``make mpi-backend``) runs
+as ``BACKEND=mpi`` in torch's own MPI slot, as PyTorch's CI runs the suite for its MPI backend.
+Results go to a JSON-lines file, one line per test, written by rank 0.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import traceback
 from pathlib import Path
 
 ACCL_FEATURES = ("plugin", "ddp", "subgroup")
+TORCH_NAMES = {"mpi_upstream": "mpi"}  # backend -> the BACKEND torch's suite runs it as
 
 
 class _SkipReasons(logging.Handler):
@@ -69,15 +72,22 @@ def main() -> int:
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    os.environ["BACKEND"] = args.backend
+    # mpi_upstream is PyTorch's own MPI backend (make mpi-backend): it runs as torch's "mpi", as PyTorch's CI runs
+    # this suite for BACKEND=mpi (rank and world size from MPI, no rendezvous), with nothing declared for it
+    torch_name = TORCH_NAMES.get(args.backend, args.backend)
+    os.environ["BACKEND"] = torch_name
     os.environ["WORLD_SIZE"] = str(size)
     os.environ["TEMP_DIR"] = _fresh_temp_dir(comm)  # read when distributed_test is imported
     if args.backend == "accl":
         import torchhpc.accl  # noqa: F401  (registers the backend)
+    elif args.backend == "mpi_upstream":
+        import torchhpc.mpi_upstream
+
+        torchhpc.mpi_upstream.use_as_torch_mpi()
 
     from torch.testing._internal import common_distributed as cd
 
-    if args.declare_features and args.backend not in ("gloo", "nccl", "ucc", "mpi"):
+    if args.declare_features and torch_name not in ("gloo", "nccl", "ucc", "mpi"):
         for feature in ACCL_FEATURES:
             cd.DistTestCases.backend_feature[feature].add(args.backend)
     import torch.distributed as dist
