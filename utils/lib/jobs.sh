@@ -278,7 +278,8 @@ job_pbs_delete() {
   kill "$2" 2>/dev/null || true
   JOB_WAIT_TIMEOUT=30 job_wait "PBS job $1 to finish (state F)" job_pbs_finished "$1" || true
 }
-job_pbs_submitted() { [[ -s "$1" ]] || ! kill -0 "$2" 2>/dev/null; }
+# qsub has printed a whole line (the job id, or its refusal), or has exited.
+job_pbs_submitted() { [[ -s "$1" && $(tail -c 1 "$1" | wc -l) -eq 1 ]] || ! kill -0 "$2" 2>/dev/null; }
 job_pid_gone() { ! kill -0 "$1" 2>/dev/null; }
 job_pbs_finished() { [[ $(qstat -x -f "$1" 2>/dev/null | sed -n 's/^ *job_state = //p') == F ]]; }
 
