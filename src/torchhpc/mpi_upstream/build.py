@@ -194,17 +194,13 @@ def side_mpicxx() -> str | None:
 
 
 def family_of(mpicxx: str) -> str:
-    """``openmpi`` or ``mpich`` (MPICH and derivatives: Cray MPICH, Intel MPI, MVAPICH), from ``mpi.h``'s macros."""
-    out = subprocess.run([mpicxx, "-dM", "-E", "-x", "c++", "-"], input="#include <mpi.h>\n", text=True,
-                         capture_output=True, check=False)
-    if out.returncode:
-        raise BuildError(f"mpi-backend: {mpicxx} cannot preprocess <mpi.h>:\n{out.stderr}")
-    names = {line.split()[1] for line in out.stdout.splitlines() if line.startswith("#define ")}
-    if "OMPI_MAJOR_VERSION" in names:
-        return "openmpi"
-    if "MPICH_VERSION" in names or "MPICH_NAME" in names:
-        return "mpich"
-    raise BuildError(f"mpi-backend: the MPI behind {mpicxx} is neither Open MPI nor MPICH-derived")
+    """``openmpi`` or ``mpich`` (and its derivatives), read from ``mpi.h`` by accl's core build."""
+    from torchhpc.accl.corebuild import family_of as core_family_of
+
+    try:
+        return core_family_of(mpicxx)
+    except SystemExit as exc:  # the core build is a command line: it stops with its message
+        raise BuildError(f"mpi-backend: {exc}") from None
 
 
 def _default_workdir() -> Path:
