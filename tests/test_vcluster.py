@@ -276,7 +276,8 @@ def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
     text = out_file.read_text()
     print(text)  # the survivors' lines, for the record (pytest -s)
     survivors = re.findall(r"SURVIVOR rank=(\d) host=(node\d) after=([\d.]+)s family=(\w+) error=(.*)", text)
-    assert sorted((r, h) for r, h, *_ in survivors) == [("0", "node1"), ("1", "node1")], text
+    assert sorted((r, h) for r, h, *_ in survivors) == [("0", "node1"), ("1", "node1")], \
+        f"{state}\n{text}\n{cluster.logs()}"
     for _, _, after, family, error in survivors:
         assert family == "torchhpc", error
         assert float(after) <= timeout_s + 5, f"took {after}s against a {timeout_s}s timeout: {error}"

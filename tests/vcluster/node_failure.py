@@ -2,8 +2,10 @@
 
 tests/test_vcluster.py runs it as a 2-node Slurm job and tears one node down while the loop runs.  Each
 rank prints ``LOOPING`` once it has done a few calls, and on the failure one ``SURVIVOR`` line: how long
-after its last completed call the error came, and which error it was."""
+after its last completed call the error came, and which error it was.  A rank still inside one call three
+timeouts later prints every thread's stack (to tell a stuck survivor from a slow one)."""
 
+import faulthandler
 import socket
 import sys
 import time
@@ -22,6 +24,7 @@ last_ok = time.monotonic()
 calls = 0
 try:
     while True:
+        faulthandler.dump_traceback_later(3 * TIMEOUT_S)  # re-armed for every call
         dist.all_reduce(x)
         x.fill_(1.0)
         calls += 1
@@ -30,6 +33,7 @@ try:
             print(f"LOOPING rank={info.rank} host={host}", flush=True)
         time.sleep(0.005)
 except Exception as exc:  # noqa: BLE001 - the test reads which error it was
+    faulthandler.cancel_dump_traceback_later()
     waited = time.monotonic() - last_ok
     family = "torchhpc" if isinstance(exc, TorchhpcError) else "other"
     print(f"SURVIVOR rank={info.rank} host={host} after={waited:.1f}s family={family} "
