@@ -1,7 +1,8 @@
-"""Collective benchmark: accl vs gloo vs raw mpi4py (see ``torchhpc.accl.bench``).
+"""Collective benchmark: accl vs PyTorch's MPI backend (mpi_upstream) vs gloo vs raw MPI on torch memory, the five
+collectives (``torchhpc bench``, see ``torchhpc.accl.bench``; ``torchhpc bench all --np 2`` is the same).
 
-Run under mpiexec (``mpiexec -n 2 python bench/allreduce.py allreduce --quick``) or plainly
-(``python bench/allreduce.py --np 2``), which starts mpiexec itself.
+Run under mpiexec (``mpiexec -n 2 python bench/allreduce.py all --quick``) or plainly
+(``python bench/allreduce.py all --np 2 --json bench.json --plot busbw.svg``), which starts mpiexec itself.
 """
 
 import sys

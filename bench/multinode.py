@@ -4,7 +4,7 @@ For every link rate (``tc`` token bucket on each node's veth; ``none``: unshaped
 
 1. the link itself: TCP goodput node1 -> node2 of one socket (the physical limit every ratio below uses);
 2. accl vs raw mpi4py vs gloo, all_reduce latency and busbw by size (``torchhpc bench``, one rank per node)
-   and a PNG of busbw against size;
+   and an SVG of busbw against size;
 3. chunkstore: random-row gathers whose rows all live on the other node (remote tier), GB/s of remote bytes
    as a fraction of the link's goodput, next to a bare gloo ``all_to_all_single`` of the same bytes;
 4. rehearsal: remote fetch over the MPI transport and over Thallium (``ofi+tcp``) with raw MPI ``Get`` s
@@ -162,7 +162,7 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
     print(f"TCP goodput node1 -> node2, one stream: {spread(link)} GB/s (median [min-max] of {len(link)})\n")
 
     max_bytes = args.max_bytes if rate == "none" else min(args.max_bytes, 16 << 20)
-    plot = out_dir / f"multinode-busbw-{rate}.png"
+    plot = out_dir / f"multinode-busbw-{rate}.svg"
     table = on_cluster(mpiexec(["torchhpc", "bench", "allreduce", "--min-bytes", "8", "--max-bytes",
                                 str(max_bytes), "--repeats", str(args.repeats), "--time-per-point",
                                 str(args.time_per_point), "--plot", str(plot)]))
@@ -194,7 +194,7 @@ def main() -> None:
     p.add_argument("--rates", default="none,10gbit,1gbit", help="comma list of tc rates; none: unshaped")
     p.add_argument("--quick", action="store_true", help="fewer rounds and sizes (about a minute per rate)")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench",
-                   help="where the PNGs go: a path every node sees (each node's /tmp is its own)")
+                   help="where the SVGs go: a path every node sees (each node's /tmp is its own)")
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--batches", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--repeats", type=int, default=5)

@@ -1,41 +1,98 @@
-"""``torchhpc bench``: nccl-tests-style collective benchmark, accl vs gloo vs raw mpi4py in one run.
+"""``torchhpc bench``: nccl-tests-style collective benchmark, accl vs upstream's MPI backend vs gloo vs raw MPI.
 
 Usage::
 
-    torchhpc bench allreduce [--np 2] [--quick] [--plot busbw.png]
-    torchhpc bench all --np 2                 # allreduce, broadcast, allgather, reduce_scatter, alltoall
-    mpiexec -n 2 python bench/allreduce.py allreduce   # already under mpiexec: runs in place
+    torchhpc bench all --np 2 --json bench-2.json --plot busbw-2.svg   # the five collectives, 8 B - 64 MiB
+    torchhpc bench allreduce --np 4 --quick                             # three sizes, seconds
+    torchhpc bench --from-json bench-2.json bench-4.json --plot busbw.svg   # tables and plot again, no MPI
+    mpiexec -n 2 python -m torchhpc bench all    # already under mpiexec: runs in place
 
-Outside an MPI job the command starts itself under ``mpiexec -n NP`` (oversubscribed, one thread per
-rank).  For every size it times the same float32 collective through ``torch.distributed`` with the
-``accl`` backend, through ``torch.distributed`` with ``gloo``, and as the plain mpi4py call a user
-would write on numpy buffers (``comm.Allreduce(MPI.IN_PLACE, buf)``...).  all_gather and
-reduce_scatter go through ``all_gather_into_tensor``/``reduce_scatter_tensor`` (torch >= 2.13:
-their new names ``all_gather_single``/``reduce_scatter_single``), all_to_all through
-``all_to_all_single``.
+Outside an MPI job the command starts itself under ``mpiexec -n NP`` (``--oversubscribe`` and yield-when-idle
+only for more ranks than cores; one thread per rank).  For every size it times the same float32 collective as:
 
-Timing is robust to a noisy, shared machine: each (size, implementation) is timed in ``--repeats``
-interleaved rounds (round 1 times accl, gloo, mpi4py, round 2 again...), each round's time is the
-slowest rank's mean over its iterations, and the table reports the median of the round means.
-algbw = size / time, busbw = algbw x the nccl-tests factor of the collective.
+* ``accl``: ``torch.distributed`` on the ``accl`` backend (the default group);
+* ``mpi-upstream``: ``torch.distributed`` on PyTorch's own ``ProcessGroupMPI`` built against the wheel by
+  ``make mpi-backend`` (:mod:`torchhpc.mpi_upstream`, a group of every rank); skipped, with one line, where
+  that module is not built or not loadable;
+* ``gloo``: ``torch.distributed`` on a gloo group of every rank;
+* ``mpi4py``: the raw MPI call a user would write (``comm.Allreduce(MPI.IN_PLACE, buf)``, ``Bcast``,
+  ``Allgather``, ``Reduce_scatter_block``, ``Alltoall``) on torch-allocated memory (``torch.zeros``, handed to
+  mpi4py as ``tensor.numpy()``, the same storage: checked by address), labelled ``mpi(torch mem)``;
+* ``mpi4py-numpy`` (``--impls`` only): the same raw call on numpy-allocated arrays.  numpy advises transparent
+  huge pages for large arrays, torch's allocator does not unless ``THP_MEM_ALLOC_ENABLE=1``, so the two raw
+  columns differ at large sizes where THP is ``madvise``;
+* ``accl-py`` (``--impls`` only): accl with ``AcclOptions(front=False)``, the Python adapter alone.
+
+all_gather and reduce_scatter go through ``all_gather_into_tensor``/``reduce_scatter_tensor`` (torch >= 2.13:
+``all_gather_single``/``reduce_scatter_single``), all_to_all through ``all_to_all_single``.  A size is the
+buffer every rank passes: all_gather's output, reduce_scatter's and all_to_all's input.
+
+Timing is robust to a noisy, shared machine: each (size, implementation) is timed in ``--repeats`` interleaved
+rounds (round 1 times every implementation once, round 2 again, starting one further along the list...); a
+round's time is the slowest rank's mean over as many calls as fit ``--time-per-point / --repeats`` seconds
+(at least 5, at most 2000, after 3 warm-up calls).  The table shows the median round and the spread
+(max - min) / median of the rounds; algbw = size / time, busbw = algbw x the nccl-tests factor.
+
+Targets checked per row (column ``targets``): below 1 MiB accl's time <= raw + 2 us; from 1 MiB accl's busbw
+>= 0.95 x raw's; at every size accl faster than mpi-upstream.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from xml.sax.saxutils import escape
 
-__all__ = ["main", "COLLECTIVES", "bus_factor", "mean_call_time"]
+__all__ = ["main", "COLLECTIVES", "IMPLS", "DEFAULT_IMPLS", "LABELS", "Point", "bus_factor", "measured_bytes",
+           "mean_call_time", "print_table", "write_json", "read_json", "write_svg"]
 
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 FULL_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [8, 4 << 10, 1 << 20]
-IMPLS = ("accl", "accl-py", "gloo", "mpi4py")  # accl-py: accl with AcclOptions(front=False), the adapter alone
+IMPLS = ("accl", "accl-py", "mpi-upstream", "gloo", "mpi4py", "mpi4py-numpy")
+DEFAULT_IMPLS = ("accl", "mpi-upstream", "gloo", "mpi4py")
+LABELS = {"accl": "accl", "accl-py": "accl-py", "mpi-upstream": "mpi-upstream", "gloo": "gloo",
+          "mpi4py": "mpi(torch mem)", "mpi4py-numpy": "mpi(numpy mem)"}
+RAW = "mpi4py"  # the baseline of the ratios
+SMALL_BELOW = 1 << 20  # sizes below: the "+2 us over raw" target; from here: the 0.95x bandwidth target
+TARGET_EXTRA_US = 2.0
+TARGET_BW_RATIO = 0.95
+JSON_FORMAT = "torchhpc-bench/1"
+
+
+@dataclass
+class Point:
+    """One measured (collective, ranks, size, implementation): each round's mean seconds per call."""
+
+    collective: str
+    ranks: int
+    size: int
+    impl: str
+    rounds_s: list[float] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        """The median of the round means (seconds)."""
+        return statistics.median(self.rounds_s)
+
+    @property
+    def spread(self) -> float:
+        """(max - min) / median of the round means."""
+        return (max(self.rounds_s) - min(self.rounds_s)) / self.median_s
+
+    def busbw(self) -> float:
+        """Bus bandwidth in GB/s (nccl-tests' definition)."""
+        return self.size / self.median_s / 1e9 * bus_factor(self.collective, self.ranks)
 
 
 def bus_factor(coll: str, n: int) -> float:
@@ -49,19 +106,22 @@ def bus_factor(coll: str, n: int) -> float:
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="torchhpc bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("collective", nargs="?", default="allreduce", choices=COLLECTIVES + ("all",))
+    ap.add_argument("collective", nargs="?", default=None, choices=COLLECTIVES + ("all",),
+                    help="default: allreduce (with --from-json: all)")
     ap.add_argument("--np", type=int, default=2, help="ranks to launch when not already under mpiexec")
-    ap.add_argument("--quick", action="store_true", help="three sizes, few iterations (seconds)")
+    ap.add_argument("--quick", action="store_true", help="three sizes, one round (seconds)")
     ap.add_argument("--min-bytes", type=int, default=None)
     ap.add_argument("--max-bytes", type=int, default=None)
     ap.add_argument("--time-per-point", type=float, default=0.25,
-                    help="seconds spent per size and impl, all rounds together")
+                    help="seconds spent per size and impl, all rounds together (at least 8 calls a round)")
     ap.add_argument("--repeats", type=int, default=5,
                     help="interleaved timing rounds per size; the table shows the median round")
-    ap.add_argument("--plot", default=None, help="write a PNG of busbw vs size here")
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated subset of {','.join(IMPLS)}")
+    ap.add_argument("--json", default=None, metavar="PATH", help="write every measured point here")
+    ap.add_argument("--plot", default=None, metavar="PATH.svg", help="write an SVG of busbw vs size here")
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                    help="no run: print the tables (and --plot) of these --json files")
     ap.add_argument("--no-check", action="store_true", help="accl without the cross-rank header check")
-    ap.add_argument("--impls", default="accl,gloo,mpi4py",
-                    help="subset of accl,accl-py,gloo,mpi4py (accl-py: accl without its C++ front)")
     return ap.parse_args(argv)
 
 
@@ -92,33 +152,60 @@ def _sizes(args: argparse.Namespace) -> list[int]:
     return [s for s in sizes if lo <= s <= hi]
 
 
+def _raw_buffers(impl: str, n_in: int, n_out: int) -> tuple:
+    """The raw call's (input, output) numpy views: of torch-allocated tensors (``mpi4py``), checked to share
+    their storage, or numpy's own arrays (``mpi4py-numpy``)."""
+    import numpy as np
+    import torch
+
+    if impl == "mpi4py-numpy":
+        return np.ones(n_in, np.float32), np.zeros(n_out, np.float32)
+    ins, outs = torch.ones(n_in, dtype=torch.float32), torch.zeros(n_out, dtype=torch.float32)
+    a, b = ins.numpy(), outs.numpy()
+    for t, view in ((ins, a), (outs, b)):
+        if t.numel() and view.ctypes.data != t.data_ptr():
+            raise RuntimeError("torchhpc bench: tensor.numpy() did not share the tensor's memory")
+    return a, b
+
+
+def _shape(coll: str, nbytes: int, n: int) -> tuple[int, int]:
+    """(input, output) float32 element counts of one ``coll`` of ``nbytes`` at ``n`` ranks: all_gather's size is
+    its output buffer, reduce_scatter's and all_to_all's their input buffer, a multiple of ``n`` elements."""
+    numel = max(1, nbytes // 4)
+    per = max(1, numel // n)
+    return {"allreduce": (numel, 0), "broadcast": (numel, 0), "allgather": (per, per * n),
+            "reduce_scatter": (per * n, per), "alltoall": (per * n, per * n)}[coll]
+
+
+def measured_bytes(coll: str, nbytes: int, n: int) -> int:
+    """The bytes a ``coll`` of ``nbytes`` really moves per rank's buffer (more than ``nbytes`` where fewer than
+    one float32 per rank: 8 B at 4 ranks is 16 B for all_gather, reduce_scatter and all_to_all)."""
+    n_in, n_out = _shape(coll, nbytes, n)
+    return 4 * (n_out if coll == "allgather" else n_in)
+
+
 def _runners(coll: str, nbytes: int, n: int, groups: dict, comm, impls: list[str]) -> dict[str, Callable[[], None]]:
-    """One callable per implementation in ``impls`` doing one ``coll`` of ``nbytes`` (float32)."""
+    """One callable per implementation in ``impls`` doing one ``coll`` of ``nbytes`` (float32), each with
+    buffers of its own."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
-    numel = max(1, nbytes // 4)
-    per = max(1, numel // n)
     out: dict[str, Callable[[], None]] = {}
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13 name
     reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    # (input, output) element counts; all_gather's size is its output buffer, reduce_scatter's and
-    # all_to_all's their input buffer
-    shapes = {"allreduce": (numel, 0), "broadcast": (numel, 0), "allgather": (per, per * n),
-              "reduce_scatter": (per * n, per), "alltoall": (per * n, per * n)}
-    n_in, n_out = shapes[coll]
-    for impl in impls:  # every implementation its own buffers
-        ins, outs = torch.ones(n_in), torch.empty(n_out)
-        if impl == "mpi4py":
-            a, b = ins.numpy(), outs.numpy()
+    n_in, n_out = _shape(coll, nbytes, n)
+    for impl in impls:
+        if impl in ("mpi4py", "mpi4py-numpy"):
+            a, b = _raw_buffers(impl, n_in, n_out)
             out[impl] = {"allreduce": lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
                          "broadcast": lambda a=a: comm.Bcast(a, 0),
                          "allgather": lambda a=a, b=b: comm.Allgather(a, b),
                          "reduce_scatter": lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM),
                          "alltoall": lambda a=a, b=b: comm.Alltoall(a, b)}[coll]
             continue
-        g = groups.get(impl)
+        ins, outs = torch.ones(n_in, dtype=torch.float32), torch.zeros(n_out, dtype=torch.float32)
+        g = groups[impl]
         out[impl] = {"allreduce": lambda t=ins, g=g: dist.all_reduce(t, group=g),
                      "broadcast": lambda t=ins, g=g: dist.broadcast(t, 0, group=g),
                      "allgather": lambda i=ins, o=outs, g=g: all_gather(o, i, group=g),
@@ -155,6 +242,76 @@ def _human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _bw(gbs: float) -> str:
+    """A bandwidth in at most 7 characters, 3 significant digits."""
+    return f"{gbs:.0f}" if gbs >= 1000 else f"{gbs:.3g}" if gbs >= 0.001 else f"{gbs:.1e}"
+
+
+def legend(repeats: int) -> str:
+    """What the columns of :func:`print_table` mean (printed once, above the tables)."""
+    return "\n".join([
+        f"# time: us per call, the median of {repeats} interleaved round(s), a round being the slowest rank's "
+        "mean over its calls;",
+        "# spread: (max - min) / median of those round means; busbw: GB/s, algbw (size / time) x the nccl-tests "
+        "factor;",
+        f"# raw = {LABELS[RAW]}, the plain MPI call on the tensors' own memory. accl-raw: accl's time - raw's (us); "
+        "bw x: accl busbw / raw busbw,",
+        "#   rounds: that ratio round by round (min-max); upstream/accl, gloo/accl: their time / accl's (> 1: accl "
+        "faster);",
+        f"# targets a row misses: +us (below 1 MiB, accl > raw + {TARGET_EXTRA_US:g} us), bw (from 1 MiB, bw x < "
+        f"{TARGET_BW_RATIO}), up (mpi-upstream not slower than accl).",
+    ])
+
+
+def _upstream_unavailable(comm) -> str | None:
+    """Why ``mpi-upstream`` cannot run on some rank (the same answer on every rank), or None."""
+    why = None
+    try:
+        import torchhpc.mpi_upstream as upstream
+
+        upstream.load()
+    except Exception as exc:  # ImportError when not built; OSError/RuntimeError from a broken build
+        why = f"{type(exc).__name__}: {exc}"
+    return next((w for w in comm.allgather(why) if w), None)
+
+
+def _settle(groups: dict) -> None:
+    """Wait until upstream's worker thread has dropped the Work of every call made so far: it destroys a Work
+    after completing it, and the last reference to a tensor dropped there takes the GIL from that thread.  Its
+    barrier is queued behind them and holds no tensor."""
+    import torch.distributed as dist
+
+    if "mpi-upstream" in groups:
+        dist.barrier(group=groups["mpi-upstream"])
+
+
+def _thp_state() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        thp = "?"
+    return f"THP {thp}, THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}"
+
+
+def _meta(args: argparse.Namespace, n: int, impls: list[str], skipped: dict[str, str], repeats: int) -> dict:
+    import torch
+    from mpi4py import MPI
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__)), timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    return {"format": JSON_FORMAT, "ranks": n, "dtype": "float32", "impls": impls, "skipped": skipped,
+            "labels": {i: LABELS[i] for i in impls}, "repeats": repeats, "time_per_point_s": args.time_per_point,
+            "quick": args.quick, "spread": "(max - min) / median of the round means",
+            "round": "slowest rank's mean seconds per call", "torch": torch.__version__,
+            "mpi": " ".join(MPI.Get_library_version().replace("\0", "").split(",")[0].split()), "host": platform.node(),
+            "cpus": os.cpu_count(), "memory": _thp_state(), "commit": commit,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
 def run(args: argparse.Namespace) -> int:
     """Benchmark body, executed by every rank of an MPI job."""
     import torch.distributed as dist
@@ -164,89 +321,276 @@ def run(args: argparse.Namespace) -> int:
 
     comm = MPI.COMM_WORLD.Dup()
     rank, n = comm.Get_rank(), comm.Get_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
     opts = accl.AcclOptions(check=not args.no_check)
     dist.init_process_group("accl", pg_options=opts)
-    impls = [i for i in args.impls.split(",") if i in IMPLS]
+    impls = [i for i in dict.fromkeys(args.impls.split(",")) if i in IMPLS]
+    skipped: dict[str, str] = {}
     groups = {"accl": dist.group.WORLD}  # (every rank parses the same --impls: the groups match)
+    if "mpi-upstream" in impls:
+        why = _upstream_unavailable(comm)
+        if why is None:
+            import torchhpc.mpi_upstream as upstream
+
+            groups["mpi-upstream"] = dist.new_group(backend=upstream.NAME)
+        else:
+            skipped["mpi-upstream"] = why
+            impls.remove("mpi-upstream")
+            say(f"torchhpc bench: skipping mpi-upstream (PyTorch's MPI backend, `make mpi-backend`): {why}",
+                flush=True)
     if "gloo" in impls:
         groups["gloo"] = dist.new_group(backend="gloo")
     if "accl-py" in impls:
         groups["accl-py"] = dist.new_group(backend="accl", pg_options=accl.AcclOptions(check=not args.no_check,
                                                                                        front=False))
-    colls = COLLECTIVES if args.collective == "all" else (args.collective,)
-    results: dict[str, list[tuple[int, dict[str, float]]]] = {}
+    if not impls:
+        say("torchhpc bench: no implementation left to time", flush=True)
+        dist.destroy_process_group()
+        comm.Free()
+        return 1
+    colls = COLLECTIVES if args.collective == "all" else (args.collective or "allreduce",)
+    repeats = 1 if args.quick else args.repeats
+    budget = args.time_per_point / repeats
+    meta = _meta(args, n, impls, skipped, repeats) if rank == 0 else {}
+    say(f"# torchhpc bench: {n} ranks, {meta.get('mpi')}, torch {meta.get('torch')}, {meta.get('memory')}",
+        flush=True)
+    say(legend(repeats), flush=True)
+    points: list[Point] = []
+    start = time.perf_counter()
     for coll in colls:
-        rows = []
-        repeats = 1 if args.quick else args.repeats
-        budget = args.time_per_point / repeats
-        for size in _sizes(args):
+        t_coll = time.perf_counter()
+        rows: list[Point] = []
+        for size in dict.fromkeys(measured_bytes(coll, s, n) for s in _sizes(args)):
             runners = _runners(coll, size, n, groups, comm, impls)
-            rounds: dict[str, list[float]] = {impl: [] for impl in impls}
-            for _ in range(repeats):  # interleaved: slow phases of a shared machine hit every impl
-                for impl in impls:
-                    rounds[impl].append(mean_call_time(runners[impl], comm, budget, args.quick))
-            # accl's ratio to raw mpi4py round by round (the rounds are paired in time): its spread
-            paired = ([m / a for a, m in zip(rounds["accl"], rounds["mpi4py"], strict=True)]
-                      if "accl" in rounds and "mpi4py" in rounds else [])
-            rows.append((size, {impl: statistics.median(ts) for impl, ts in rounds.items()}, paired))
-        results[coll] = rows
+            here = {impl: Point(coll, n, size, impl) for impl in impls}
+            for r in range(repeats):  # interleaved, each round starting one further along the list
+                for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+                    here[impl].rounds_s.append(mean_call_time(runners[impl], comm, budget, args.quick))
+            _settle(groups)
+            del runners
+            rows += here.values()
+        points += rows
         if rank == 0:
-            _print_table(coll, rows, impls, n)
-    if rank == 0 and args.plot:
-        _plot(results, impls, n, args.plot)
+            print_table(rows, impls, repeats)
+            print(f"# {coll}: {time.perf_counter() - t_coll:.0f} s", flush=True)
+    say(f"\n# total {time.perf_counter() - start:.0f} s for {len(colls)} collective(s) at {n} ranks", flush=True)
+    if rank == 0:
+        if args.json:
+            write_json(args.json, meta, points)
+            print(f"wrote {args.json}")
+        if args.plot:
+            write_svg(args.plot, points, impls)
+            print(f"wrote {args.plot}")
+    _settle(groups)
+    # upstream's worker thread is joined (its group destroyed) before the interpreter finalizes: a thread
+    # taking the GIL during finalization aborts the process
+    for impl in [i for i in groups if i != "accl"]:
+        dist.destroy_process_group(groups.pop(impl))
     dist.destroy_process_group()
     comm.Free()
     return 0
 
 
-def _print_table(coll: str, rows: list, impls: list[str], n: int) -> None:
-    fac = bus_factor(coll, n)
-    print(f"\n# {coll}, float32, {n} ranks; time in us (median of interleaved rounds' means), "
-          f"bandwidths in GB/s (busbw factor {fac:.3g})")
-    head = f"{'size':>10}"
+# ---- the table --------------------------------------------------------------------------------------------
+
+
+def _targets(size: int, t: dict[str, float]) -> str:
+    """The targets a row misses (``ok`` when none): ``+us`` (below 1 MiB, accl more than 2 us over raw),
+    ``bw`` (from 1 MiB, accl's busbw under 0.95x raw's), ``up`` (mpi-upstream as fast or faster)."""
+    if "accl" not in t:
+        return "-"
+    miss = []
+    if RAW in t and size < SMALL_BELOW and (t["accl"] - t[RAW]) * 1e6 > TARGET_EXTRA_US:
+        miss.append("+us")
+    if RAW in t and size >= SMALL_BELOW and t[RAW] / t["accl"] < TARGET_BW_RATIO:
+        miss.append("bw")
+    if "mpi-upstream" in t and t["mpi-upstream"] <= t["accl"]:
+        miss.append("up")
+    return ",".join(miss) or "ok"
+
+
+def print_table(rows: list[Point], impls: list[str], repeats: int) -> None:
+    """Print one collective's table at one rank count (nccl-tests style): per implementation the median time,
+    the rounds' spread and busbw; then accl's ratios to raw MPI and to the other backends."""
+    coll, n = rows[0].collective, rows[0].ranks
+    impls = [i for i in impls if any(p.impl == i for p in rows)]
+    by_size: dict[int, dict[str, Point]] = {}
+    for p in rows:
+        by_size.setdefault(p.size, {})[p.impl] = p
+    have = set(impls)
+    raw_ratio = {"accl", RAW} <= have
+    print(f"\n# {coll}, float32, {n} ranks, median of {repeats} round(s), busbw factor {bus_factor(coll, n):.3g}")
+    group_w = 24
+    head1 = f"#{'':>9}"
+    head2 = f"#{'size':>9}"
     for impl in impls:
-        head += f" | {impl + ' time':>12} {'algbw':>7} {'busbw':>7}"
-    if "accl" in impls and "gloo" in impls:
-        head += f" | {'vs gloo':>7}"
-    if "accl" in impls and "mpi4py" in impls:
-        head += f" | {'vs mpi4py':>9} {'rounds min-max':>14} {'+us':>7}"
-    print(head)
-    for size, times, paired in rows:
+        head1 += f" | {LABELS[impl]:^{group_w}}"
+        head2 += f" | {'time':>9} {'spread':>6} {'busbw':>7}"
+    others = [i for i in ("mpi-upstream", "gloo") if i in have and "accl" in have]
+    if raw_ratio or others:
+        ratios2 = ""
+        if raw_ratio:
+            ratios2 += f" {'accl-raw':>8} {'bw x':>5} {'rounds':>9}"
+        for i in others:
+            ratios2 += f" {('upstream' if i == 'mpi-upstream' else i) + '/accl':>13}"
+        ratios2 += f" {'targets':>8}" if "accl" in have else ""
+        head1 += f" | {'accl vs the others':^{len(ratios2) - 1}}"
+        head2 += " |" + ratios2
+    print(head1.rstrip())
+    print(head2.rstrip())
+    for size in sorted(by_size):
+        pts = by_size[size]
+        t = {i: pts[i].median_s for i in impls if i in pts}
         line = f"{_human(size):>10}"
         for impl in impls:
-            t = times[impl]
-            alg = size / t / 1e9
-            line += f" | {t * 1e6:12.1f} {alg:7.3f} {alg * fac:7.3f}"
-        if "accl" in impls and "gloo" in impls:
-            line += f" | {times['gloo'] / times['accl']:6.2f}x"
-        if "accl" in impls and "mpi4py" in impls:
-            extra_us = (times["accl"] - times["mpi4py"]) * 1e6
-            spread = f"{min(paired):.2f}-{max(paired):.2f}x" if paired else "-"
-            line += f" | {times['mpi4py'] / times['accl']:8.2f}x {spread:>14} {extra_us:7.1f}"
-        print(line, flush=True)
+            if impl not in pts:
+                line += f" | {'-':>{group_w}}"
+                continue
+            p = pts[impl]
+            line += f" | {p.median_s * 1e6:9.1f} {p.spread * 100:5.1f}% {_bw(p.busbw()):>7}"
+        if raw_ratio or others:
+            line += " |"
+            if raw_ratio:
+                paired = [m / a for a, m in zip(pts["accl"].rounds_s, pts[RAW].rounds_s, strict=False)]
+                line += (f" {(t['accl'] - t[RAW]) * 1e6:8.1f} {t[RAW] / t['accl']:5.2f} "
+                         f"{min(paired):4.2f}-{max(paired):4.2f}")
+            for i in others:
+                line += f" {t[i] / t['accl']:12.2f}x"
+            line += f" {_targets(size, t):>8}"
+        print(line.rstrip(), flush=True)
+    if "accl" in have and (RAW in have or "mpi-upstream" in have):
+        missed = [f"{_human(s)} ({m})" for s in sorted(by_size)
+                  if (m := _targets(s, {i: by_size[s][i].median_s for i in by_size[s]})) not in ("ok", "-")]
+        print(f"# targets met at {len(by_size) - len(missed)} of {len(by_size)} sizes"
+              + (f"; missed: {', '.join(missed)}" if missed else ""))
 
 
-def _plot(results: dict, impls: list[str], n: int, path: str) -> None:
-    import matplotlib
+# ---- JSON -------------------------------------------------------------------------------------------------
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
-    for ax, (coll, rows) in zip(axes[0], results.items(), strict=True):
-        fac = bus_factor(coll, n)
-        sizes = [s for s, _, _ in rows]
-        for impl in impls:
-            ax.plot(sizes, [s / t[impl] / 1e9 * fac for s, t, _ in rows], marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("message size (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.set_title(f"{coll}, {n} ranks")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
+def write_json(path: str, meta: dict, points: Iterable[Point]) -> None:
+    """Write ``meta`` and every point (round means and median, seconds) to ``path``."""
+    rows = [dict(asdict(p), label=LABELS.get(p.impl, p.impl), median_s=p.median_s, busbw_GBps=p.busbw())
+            for p in points]
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "points": rows}, f, indent=1)
+        f.write("\n")
+
+
+def read_json(paths: Iterable[str]) -> tuple[list[dict], list[Point]]:
+    """The metas and points of ``--json`` files (several runs, e.g. 2 and 4 ranks, merged)."""
+    metas, points = [], []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("meta", {}).get("format") != JSON_FORMAT:
+            raise ValueError(f"{path}: not a `torchhpc bench --json` file ({JSON_FORMAT})")
+        metas.append(data["meta"])
+        points += [Point(r["collective"], r["ranks"], r["size"], r["impl"], list(r["rounds_s"]))
+                   for r in data["points"]]
+    return metas, points
+
+
+def _replay(args: argparse.Namespace) -> int:
+    metas, points = read_json(args.from_json)
+    if args.collective not in (None, "all"):
+        points = [p for p in points if p.collective == args.collective]
+    impls = list(dict.fromkeys(i for m in metas for i in m["impls"]))
+    for m in metas:
+        print(f"# {m['ranks']} ranks: {m['mpi']}, torch {m['torch']}, {m['memory']}, {m['host']} "
+              f"({m['cpus']} cpus), commit {m['commit'] or '?'}, {m['date']}")
+        for impl, why in m.get("skipped", {}).items():
+            print(f"#   {impl} skipped: {why}")
+    print(legend(max((len(p.rounds_s) for p in points), default=0)))
+    for key in sorted({(p.ranks, COLLECTIVES.index(p.collective)) for p in points}):
+        rows = [p for p in points if (p.ranks, COLLECTIVES.index(p.collective)) == key]
+        print_table(rows, impls, max(len(p.rounds_s) for p in rows))
+    if args.plot:
+        write_svg(args.plot, points, impls)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# ---- the SVG plot -----------------------------------------------------------------------------------------
+
+COLORS = {"accl": "#d62728", "accl-py": "#ff7f0e", "mpi-upstream": "#1f77b4", "gloo": "#2ca02c",
+          "mpi4py": "#222222", "mpi4py-numpy": "#8c8c8c"}
+DASHES = {"mpi4py": "5,3", "mpi4py-numpy": "2,2"}
+
+
+def _size_ticks(lo: float, hi: float) -> list[int]:
+    """log2 exponents to label from ``lo`` to ``hi``: both ends, and 1 KiB, 1 MiB, 1 GiB (every 8x on a short
+    axis) where not crowding an end."""
+    step = 10 if hi - lo > 12 else 3
+    ends = sorted({math.ceil(lo), math.floor(hi)})
+    inner = [e for e in range(ends[0] + 1, ends[-1]) if e % step == 0 and min(abs(e - x) for x in ends) >= 3]
+    return sorted(ends + inner)
+
+
+def write_svg(path: str, points: list[Point], impls: list[str]) -> None:
+    """Busbw vs size (log-log), one panel per collective (columns) and rank count (rows), one line per
+    implementation, written as a self-contained SVG."""
+    impls = [i for i in impls if any(p.impl == i for p in points)]
+    colls = [c for c in COLLECTIVES if any(p.collective == c for p in points)]
+    ranks = sorted({p.ranks for p in points})
+    pw, ph, ml, mr, mt, mb = 300, 230, 52, 22, 26, 40  # panel size and its margins
+    legend_h = 30
+    width, height = pw * len(colls), legend_h + ph * len(ranks)
+    good = [p for p in points if p.busbw() > 0]
+    xs = [math.log2(p.size) for p in good] or [0.0, 1.0]
+    ys = [math.log10(p.busbw()) for p in good] or [0.0, 1.0]
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    y0 = math.floor(min(ys))
+    y1 = max(math.ceil(max(ys)), y0 + 1)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">',
+           f'<rect width="{width}" height="{height}" fill="white"/>']
+    lx = 10
+    for impl in impls:  # legend
+        dash = f' stroke-dasharray="{DASHES[impl]}"' if impl in DASHES else ""
+        out.append(f'<line x1="{lx}" y1="15" x2="{lx + 24}" y2="15" stroke="{COLORS[impl]}" stroke-width="2"{dash}/>')
+        out.append(f'<text x="{lx + 28}" y="19" font-size="11">{escape(LABELS.get(impl, impl))}</text>')
+        lx += 40 + 7 * len(LABELS.get(impl, impl))
+    out.append(f'<text x="{width - 10}" y="19" text-anchor="end" fill="#555">busbw (GB/s, log) vs message size '
+               f'(log2), float32</text>')
+    for row, n in enumerate(ranks):
+        for col, coll in enumerate(colls):
+            ox, oy = col * pw + ml, legend_h + row * ph + mt
+            w, h = pw - ml - mr, ph - mt - mb
+
+            def px(v: float, ox: int = ox, w: int = w) -> float:
+                return ox + (v - x0) / (x1 - x0) * w
+
+            def py(v: float, oy: int = oy, h: int = h) -> float:
+                return oy + h - (v - y0) / (y1 - y0) * h
+
+            out.append(f'<text x="{ox + w / 2:.1f}" y="{oy - 8}" text-anchor="middle" font-size="12" '
+                       f'font-weight="bold">{coll}, {n} ranks</text>')
+            out.append(f'<rect x="{ox}" y="{oy}" width="{w}" height="{h}" fill="none" stroke="#999"/>')
+            for e in range(y0, y1 + 1):
+                y = py(e)
+                out.append(f'<line x1="{ox}" y1="{y:.1f}" x2="{ox + w}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+                out.append(f'<text x="{ox - 4}" y="{y + 3:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
+            for e in _size_ticks(x0, x1):
+                x = px(e)
+                out.append(f'<line x1="{x:.1f}" y1="{oy}" x2="{x:.1f}" y2="{oy + h}" stroke="#e5e5e5"/>')
+                out.append(f'<text x="{x:.1f}" y="{oy + h + 13}" text-anchor="middle">'
+                           f'{_human(1 << e).replace(" ", "")}</text>')
+            out.append(f'<text x="{ox + w / 2:.1f}" y="{oy + h + 28}" text-anchor="middle" fill="#555">'
+                       f'message size</text>')
+            for impl in impls:
+                pts = sorted((p for p in good if p.ranks == n and p.collective == coll and p.impl == impl),
+                             key=lambda p: p.size)
+                if not pts:
+                    continue
+                xy = [(px(math.log2(p.size)), py(math.log10(p.busbw()))) for p in pts]
+                dash = f' stroke-dasharray="{DASHES[impl]}"' if impl in DASHES else ""
+                out.append(f'<polyline fill="none" stroke="{COLORS[impl]}" stroke-width="1.6"{dash} points="'
+                           + " ".join(f"{x:.1f},{y:.1f}" for x, y in xy) + '"/>')
+                out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.2" fill="{COLORS[impl]}"/>' for x, y in xy]
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
 
 
 def main(argv: list[str]) -> int:
@@ -258,6 +602,15 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         print("torchhpc bench: --repeats must be >= 1", file=sys.stderr)
         return 2
+    if args.plot and not args.plot.endswith(".svg"):
+        print("torchhpc bench: --plot writes SVG: give a path ending in .svg", file=sys.stderr)
+        return 2
+    unknown = [i for i in args.impls.split(",") if i not in IMPLS]
+    if unknown:
+        print(f"torchhpc bench: unknown --impls {','.join(unknown)} (known: {','.join(IMPLS)})", file=sys.stderr)
+        return 2
+    if args.from_json:
+        return _replay(args)
     if not _under_mpi():
         return _relaunch(list(argv), args.np)
     return run(args)
