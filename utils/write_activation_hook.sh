@@ -5,7 +5,8 @@
 #
 # Reads TORCHHPC_SITE, TORCHHPC_SITE_PROFILE and NCCL_OFI_PREFIX (exported by config_env.sh) and writes
 #   PREFIX/etc/torchhpc/activate.sh    the profile's site_runtime_env lines (each documented), after saving
-#                                      every variable they touch;
+#                                      every variable they touch, then THP_MEM_ALLOC_ENABLE=1 unless set
+#                                      (huge pages for torch's CPU tensors, see docs/accl.md);
 #   PREFIX/etc/torchhpc/deactivate.sh  puts those variables back as they were before activation;
 # then wires them in: conda  -> PREFIX/etc/conda/{activate,deactivate}.d/torchhpc.sh
 #                     venv   -> a marked block appended once to PREFIX/bin/activate (bash also gets the
@@ -31,6 +32,7 @@ mapfile -t names < <(printf '%s\n' "$body" \
   | sed -nE 's/^[[:space:]]*export[[:space:]]+([A-Za-z_][A-Za-z0-9_]*)=.*/\1/p; s/^[[:space:]]*unset[[:space:]]+([A-Za-z_][A-Za-z0-9_]*).*/\1/p' \
   | awk '!seen[$0]++')
 names=(TORCHHPC_SITE TORCHHPC_SITE_PROFILE "${names[@]}")
+[[ " ${names[*]} " == *" THP_MEM_ALLOC_ENABLE "* ]] || names+=(THP_MEM_ALLOC_ENABLE)
 
 dir="$prefix/etc/torchhpc"
 mkdir -p "$dir"
@@ -50,6 +52,13 @@ mkdir -p "$dir"
   echo "export TORCHHPC_SITE=$TORCHHPC_SITE"
   echo "export TORCHHPC_SITE_PROFILE=\"$TORCHHPC_SITE_PROFILE\""
   printf '%s\n' "$body"
+  echo "# Huge pages for torch's CPU tensors >= 2 MiB (docs/accl.md, \"Huge pages for CPU tensors\"): unless set"
+  echo "# (THP_MEM_ALLOC_ENABLE=0 opts out) or the kernel's THP mode on this node is never (it would do nothing)."
+  echo "if [ -z \"\${THP_MEM_ALLOC_ENABLE+x}\" ]; then"
+  echo "  case \"\$(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null)\" in"
+  echo "    *\"[always]\"* | *\"[madvise]\"*) THP_MEM_ALLOC_ENABLE=1; export THP_MEM_ALLOC_ENABLE ;;"
+  echo "  esac"
+  echo "fi"
 } >"$dir/activate.sh.tmp"
 mv "$dir/activate.sh.tmp" "$dir/activate.sh"
 {

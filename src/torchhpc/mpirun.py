@@ -146,9 +146,13 @@ def side_mpich_env(root: Path, env: dict[str, str]) -> dict[str, str]:
 
 
 def local_job_env(base: dict[str, str] | None = None, *, oversubscribed: bool = True) -> dict[str, str]:
-    """Environment for a small local job: one thread per rank, yielding MPI progress when oversubscribed."""
+    """Environment for a small local job: one thread per rank, yielding MPI progress when oversubscribed,
+    huge pages for torch's CPU tensors (``THP_MEM_ALLOC_ENABLE=1`` unless set; :mod:`torchhpc.hugepages`)."""
+    from .hugepages import set_default
+
     env = dict(os.environ if base is None else base)
     env.setdefault("OMP_NUM_THREADS", "1")
+    set_default(env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     # The PyPI Open MPI's UCX one-sided component prints a harmless error on every window creation
     # ("OSC UCX component priority set inside component query failed"); local jobs use osc/sm instead.
