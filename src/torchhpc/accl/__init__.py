@@ -12,12 +12,11 @@ See :class:`AcclOptions` for the engine (``mpi``/``accl``), segmentation and che
 
 from __future__ import annotations
 
-from .backend import create_process_group, register
+from .backend import ProcessGroupACCL, create_process_group, register
 from .engine import CollectiveEngine, EngineUnavailableError, Request
 from .info import environment_report
 from .mpi_engine import MpiEngine, mpi_cuda_aware
 from .options import AcclOptions
-from .process_group import ProcessGroupACCL
 from .work import AcclMismatchError, AcclPeerFailedError, AcclTimeoutError, AcclWork
 
 __all__ = [

@@ -18,6 +18,7 @@ failed makes every member raise (:class:`~torchhpc.errors.RemoteError` naming it
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -31,6 +32,14 @@ from ..waiting import agree, agreed, wait_requests
 from .options import AcclOptions
 from .process_group import ProcessGroupACCL
 from .rendezvous import install_env_rendezvous
+
+#: which implementation serves "accl": ``py`` (the Python adapter, default) or ``cpp`` (the C++ backend of
+#: issue 24, csrc/), from ``TORCHHPC_ACCL_IMPL`` at import; the two run the same suites while the C++ one grows
+IMPL = os.environ.get("TORCHHPC_ACCL_IMPL", "py").lower()
+if IMPL not in ("py", "cpp"):
+    raise ValueError(f"TORCHHPC_ACCL_IMPL={IMPL!r}: expected 'py' or 'cpp'")
+if IMPL == "cpp":
+    from .group import ProcessGroupACCL  # noqa: F811 - the C++ backend's group replaces the adapter
 
 __all__ = ["register", "create_process_group"]
 

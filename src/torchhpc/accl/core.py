@@ -92,3 +92,29 @@ def front_status() -> tuple[ModuleType | None, str]:
 def load_front() -> ModuleType | None:
     """The C++ front for the running torch, or None (see :func:`front_status`)."""
     return front_status()[0]
+
+
+@functools.cache
+def load_backend() -> ModuleType:
+    """The C++ backend (``csrc/``, issue 24) for the loaded MPI and the running torch;
+    :class:`EngineUnavailableError` saying how to build it when it is missing or built for another library or
+    torch."""
+    fam = family()
+    build = f"`python -m torchhpc.accl.corebuild --backend only --mpicc <the {fam} mpicc>`"
+    if fam is None:
+        raise EngineUnavailableError(
+            f"accl: no C++ backend for this MPI library ({_first_line(MPI.Get_library_version())}): "
+            "accl supports Open MPI and MPICH-derived libraries")
+    try:
+        mod = importlib.import_module(f"{__package__}._backend_{fam}")
+    except ImportError as exc:
+        raise EngineUnavailableError(f"accl: the C++ backend for {fam} is not built ({exc}). Build it with "
+                                     f"{build}") from None
+    mine, loaded = _first_line(mod.library_version()), _first_line(MPI.Get_library_version())
+    if mine != loaded:
+        raise EngineUnavailableError(f"accl: the C++ backend links '{mine}' but mpi4py loaded '{loaded}'; rebuild "
+                                     f"it with {build} --force")
+    if mod.torch_version != torch.__version__:
+        raise EngineUnavailableError(f"accl: the C++ backend was built for torch {mod.torch_version}, running "
+                                     f"{torch.__version__}; rebuild it with {build} --force")
+    return mod

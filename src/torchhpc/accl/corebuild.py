@@ -23,10 +23,14 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-__all__ = ["build", "build_front", "family_of", "default_mpicc", "SOURCE", "FRONT_SOURCE"]
+__all__ = ["build", "build_front", "build_backend", "family_of", "default_mpicc", "SOURCE", "FRONT_SOURCE",
+           "BACKEND_SOURCES"]
 
 SOURCE = Path(__file__).resolve().parent / "_core.c"
 FRONT_SOURCE = SOURCE.parent / "_front.cpp"
+CSRC = SOURCE.parent / "csrc"
+#: the C++ backend's translation units (csrc/accl.hpp declares them all)
+BACKEND_SOURCES = ("wire.cpp", "reduction.cpp", "engine.cpp", "ProcessGroupACCL.cpp", "module.cpp")
 
 
 def default_mpicc() -> str:
@@ -111,6 +115,75 @@ def build_front(cxx: str | None = None, dest: Path | None = None, force: bool = 
     return out
 
 
+def default_mpicxx(mpicc: str | None = None) -> str:
+    """The C++ wrapper beside ``mpicc`` (``mpicxx``, else ``mpic++``), else ``$MPICXX``."""
+    env = os.environ.get("MPICXX")
+    if mpicc is None and env:
+        return env
+    base = Path(mpicc or default_mpicc())
+    for name in ("mpicxx", "mpic++"):
+        if (base.parent / name).exists():
+            return str(base.parent / name)
+    raise SystemExit(f"accl backend build: no mpicxx beside {base}; set MPICXX")
+
+
+def _stamp(cxx: str, flags: list[str]) -> str:
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for name in (*BACKEND_SOURCES, "accl.hpp"):
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join([cxx, *flags]).encode())
+    return f"{torch.__version__} {h.hexdigest()}"
+
+
+def build_backend(mpicc: str | None = None, dest: Path | None = None, force: bool = False,
+                  objdir: Path | None = None) -> Path:
+    """Compile the C++ backend (``csrc/``) for the MPI family behind ``mpicc`` (its C++ wrapper) against the
+    importable torch, into ``_backend_<family>`` in ``dest`` (default: this package); the output's path.
+    Object files are kept per family in ``objdir`` (default ``build/accl-backend/<family>`` of the checkout, else
+    a temporary directory), so an edit recompiles only its translation unit; a stamp (torch version, sha256 of
+    the sources and flags) keeps a module whose inputs did not change."""
+    import torch
+    from torch.utils import cpp_extension
+
+    mpicxx = default_mpicxx(mpicc)
+    fam = family_of(mpicc or default_mpicc())
+    name = f"_backend_{fam}"
+    dest = Path(dest) if dest is not None else SOURCE.parent
+    out = dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    lib = Path(torch.__file__).parent / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-fPIC", "-std=c++20", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+             "-Wno-missing-field-initializers", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DACCL_MODULE={name}",
+             f'-DTORCH_BUILT_FOR="{torch.__version__}"', *(f"-isystem{p}" for p in cpp_extension.include_paths()),
+             f"-isystem{sysconfig.get_paths()['include']}"]
+    stamp_file = dest / f"{name}.stamp"
+    stamp = _stamp(mpicxx, flags)
+    if not force and out.exists() and stamp_file.exists() and stamp_file.read_text().strip() == stamp:
+        return out
+    root = SOURCE.parents[3]
+    objdir = Path(objdir) if objdir is not None else (
+        root / "build" / "accl-backend" / fam if (root / "Makefile").exists()
+        else Path(tempfile.gettempdir()) / "torchhpc-accl-backend" / fam)
+    objdir.mkdir(parents=True, exist_ok=True)
+    header = CSRC / "accl.hpp"
+    objs = []
+    for src in BACKEND_SOURCES:
+        obj = objdir / (Path(src).stem + ".o")
+        objs.append(obj)
+        newest = max((CSRC / src).stat().st_mtime, header.stat().st_mtime)
+        if force or not obj.exists() or obj.stat().st_mtime < newest:
+            _compile([mpicxx, *flags, "-c", str(CSRC / src)], obj)
+    dest.mkdir(parents=True, exist_ok=True)
+    _compile([mpicxx, "-shared", *map(str, objs), f"-L{lib}", "-ltorch_python", "-ltorch_cpu", "-ltorch", "-lc10",
+              f"-Wl,-rpath,{lib}"], out)
+    stamp_file.write_text(stamp + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mpicc", help="MPI compiler wrapper (default: $MPICC, the venv's, or PATH's)")
@@ -119,7 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--front", choices=("yes", "no", "only"), default="yes",
                     help="also build the C++ front for the importable torch (default), skip it, or build only it")
     ap.add_argument("--cxx", help="C++ compiler for the front (default: $CXX, else c++)")
+    ap.add_argument("--backend", choices=("yes", "no", "only"), default="no",
+                    help="also build the C++ backend (csrc/, issue 24) for this MPI family, or only it")
     args = ap.parse_args(argv)
+    if args.backend == "only":
+        print(build_backend(args.mpicc, args.dest, args.force))
+        return 0
+    if args.backend == "yes":
+        print(build_backend(args.mpicc, args.dest, args.force))
     if args.front != "only":
         print(build(args.mpicc, args.dest, args.force))
     if args.front != "no":

@@ -1,0 +1,313 @@
+// torchhpc.accl as one C++ c10d::Backend (issue 24; design: docs/accl-cpp-design.md).
+//
+// Every declaration of the backend: the wire layout, the reduction rules, the MPI engine, the Work, the
+// error classes and ProcessGroupACCL itself.  Built per MPI family against the installed torch
+// (torchhpc.accl.corebuild --backend); module.cpp is the only file that knows Python.
+#pragma once
+
+#include <mpi.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace torchhpc::accl {
+
+using Clock = std::chrono::steady_clock;
+using RedOpType = c10d::ReduceOp::RedOpType;
+
+// ------------------------------------------------------------------------------------------ errors
+// Each becomes the torchhpc.errors class of the same name in Python (module.cpp's translator).
+
+struct PeerTimeoutError : c10::DistBackendError {
+  explicit PeerTimeoutError(std::string msg) : c10::DistBackendError(std::move(msg)) {}
+};
+struct PeerFailedError : c10::DistBackendError {
+  PeerFailedError(std::string msg, std::vector<int> ranks)
+      : c10::DistBackendError(std::move(msg)), failedRanks(std::move(ranks)) {}
+  std::vector<int> failedRanks;
+};
+struct MismatchError : c10::ValueError {
+  explicit MismatchError(std::string msg) : c10::ValueError(std::move(msg)) {}
+};
+// a group that was aborted (timeout, dead peer, shutdown): torch's DistBackendError
+struct AbortedError : c10::DistBackendError {
+  explicit AbortedError(std::string msg) : c10::DistBackendError(std::move(msg)) {}
+};
+
+[[noreturn]] void valueError(const std::string& msg);
+[[noreturn]] void typeError(const std::string& msg);
+
+// ------------------------------------------------------------------------------------------ wire
+// The collective header (torchhpc/accl/wire.py documents the same layout): nine int64 fields in a slot of
+// kSlotBytes, the first kHeaderBytes for the header, then kPayloadBytes of payload (small calls ride there).
+namespace wire {
+constexpr int64_t kMagic = 0x4ACC1;
+constexpr size_t kHeaderBytes = 128;
+constexpr size_t kPayloadBytes = 1024;
+constexpr size_t kSlotBytes = kHeaderBytes + kPayloadBytes;
+constexpr int kCompareAll = 8;   // every field but `extra`
+constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes checked on its byte matrix)
+enum Kind : int64_t {
+  kAllReduce = 1, kBroadcast, kReduce, kAllGather, kGather, kScatter, kReduceScatter, kAllToAll, kBarrier,
+  kAllReduceCoalesced
+};
+struct Header {
+  int64_t magic = kMagic, kind = 0, seq = 0, dtype = 0, op = 0, root = 0, nbytes = 0, numel = 0, extra = 0;
+};
+int64_t dtypeCode(at::ScalarType t);
+int64_t opCode(RedOpType op);
+std::string dtypeName(int64_t code);
+std::string describe(const Header& h);
+// the error text for gathered headers whose first `compare` fields differ (wire.describe_mismatch's text)
+std::string describeMismatch(const std::vector<Header>& heads, int compare, const std::string& group);
+// the p2p envelope: magic, dtype code, payload bytes, element count, then the payload up to kPayloadBytes
+struct Envelope {
+  int64_t magic = kMagic, dtype = 0, nbytes = 0, numel = 0;
+};
+}  // namespace wire
+
+// ------------------------------------------------------------------------------------------ reduction
+// What a (dtype, op) reduction is on MPI, checked once per pair (gloo's rules, reduction.py's texts).
+struct Reduction {
+  at::ScalarType dtype;
+  RedOpType op;
+  size_t esz;
+  bool avg;           // AVG runs as SUM and divides afterwards
+  MPI_Datatype type;  // float16/bfloat16: 16-bit words reduced by a user op
+  MPI_Op mpiOp;
+  int64_t dcode, ocode;
+};
+// the reduction for (dtype, op), or a ValueError/TypeError naming `what`
+const Reduction& reductionFor(at::ScalarType dtype, RedOpType op, const char* what);
+std::string opName(RedOpType op);
+
+// ------------------------------------------------------------------------------------------ engine
+struct Stats {
+  std::atomic<int64_t> engineCalls{0}, sidestepCalls{0}, maxCallBytes{0};
+  void count(int64_t bytes);
+};
+
+// How a data call is made: blocking (after a header exchange proved every rank arrived) or nonblocking
+// (unchecked small calls: polled against the deadline).
+enum class Mode { kBlocking, kNonblocking };
+
+// The MPI engine: MPI's collectives on host (or, CUDA-aware, device) buffers, one call per segment.  Each
+// returns MPI_REQUEST_NULL when blocking, else the request to poll.  Throws on MPI errors.
+class MpiEngine {
+ public:
+  MpiEngine(MPI_Comm comm, Stats& stats) : comm_(comm), stats_(stats) {}
+  MPI_Request allreduce(void* buf, int count, const Reduction& r, Mode m);
+  MPI_Request bcast(void* buf, int bytes, int root, Mode m);
+  // `bytes` from each rank into dst at rank * stride
+  MPI_Request allgather(const void* src, void* dst, int bytes, int64_t stride, Mode m);
+  MPI_Request reduceScatter(const void* src, void* dst, int count, const Reduction& r, Mode m);
+  MPI_Request alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd,
+                        Mode m);
+  MPI_Request barrier(Mode m);
+  MPI_Comm comm() const { return comm_; }
+
+ private:
+  void check(int rc, const char* what);
+  MPI_Comm comm_;
+  Stats& stats_;
+};
+
+// ------------------------------------------------------------------------------------------ work
+class ProcessGroupACCL;
+
+class WorkACCL : public c10d::Work {
+ public:
+  WorkACCL(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
+           ProcessGroupACCL* p2pOwner = nullptr);
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // completion, by whoever ran the call
+  void complete(std::exception_ptr error, int source = -1);
+  // the call in words and its group, for errors (set when the call is numbered)
+  const std::string& what() const { return what_; }
+  void name(std::string what, std::string group) {
+    what_ = std::move(what);
+    group_ = std::move(group);
+  }
+
+ private:
+  std::string what_, group_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+  ProcessGroupACCL* p2pOwner_;  // progresses point-to-point ops while waiting (null: collectives)
+  std::atomic<int> source_{-1};
+};
+
+// ------------------------------------------------------------------------------------------ calls
+// One collective as the group runs it: its header words, whether its data ride in the slot, its engine calls
+// segment by segment and its copy-back.  Made by a ProcessGroupACCL method, run by run() inline or queued.
+struct Call {
+  wire::Header head;                       // kind, dtype, op, root, nbytes, numel, extra (seq set when run)
+  bool header = true;                      // exchanges the header first
+  int compare = wire::kCompareAll;
+  std::function<void()> stage;             // staging when the call's turn comes (may be empty)
+  std::function<void(unsigned char*)> pack;                       // this rank's payload into its slot
+  std::function<bool(const unsigned char* all)> fused;            // take results from every slot: done?
+  std::function<void(Mode, const std::function<void(MPI_Request)>& wait)> data;  // engine calls
+  std::function<void()> finish;            // copy back, AVG's division (may be empty)
+  c10::intrusive_ptr<WorkACCL> work;
+};
+
+// A point-to-point op in flight: an envelope request, then (large payloads) a data request.
+struct P2P {
+  bool send = false;
+  int peer = -1, tag = 0;
+  at::Tensor tensor, host;                 // the caller's tensor and the contiguous host buffer used
+  std::vector<unsigned char> envelope;     // slot-sized: envelope + small payload
+  std::vector<MPI_Request> reqs;           // the envelope's, then the payload's segments
+  int stage = 0;                           // 0 envelope, 1 payload, 2 drain of a bad payload
+  int source = -1;
+  std::exception_ptr error;
+  std::vector<unsigned char> drain;
+  Clock::time_point deadline;
+  c10::intrusive_ptr<WorkACCL> work;
+};
+
+// ------------------------------------------------------------------------------------------ the backend
+struct Config {
+  int64_t maxSegmentBytes = 4 << 20;
+  bool check = true;
+  int64_t thresholdBytes = 64 << 10;       // threaded_min_bytes: unchecked calls above it exchange the header
+  std::chrono::milliseconds timeout{1800 * 1000};
+  std::string groupName;
+};
+
+class ProcessGroupACCL : public c10d::Backend {
+ public:
+  ProcessGroupACCL(MPI_Comm comm, Config config);
+  ~ProcessGroupACCL() override;
+
+  const std::string getBackendName() const override { return "accl"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+  void shutdown() override;
+  void abort() override { shutdown(); }
+
+  Stats& stats() { return stats_; }
+  const Config& config() const { return opts_; }
+  // one round of point-to-point progress (Work::wait and the worker call it)
+  void progressP2P();
+
+ private:
+  // ---- argument checks, written once
+  const at::Tensor& one(const std::vector<at::Tensor>& ts, const char* what) const;
+  void checkRoot(int64_t root, const char* what) const;
+  void checkPeer(int peer, const char* what, const char* name) const;
+  void checkTag(int tag) const;
+  void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* what) const;
+  void checkList(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* what,
+                 const char* name) const;
+  void checkOpen() const;
+  const Reduction& reduction(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) const;
+
+  // ---- the one rule: whether a call moving `bytes` exchanges the header
+  bool needsHeader(int64_t bytes) const;
+  int64_t perSegment(size_t esz, int parts = 1) const;
+
+  // ---- running calls
+  c10::intrusive_ptr<c10d::Work> enqueue(std::unique_ptr<Call> call, bool asyncOp);
+  void run(Call& call);                    // header, data, finish; throws
+  void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
+  void exchangeHeader(Call& call);
+  void waitRequest(MPI_Request& req, const char* what);
+  void workerLoop();
+  [[noreturn]] void expire(const std::string& what);
+  std::string describe(const Call& c) const;
+  std::unique_ptr<Call> newCall(wire::Kind kind, int64_t dcode, int64_t ocode, int64_t root, int64_t nbytes,
+                                int64_t numel, std::vector<at::Tensor> outputs, c10d::OpType type);
+  c10::intrusive_ptr<c10d::Work> startP2P(std::unique_ptr<P2P> op);
+  c10::intrusive_ptr<c10d::Work> recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
+  std::string envelopeMismatch(const wire::Envelope& env, int peer, const P2P& op) const;
+  bool advanceP2P(P2P& op);  // true when done
+  void ensureWorker();        // (caller holds mu_)
+  std::string groupName() const;
+  // the pieces the collectives share
+  std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,
+                                      c10d::OpType type);
+  std::unique_ptr<Call> allgatherCall(const at::Tensor& input, const at::Tensor& output,
+                                      std::function<void(const at::Tensor&)> deliver,
+                                      std::vector<at::Tensor> outputs, c10d::OpType type);
+  std::unique_ptr<Call> reduceScatterCall(std::function<at::Tensor()> rows, const at::Tensor& output,
+                                          const Reduction& red, c10d::OpType type);
+  std::unique_ptr<Call> alltoallCall(const at::Tensor& input, const at::Tensor& output, std::vector<int64_t> sb,
+                                     std::vector<int64_t> rb, c10d::OpType type);
+  std::vector<int64_t> splits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
+  void reduceRows(const Reduction& red, int64_t count, int64_t nbytes, int64_t offset, void* dst);
+  int failedPeerCheck(int rc, const char* what);
+
+  // ---- state
+  Config opts_;
+  Stats stats_;
+  MPI_Comm coll_ = MPI_COMM_NULL, ctl_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
+  std::unique_ptr<MpiEngine> mpi_;
+  std::vector<unsigned char> mine_, all_;  // this rank's slot, every rank's slots
+  MPI_Request hreq_ = MPI_REQUEST_NULL;
+  bool persistent_ = false;
+  int tagUb_ = 32767;
+
+  std::mutex mu_;                          // queue, running_, aborted_, seq_
+  std::condition_variable cv_;
+  std::deque<std::unique_ptr<Call>> queue_;
+  bool running_ = false;                   // a collective is running (inline or on the worker)
+  bool stop_ = false;
+  int64_t seq_ = 0;
+  std::string aborted_;                    // why the group is aborted ("" while usable)
+  std::thread worker_;
+
+  std::mutex p2pMu_;
+  std::vector<std::unique_ptr<P2P>> p2p_;
+  std::atomic<int> p2pPending_{0};
+  std::vector<std::unique_ptr<Call>> abandoned_;  // calls given up at a deadline: MPI may still write them
+  Clock::time_point deadline_;                     // of the collective running now
+};
+
+}  // namespace torchhpc::accl

@@ -1,0 +1,102 @@
+// The MPI engine: one MPI call per segment on host buffers (or device buffers where MPI is CUDA-aware),
+// blocking after a header exchange, nonblocking (the request handed back) without one.
+#include "accl.hpp"
+
+namespace torchhpc::accl {
+
+void Stats::count(int64_t bytes) {
+  engineCalls.fetch_add(1, std::memory_order_relaxed);
+  int64_t seen = maxCallBytes.load(std::memory_order_relaxed);
+  while (bytes > seen && !maxCallBytes.compare_exchange_weak(seen, bytes)) {
+  }
+}
+
+void MpiEngine::check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  throw c10::DistBackendError(std::string("accl: MPI error in ") + what + ": " + std::string(text, len));
+}
+
+MPI_Request MpiEngine::allreduce(void* buf, int count, const Reduction& r, Mode m) {
+  stats_.count(static_cast<int64_t>(count) * static_cast<int64_t>(r.esz));
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (m == Mode::kBlocking) check(MPI_Allreduce(MPI_IN_PLACE, buf, count, r.type, r.mpiOp, comm_), "MPI_Allreduce");
+  else check(MPI_Iallreduce(MPI_IN_PLACE, buf, count, r.type, r.mpiOp, comm_, &req), "MPI_Iallreduce");
+  return req;
+}
+
+MPI_Request MpiEngine::bcast(void* buf, int bytes, int root, Mode m) {
+  stats_.count(bytes);
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (m == Mode::kBlocking) check(MPI_Bcast(buf, bytes, MPI_BYTE, root, comm_), "MPI_Bcast");
+  else check(MPI_Ibcast(buf, bytes, MPI_BYTE, root, comm_, &req), "MPI_Ibcast");
+  return req;
+}
+
+MPI_Request MpiEngine::allgather(const void* src, void* dst, int bytes, int64_t stride, Mode m) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm_, &rank);
+  MPI_Comm_size(comm_, &size);
+  stats_.count(static_cast<int64_t>(bytes) * size);
+  // rank r's block lands at dst + r * stride: a resized datatype when blocks are not adjacent
+  MPI_Datatype rtype = MPI_BYTE;
+  int rcount = bytes;
+  if (stride != bytes) {
+    MPI_Datatype block;
+    check(MPI_Type_contiguous(bytes, MPI_BYTE, &block), "MPI_Type_contiguous");
+    check(MPI_Type_create_resized(block, 0, stride, &rtype), "MPI_Type_create_resized");
+    MPI_Type_free(&block);
+    MPI_Type_commit(&rtype);
+    rcount = 1;
+  }
+  // the input already in place (all_gather_into_tensor of a shard of the output, as FSDP calls it)
+  const void* s = src == static_cast<char*>(dst) + rank * stride ? MPI_IN_PLACE : src;
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = m == Mode::kBlocking ? MPI_Allgather(s, bytes, MPI_BYTE, dst, rcount, rtype, comm_)
+                                : MPI_Iallgather(s, bytes, MPI_BYTE, dst, rcount, rtype, comm_, &req);
+  if (rtype != MPI_BYTE) MPI_Type_free(&rtype);  // (a pending nonblocking call keeps its own reference)
+  check(rc, "MPI_Allgather");
+  return req;
+}
+
+MPI_Request MpiEngine::reduceScatter(const void* src, void* dst, int count, const Reduction& r, Mode m) {
+  int size = 1;
+  MPI_Comm_size(comm_, &size);
+  stats_.count(static_cast<int64_t>(count) * static_cast<int64_t>(r.esz) * size);
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (m == Mode::kBlocking)
+    check(MPI_Reduce_scatter_block(src, dst, count, r.type, r.mpiOp, comm_), "MPI_Reduce_scatter_block");
+  else
+    check(MPI_Ireduce_scatter_block(src, dst, count, r.type, r.mpiOp, comm_, &req), "MPI_Ireduce_scatter_block");
+  return req;
+}
+
+MPI_Request MpiEngine::alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc,
+                                 const int* rd, Mode m) {
+  int size = 1;
+  MPI_Comm_size(comm_, &size);
+  int64_t sent = 0, got = 0;
+  for (int i = 0; i < size; ++i) {
+    sent += sc[i];
+    got += rc[i];
+  }
+  stats_.count(std::max(sent, got));
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (m == Mode::kBlocking)
+    check(MPI_Alltoallv(src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_), "MPI_Alltoallv");
+  else
+    check(MPI_Ialltoallv(src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_, &req), "MPI_Ialltoallv");
+  return req;
+}
+
+MPI_Request MpiEngine::barrier(Mode m) {
+  stats_.count(0);
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (m == Mode::kBlocking) check(MPI_Barrier(comm_), "MPI_Barrier");
+  else check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier");
+  return req;
+}
+
+}  // namespace torchhpc::accl

@@ -1,0 +1,92 @@
+// The Python face of the C++ backend: the class (a c10d::Backend torch's ProcessGroup dispatches to), its
+// counters, the translation of accl's C++ errors into torchhpc.errors' classes, and the library's identity.
+#include "accl.hpp"
+
+#include <torch/csrc/utils/pybind.h>
+
+#ifndef ACCL_MODULE
+#error "build with -DACCL_MODULE=_backend_<family> (torchhpc.accl.corebuild does)"
+#endif
+#ifndef TORCH_BUILT_FOR
+#error "build with -DTORCH_BUILT_FOR=\"<torch version>\""
+#endif
+
+namespace py = pybind11;
+using torchhpc::accl::ProcessGroupACCL;
+
+namespace {
+
+std::string libraryVersion() {
+  char buf[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int len = 0;
+  if (MPI_Get_library_version(buf, &len) != MPI_SUCCESS) return "";
+  return std::string(buf, static_cast<size_t>(len));
+}
+
+// an MPI handle as mpi4py gives it (MPI._handleof): a pointer (Open MPI) or an int (MPICH)
+template <typename H>
+H handleOf(uintptr_t v) {
+  if constexpr (std::is_pointer_v<H>) return reinterpret_cast<H>(v);
+  else return static_cast<H>(v);
+}
+
+c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, int64_t maxSegmentBytes, bool check,
+                                            int64_t thresholdBytes, double timeoutS, std::string name) {
+  torchhpc::accl::Config o;
+  o.maxSegmentBytes = maxSegmentBytes;
+  o.check = check;
+  o.thresholdBytes = thresholdBytes;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0));
+  o.groupName = std::move(name);
+  return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(o));
+}
+
+std::atomic<int64_t>& counter(ProcessGroupACCL& pg, const std::string& name) {
+  auto& s = pg.stats();
+  if (name == "engine_calls") return s.engineCalls;
+  if (name == "sidestep_calls") return s.sidestepCalls;
+  if (name == "max_call_bytes") return s.maxCallBytes;
+  throw py::key_error(name);
+}
+
+// accl's C++ errors as torchhpc.errors' classes (the suites and users catch those)
+void translate(std::exception_ptr p) {
+  static py::handle timeout, failed, mismatch;
+  if (!timeout) {
+    py::module_ errors = py::module_::import("torchhpc.errors");
+    timeout = py::object(errors.attr("PeerTimeoutError")).release();
+    failed = py::object(errors.attr("PeerFailedError")).release();
+    mismatch = py::object(errors.attr("MismatchError")).release();
+  }
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const torchhpc::accl::PeerTimeoutError& e) {
+    PyErr_SetObject(timeout.ptr(), timeout(e.msg()).ptr());
+  } catch (const torchhpc::accl::PeerFailedError& e) {
+    PyErr_SetObject(failed.ptr(), failed(e.msg(), e.failedRanks).ptr());
+  } catch (const torchhpc::accl::MismatchError& e) {
+    PyErr_SetObject(mismatch.ptr(), mismatch(e.msg()).ptr());
+  }
+}
+
+}  // namespace
+
+#define ACCL_STR2(x) #x
+#define ACCL_STR(x) ACCL_STR2(x)
+
+PYBIND11_MODULE(ACCL_MODULE, m) {
+  m.doc() = "torchhpc.accl's C++ backend (c10d::Backend over MPI), built for one MPI family and one torch";
+  py::module_::import("torch.distributed");  // c10d::Backend's Python type
+  py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
+      .def(py::init(&create), py::arg("comm"), py::arg("max_segment_bytes"), py::arg("check"),
+           py::arg("threshold_bytes"), py::arg("timeout_s"), py::arg("group_name"),
+           py::call_guard<py::gil_scoped_release>(),
+           "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
+           "of the communicator constructs it")
+      .def("stat", [](ProcessGroupACCL& pg, const std::string& name) { return counter(pg, name).load(); })
+      .def("set_stat", [](ProcessGroupACCL& pg, const std::string& name, int64_t v) { counter(pg, name).store(v); });
+  py::register_exception_translator(&translate);
+  m.def("library_version", &libraryVersion, "MPI_Get_library_version");
+  m.attr("torch_version") = TORCH_BUILT_FOR;
+  m.attr("module") = ACCL_STR(ACCL_MODULE);
+}

@@ -1,0 +1,79 @@
+"""``ProcessGroupACCL`` over the C++ backend (issue 24, ``TORCHHPC_ACCL_IMPL=cpp``).
+
+The group is torch's own ``ProcessGroup`` with accl's ``c10d::Backend`` (``csrc/``, loaded by
+:func:`.core.load_backend`) registered for ``cpu`` and ``cuda``: torch's dispatcher hands every collective and
+point-to-point call to the C++ class, which owns checks, the header exchange, segmenting, ordering, deadlines
+and completion.  This class defines no call; it only identifies the group (its name, options, counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, MutableMapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from . import core
+from .options import AcclOptions
+
+__all__ = ["ProcessGroupACCL"]
+
+_STATS = ("engine_calls", "sidestep_calls", "max_call_bytes")
+
+
+class _Stats(MutableMapping):
+    """The C++ backend's counters as the mapping ``ProcessGroupACCL.stats`` always was (settable: tests reset
+    ``max_call_bytes``)."""
+
+    def __init__(self, backend: object) -> None:
+        self._b = backend
+
+    def __getitem__(self, key: str) -> int:
+        return self._b.stat(key)  # type: ignore[attr-defined]
+
+    def __setitem__(self, key: str, value: int) -> None:
+        self._b.set_stat(key, int(value))  # type: ignore[attr-defined]
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("accl: stats entries cannot be deleted")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_STATS)
+
+    def __len__(self) -> int:
+        return len(_STATS)
+
+
+class ProcessGroupACCL(dist.ProcessGroup):
+    """A process group whose calls all run in accl's C++ backend over an MPI communicator."""
+
+    def __init__(self, comm: MPI.Comm, rank: int, size: int, timeout: timedelta,
+                 options: AcclOptions | None = None, group_name: str = "") -> None:
+        super().__init__(rank, size)
+        if comm.Get_rank() != rank or comm.Get_size() != size:
+            raise RuntimeError(f"accl: MPI communicator is rank {comm.Get_rank()} of {comm.Get_size()} "
+                               f"but torch expects rank {rank} of {size}")
+        self.options = options if options is not None else AcclOptions()
+        if self.options.engine != "mpi":
+            raise NotImplementedError("accl: the C++ backend (TORCHHPC_ACCL_IMPL=cpp) has no ACCL engine yet")
+        timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
+        mod = core.load_backend()
+        self._backend = mod.ProcessGroupACCL(MPI._handleof(comm), self.options.max_segment_bytes, self.options.check,
+                                             self.options.threaded_min_bytes, timeout_s, group_name)
+        kind = dist.ProcessGroup.BackendType.CUSTOM
+        for device in ("cpu", "cuda"):
+            self._register_backend(torch.device(device), kind, self._backend)
+        self._set_default_backend(kind)
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "accl"
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine=mpi, impl=cpp)"
+
+    @property
+    def stats(self) -> MutableMapping[str, int]:
+        """Engine calls made, calls sidestepped to MPI, and the largest bytes of one call's buffer."""
+        return _Stats(self._backend)
