@@ -739,9 +739,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& outpu
 
 std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(const at::Tensor& input, const at::Tensor& output,
                                                      std::vector<int64_t> sb, std::vector<int64_t> rb,
-                                                     c10d::OpType type) {
+                                                     c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                     std::function<void(const at::Tensor&)> deliverRows) {
   const int p = size_;
-  auto c = newCall(wire::kAllToAll, wire::dtypeCode(input.scalar_type()), 0, 0, 0, 0, {output}, type);
+  auto c = newCall(wire::kAllToAll, wire::dtypeCode(input.scalar_type()), 0, 0, 0, 0,
+                   outputs.empty() ? std::vector<at::Tensor>{output} : std::move(outputs), type);
   c->head.extra = p;
   c->compare = wire::kCompareCall;  // sizes are checked on the byte matrix
   c->header = true;                 // always: the matrix fixes the rounds and checks sends against receives
@@ -831,10 +833,141 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(const at::Tensor& input, co
       wait(mpi_->alltoallv(ptr(st->src), sc.data(), sd.data(), ptr(st->dst), rc.data(), rd.data(), m));
     }
   };
-  c->finish = [output, st] {
-    if (output.numel()) deliver(st->dst, output);
+  c->finish = [output, st, deliverRows] {
+    if (deliverRows) deliverRows(st->dst);
+    else if (output.numel()) deliver(st->dst, output);
   };
   return c;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllToAllOptions& opts) {
+  const size_t p = static_cast<size_t>(size_);
+  if (outputs.size() != p || inputs.size() != p)
+    valueError("accl: all_to_all needs " + std::to_string(p) + " input and " + std::to_string(p) +
+               " output tensors, got " + std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  for (auto* list : {&inputs, &outputs})
+    for (auto& t : *list)
+      if (t.scalar_type() != inputs[0].scalar_type()) typeError("accl: all_to_all needs every tensor of one dtype");
+  checkOpen();
+  std::vector<int64_t> sb, rb;
+  std::vector<at::Tensor> flat;
+  int64_t total = 0;
+  for (auto& t : inputs) {
+    sb.push_back(static_cast<int64_t>(t.nbytes()));
+    flat.push_back(t.reshape({-1}).cpu());
+  }
+  for (auto& t : outputs) {
+    rb.push_back(static_cast<int64_t>(t.nbytes()));
+    total += t.numel();
+  }
+  at::Tensor send = at::cat(flat), recv = at::empty({total}, inputs[0].options().device(at::kCPU));
+  auto rows = [outputs](const at::Tensor& all) {
+    int64_t off = 0;
+    for (auto& t : outputs) {
+      deliver(all.narrow(0, off, t.numel()), t);
+      off += t.numel();
+    }
+  };
+  return enqueue(alltoallCall(send, recv, sb, rb, c10d::OpType::ALLTOALL, outputs, rows), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>& tensors,
+                                                        const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = one(tensors, "reduce");
+  checkRoot(opts.rootRank, "reduce");
+  const Reduction& red = reduction(t, opts.reduceOp, "reduce");
+  checkOpen();
+  const int root = static_cast<int>(opts.rootRank);
+  const bool isRoot = rank_ == root;
+  const int64_t numel = t.numel(), nbytes = numel * static_cast<int64_t>(red.esz);
+  auto c = newCall(wire::kReduce, red.dcode, red.ocode, root, nbytes, numel, {t}, c10d::OpType::REDUCE);
+  c->header = needsHeader(nbytes);
+  const Reduction* r = &red;
+  auto buf = std::make_shared<at::Tensor>();
+  c->stage = [t, buf, isRoot] { *buf = isRoot ? host(t, true) : t.reshape({-1}).cpu().contiguous(); };
+  c->data = [this, buf, numel, r, root](Mode m, const WaitFn& wait) {
+    for (int64_t off = 0, per = perSegment(r->esz); off < numel; off += per)
+      wait(mpi_->reduce(ptr(*buf) + off * r->esz, static_cast<int>(std::min(per, numel - off)), *r, root, m));
+  };
+  c->finish = [t, buf, r, isRoot, p = size_] {
+    if (!isRoot) return;  // the others' tensors are left as they were
+    if (r->avg) buf->div_(p);
+    deliver(*buf, t);
+  };
+  return enqueue(std::move(c), opts.asyncOp);
+}
+
+std::vector<at::Tensor> ProcessGroupACCL::rootList(const std::vector<std::vector<at::Tensor>>& lists,
+                                                   const at::Tensor& ref, int64_t root, const char* what,
+                                                   const char* name) const {
+  if (rank_ == root) {
+    if (lists.size() != 1) valueError(std::string("accl: ") + what + " on the root takes one " + name);
+    checkList(lists[0], ref, what, name);
+    return lists[0];
+  }
+  for (auto& l : lists)
+    if (!l.empty()) valueError(std::string("accl: ") + name + " must be empty/None on non-root ranks");
+  return {};
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::GatherOptions& opts) {
+  const at::Tensor& input = one(inputs, "gather");
+  checkRoot(opts.rootRank, "gather");
+  std::vector<at::Tensor> outs = rootList(outputs, input, opts.rootRank, "gather", "gather_list");
+  checkOpen();
+  const int root = static_cast<int>(opts.rootRank), p = size_;
+  const int64_t n = input.numel(), esz = input.element_size(), nbytes = n * esz;
+  auto c = newCall(wire::kGather, wire::dtypeCode(input.scalar_type()), 0, root, nbytes, n, outs,
+                   c10d::OpType::GATHER);
+  c->header = needsHeader(nbytes * p);
+  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
+  c->stage = [input, src, dst, p, n, root, me = rank_] {
+    *src = host(input, true);
+    if (me == root) *dst = at::empty({p * n}, input.options().device(at::kCPU));
+  };
+  c->data = [this, src, dst, nbytes, esz, p, root](Mode m, const WaitFn& wait) {
+    for (int64_t off = 0, per = perSegment(esz, p) * esz; off < nbytes; off += per)
+      wait(mpi_->gather(ptr(*src) + off, dst->defined() ? ptr(*dst) + off : nullptr,
+                        static_cast<int>(std::min(per, nbytes - off)), nbytes, root, m));
+  };
+  c->finish = [outs, dst, n] {
+    for (size_t r = 0; r < outs.size(); ++r) deliver(dst->narrow(0, static_cast<int64_t>(r) * n, n), outs[r]);
+  };
+  return enqueue(std::move(c), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>& outputs,
+                                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                                         const c10d::ScatterOptions& opts) {
+  const at::Tensor& output = one(outputs, "scatter");
+  checkRoot(opts.rootRank, "scatter");
+  std::vector<at::Tensor> ins = rootList(inputs, output, opts.rootRank, "scatter", "scatter_list");
+  checkOpen();
+  const int root = static_cast<int>(opts.rootRank), p = size_;
+  const int64_t n = output.numel(), esz = output.element_size(), nbytes = n * esz;
+  auto c = newCall(wire::kScatter, wire::dtypeCode(output.scalar_type()), 0, root, nbytes, n, {output},
+                   c10d::OpType::SCATTER);
+  c->header = needsHeader(nbytes * p);
+  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
+  c->stage = [ins, output, src, dst] {
+    if (!ins.empty()) {
+      std::vector<at::Tensor> flat;
+      for (auto& x : ins) flat.push_back(x.reshape({-1}).cpu());
+      *src = at::cat(flat);
+    }
+    *dst = host(output, false);
+  };
+  c->data = [this, src, dst, nbytes, esz, p, root](Mode m, const WaitFn& wait) {
+    for (int64_t off = 0, per = perSegment(esz, p) * esz; off < nbytes; off += per)
+      wait(mpi_->scatter(src->defined() ? ptr(*src) + off : nullptr, nbytes, ptr(*dst) + off,
+                         static_cast<int>(std::min(per, nbytes - off)), root, m));
+  };
+  c->finish = [output, dst] { deliver(*dst, output); };
+  return enqueue(std::move(c), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::barrier(const c10d::BarrierOptions& opts) {

@@ -118,10 +118,16 @@ class MpiEngine {
   MPI_Request alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd,
                         Mode m);
   MPI_Request barrier(Mode m);
+  // rooted: reduce into the root's buffer (in place there), gather rows at `stride`, scatter rows at `stride`
+  MPI_Request reduce(void* buf, int count, const Reduction& r, int root, Mode m);
+  MPI_Request gather(const void* src, void* dst, int bytes, int64_t stride, int root, Mode m);
+  MPI_Request scatter(const void* src, int64_t stride, void* dst, int bytes, int root, Mode m);
   MPI_Comm comm() const { return comm_; }
 
  private:
   void check(int rc, const char* what);
+  // `bytes` per rank at `stride` apart: (MPI_BYTE, bytes), or (a resized type, 1) the caller frees
+  std::pair<MPI_Datatype, int> strided(int bytes, int64_t stride);
   MPI_Comm comm_;
   Stats& stats_;
 };
@@ -224,6 +230,13 @@ class ProcessGroupACCL : public c10d::Backend {
                                                std::vector<int64_t>& outputSplits,
                                                std::vector<int64_t>& inputSplits,
                                                const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
@@ -247,6 +260,9 @@ class ProcessGroupACCL : public c10d::Backend {
   void checkList(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* what,
                  const char* name) const;
   void checkOpen() const;
+  // gather/scatter's list: the root's one list, checked against `ref`; {} on the others, which must pass none
+  std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
+                                   int64_t root, const char* what, const char* name) const;
   const Reduction& reduction(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) const;
 
   // ---- the one rule: whether a call moving `bytes` exchanges the header
@@ -279,7 +295,9 @@ class ProcessGroupACCL : public c10d::Backend {
   std::unique_ptr<Call> reduceScatterCall(std::function<at::Tensor()> rows, const at::Tensor& output,
                                           const Reduction& red, c10d::OpType type);
   std::unique_ptr<Call> alltoallCall(const at::Tensor& input, const at::Tensor& output, std::vector<int64_t> sb,
-                                     std::vector<int64_t> rb, c10d::OpType type);
+                                     std::vector<int64_t> rb, c10d::OpType type,
+                                     std::vector<at::Tensor> outputs = {},
+                                     std::function<void(const at::Tensor&)> deliverRows = nullptr);
   std::vector<int64_t> splits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
   void reduceRows(const Reduction& red, int64_t count, int64_t nbytes, int64_t offset, void* dst);
   int failedPeerCheck(int rc, const char* what);

@@ -35,22 +35,23 @@ MPI_Request MpiEngine::bcast(void* buf, int bytes, int root, Mode m) {
   return req;
 }
 
+std::pair<MPI_Datatype, int> MpiEngine::strided(int bytes, int64_t stride) {
+  if (stride == bytes) return {MPI_BYTE, bytes};
+  MPI_Datatype block, type;
+  check(MPI_Type_contiguous(bytes, MPI_BYTE, &block), "MPI_Type_contiguous");
+  check(MPI_Type_create_resized(block, 0, stride, &type), "MPI_Type_create_resized");
+  MPI_Type_free(&block);
+  MPI_Type_commit(&type);
+  return {type, 1};
+}
+
 MPI_Request MpiEngine::allgather(const void* src, void* dst, int bytes, int64_t stride, Mode m) {
   int rank = 0, size = 1;
   MPI_Comm_rank(comm_, &rank);
   MPI_Comm_size(comm_, &size);
   stats_.count(static_cast<int64_t>(bytes) * size);
   // rank r's block lands at dst + r * stride: a resized datatype when blocks are not adjacent
-  MPI_Datatype rtype = MPI_BYTE;
-  int rcount = bytes;
-  if (stride != bytes) {
-    MPI_Datatype block;
-    check(MPI_Type_contiguous(bytes, MPI_BYTE, &block), "MPI_Type_contiguous");
-    check(MPI_Type_create_resized(block, 0, stride, &rtype), "MPI_Type_create_resized");
-    MPI_Type_free(&block);
-    MPI_Type_commit(&rtype);
-    rcount = 1;
-  }
+  auto [rtype, rcount] = strided(bytes, stride);
   // the input already in place (all_gather_into_tensor of a shard of the output, as FSDP calls it)
   const void* s = src == static_cast<char*>(dst) + rank * stride ? MPI_IN_PLACE : src;
   MPI_Request req = MPI_REQUEST_NULL;
@@ -88,6 +89,47 @@ MPI_Request MpiEngine::alltoallv(const void* src, const int* sc, const int* sd, 
     check(MPI_Alltoallv(src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_), "MPI_Alltoallv");
   else
     check(MPI_Ialltoallv(src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_, &req), "MPI_Ialltoallv");
+  return req;
+}
+
+MPI_Request MpiEngine::reduce(void* buf, int count, const Reduction& r, int root, Mode m) {
+  int rank = 0;
+  MPI_Comm_rank(comm_, &rank);
+  stats_.count(static_cast<int64_t>(count) * static_cast<int64_t>(r.esz));
+  // the root reduces in place; the others' buffers are only read
+  const void* s = rank == root ? MPI_IN_PLACE : buf;
+  void* d = rank == root ? buf : nullptr;
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (m == Mode::kBlocking) check(MPI_Reduce(s, d, count, r.type, r.mpiOp, root, comm_), "MPI_Reduce");
+  else check(MPI_Ireduce(s, d, count, r.type, r.mpiOp, root, comm_, &req), "MPI_Ireduce");
+  return req;
+}
+
+MPI_Request MpiEngine::gather(const void* src, void* dst, int bytes, int64_t stride, int root, Mode m) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm_, &rank);
+  MPI_Comm_size(comm_, &size);
+  stats_.count(rank == root ? static_cast<int64_t>(bytes) * size : bytes);
+  auto [rtype, rcount] = rank == root ? strided(bytes, stride) : std::pair<MPI_Datatype, int>{MPI_BYTE, 0};
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = m == Mode::kBlocking ? MPI_Gather(src, bytes, MPI_BYTE, dst, rcount, rtype, root, comm_)
+                                : MPI_Igather(src, bytes, MPI_BYTE, dst, rcount, rtype, root, comm_, &req);
+  if (rtype != MPI_BYTE) MPI_Type_free(&rtype);
+  check(rc, "MPI_Gather");
+  return req;
+}
+
+MPI_Request MpiEngine::scatter(const void* src, int64_t stride, void* dst, int bytes, int root, Mode m) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm_, &rank);
+  MPI_Comm_size(comm_, &size);
+  stats_.count(rank == root ? static_cast<int64_t>(bytes) * size : bytes);
+  auto [stype, scount] = rank == root ? strided(bytes, stride) : std::pair<MPI_Datatype, int>{MPI_BYTE, 0};
+  MPI_Request req = MPI_REQUEST_NULL;
+  int rc = m == Mode::kBlocking ? MPI_Scatter(src, scount, stype, dst, bytes, MPI_BYTE, root, comm_)
+                                : MPI_Iscatter(src, scount, stype, dst, bytes, MPI_BYTE, root, comm_, &req);
+  if (stype != MPI_BYTE) MPI_Type_free(&stype);
+  check(rc, "MPI_Scatter");
   return req;
 }
 
