@@ -12,12 +12,16 @@ See :class:`AcclOptions` for the engine (``mpi``/``accl``), segmentation and che
 
 from __future__ import annotations
 
+from . import backend
 from .backend import ProcessGroupACCL, create_process_group, register
 from .engine import CollectiveEngine, EngineUnavailableError, Request
 from .info import environment_report
 from .mpi_engine import MpiEngine, mpi_cuda_aware
 from .options import AcclOptions
 from .work import AcclMismatchError, AcclPeerFailedError, AcclTimeoutError, AcclWork
+
+if backend.IMPL == "cpp":
+    from .group import AcclWork  # noqa: F811 - the C++ backend's Work
 
 __all__ = [
     "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",

@@ -39,7 +39,7 @@ IMPL = os.environ.get("TORCHHPC_ACCL_IMPL", "py").lower()
 if IMPL not in ("py", "cpp"):
     raise ValueError(f"TORCHHPC_ACCL_IMPL={IMPL!r}: expected 'py' or 'cpp'")
 if IMPL == "cpp":
-    from .group import ProcessGroupACCL  # noqa: F811 - the C++ backend's group replaces the adapter
+    from .group import AcclWork, ProcessGroupACCL  # noqa: F401, F811 - the C++ backend's replace the adapter's
 
 __all__ = ["register", "create_process_group"]
 

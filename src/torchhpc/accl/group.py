@@ -18,7 +18,10 @@ from mpi4py import MPI
 from . import core
 from .options import AcclOptions
 
-__all__ = ["ProcessGroupACCL"]
+__all__ = ["ProcessGroupACCL", "AcclWork"]
+
+#: the handle of every call (the C++ ``WorkACCL``, a ``torch.distributed.Work``)
+AcclWork = core.load_backend().AcclWork
 
 _STATS = ("engine_calls", "sidestep_calls", "max_call_bytes")
 

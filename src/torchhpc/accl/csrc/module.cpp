@@ -85,6 +85,14 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
            "of the communicator constructs it")
       .def("stat", [](ProcessGroupACCL& pg, const std::string& name) { return counter(pg, name).load(); })
       .def("set_stat", [](ProcessGroupACCL& pg, const std::string& name, int64_t v) { counter(pg, name).store(v); });
+  // the Work of every call (torch's pybind11 bindings return the most derived registered type)
+  py::class_<torchhpc::accl::WorkACCL, c10d::Work, c10::intrusive_ptr<torchhpc::accl::WorkACCL>>(m, "AcclWork")
+      // torch binds Work.result without releasing the GIL; ours waits, and a worker thread completing a future
+      // may need the GIL for the Python callbacks chained on it (Future.then)
+      .def("result", &torchhpc::accl::WorkACCL::result, py::call_guard<py::gil_scoped_release>())
+      .def("__repr__", [](torchhpc::accl::WorkACCL& w) {
+        return "AcclWork(" + w.what() + ", " + (w.isCompleted() ? "done" : "pending") + ")";
+      });
   py::register_exception_translator(&translate);
   m.def("library_version", &libraryVersion, "MPI_Get_library_version");
   m.attr("torch_version") = TORCH_BUILT_FOR;
