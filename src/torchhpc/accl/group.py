@@ -76,6 +76,13 @@ class ProcessGroupACCL(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine=mpi, impl=cpp)"
 
+    def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
+        """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0 raises for
+        the first missing rank, or for every one with ``wait_all_ranks=True``.  ``dist.monitored_barrier``
+        itself accepts only gloo groups; call this method on the group."""
+        secs = timeout.total_seconds() if timeout is not None else 0.0  # 0: the group's timeout
+        self._backend.monitored_barrier(secs, wait_all_ranks)
+
     @property
     def stats(self) -> MutableMapping[str, int]:
         """Engine calls made, calls sidestepped to MPI, and the largest bytes of one call's buffer."""

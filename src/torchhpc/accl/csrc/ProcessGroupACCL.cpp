@@ -980,6 +980,65 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::barrier(const c10d::BarrierOpti
   return enqueue(std::move(c), opts.asyncOp);
 }
 
+void ProcessGroupACCL::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  // every other rank sends a token to rank 0 and waits for its release; rank 0 waits for every token until the
+  // deadline, then releases everyone (the p2p header communicator, on a tag no user message can carry)
+  checkOpen();
+  const auto timeout = opts.timeout.count() > 0 ? opts.timeout : opts_.timeout;
+  const auto deadline = Clock::now() + timeout;
+  const int tag = 0x7FFF0000 % tagUb_, release = (tag + 1) % tagUb_;
+  int64_t token = 0;
+  auto poll = [&](std::vector<MPI_Request>& reqs) {  // until all done or the deadline; true when all done
+    Backoff backoff;
+    while (Clock::now() <= deadline) {
+      int done = 0;
+      MPI_Testall(static_cast<int>(reqs.size()), reqs.data(), &done, MPI_STATUSES_IGNORE);
+      if (done) return true;
+      backoff.pause();
+    }
+    return false;
+  };
+  if (rank_ != 0) {
+    int64_t ack = 0;
+    std::vector<MPI_Request> send(1), recv(1);
+    MPI_Isend(&token, 1, MPI_INT64_T, 0, tag, p2pHead_, &send[0]);
+    MPI_Irecv(&ack, 1, MPI_INT64_T, 0, release, p2pHead_, &recv[0]);
+    if (!poll(recv)) {
+      MPI_Cancel(&recv[0]);
+      MPI_Wait(&recv[0], MPI_STATUS_IGNORE);
+      throw PeerTimeoutError("accl: Rank " + std::to_string(rank_) +
+                             " successfully reached monitoredBarrier, but got no release from rank 0 within " +
+                             seconds(timeout) + " s. Please check rank 0's error for the faulty ranks.");
+    }
+    MPI_Wait(&send[0], MPI_STATUS_IGNORE);
+    return;
+  }
+  std::vector<int64_t> tokens(size_);
+  std::vector<MPI_Request> reqs(size_ > 1 ? size_ - 1 : 0);
+  for (int r = 1; r < size_; ++r) MPI_Irecv(&tokens[r], 1, MPI_INT64_T, r, tag, p2pHead_, &reqs[r - 1]);
+  if (!poll(reqs)) {
+    std::vector<int> missing;
+    for (int r = 1; r < size_; ++r) {
+      int done = 0;
+      if (reqs[r - 1] != MPI_REQUEST_NULL) MPI_Test(&reqs[r - 1], &done, MPI_STATUS_IGNORE);
+      if (reqs[r - 1] == MPI_REQUEST_NULL) continue;
+      missing.push_back(r);
+      MPI_Cancel(&reqs[r - 1]);  // withdrawn, so that no later message matches it
+      MPI_Wait(&reqs[r - 1], MPI_STATUS_IGNORE);
+    }
+    std::string list, words;
+    for (size_t i = 0; i < missing.size(); ++i) {
+      list += (i ? ", " : "") + std::to_string(missing[i]);
+    }
+    const std::string ms = std::to_string(timeout.count());
+    if (waitAllRanks) words = "[Rank 0]: Ranks " + list + " failed to pass monitoredBarrier in " + ms + " ms";
+    else words = "[Rank 0]: Rank " + std::to_string(missing.empty() ? -1 : missing[0]) +
+                 " failed to pass monitoredBarrier in " + ms + " ms";
+    throw PeerTimeoutError("accl: " + words + " (missing: ranks [" + list + "])");
+  }
+  for (int r = 1; r < size_; ++r) MPI_Send(&token, 1, MPI_INT64_T, r, release, p2pHead_);
+}
+
 // ============================================================================================== point-to-point
 // A send is an envelope (wire::Envelope, then the payload up to kPayloadBytes) on the header communicator;
 // larger payloads follow in segments on the data communicator, received only after the envelope checked out

@@ -242,6 +242,9 @@ class ProcessGroupACCL : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
 
+  // gloo's protocol and reports (ProcessGroupGloo::monitoredBarrier): rank 0 names the ranks that did not arrive
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
+
   void shutdown() override;
   void abort() override { shutdown(); }
 

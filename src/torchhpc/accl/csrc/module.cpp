@@ -83,6 +83,14 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
            py::call_guard<py::gil_scoped_release>(),
            "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
            "of the communicator constructs it")
+      .def(
+          "monitored_barrier",
+          [](ProcessGroupACCL& pg, double timeoutS, bool waitAllRanks) {
+            c10d::BarrierOptions o;
+            o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0 + 0.5));
+            pg.monitoredBarrier(o, waitAllRanks);
+          },
+          py::arg("timeout_s"), py::arg("wait_all_ranks") = false, py::call_guard<py::gil_scoped_release>())
       .def("stat", [](ProcessGroupACCL& pg, const std::string& name) { return counter(pg, name).load(); })
       .def("set_stat", [](ProcessGroupACCL& pg, const std::string& name, int64_t v) { counter(pg, name).store(v); });
   // the Work of every call (torch's pybind11 bindings return the most derived registered type)
