@@ -619,6 +619,50 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather(std::vector<std::vect
   return enqueue(allgatherCall(input, at::Tensor(), rows, outs, c10d::OpType::ALLGATHER), opts.asyncOp);
 }
 
+void ProcessGroupACCL::checkPairs(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                                  const char* what) const {
+  if (outputs.size() != inputs.size() || inputs.empty())
+    valueError(std::string("accl: ") + what + "_coalesced needs matching, non-empty lists");
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                 std::vector<at::Tensor>& inputs,
+                                                                                 const c10d::AllgatherOptions& opts) {
+  checkPairs(outputs, inputs, "all_gather_into_tensor");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) last = _allgather_base(outputs[i], inputs[i], opts);
+  return last;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                                     std::vector<at::Tensor>& inputs,
+                                                                     const c10d::AllgatherOptions& opts) {
+  // outputLists[r][j] receives rank r's inputs[j] (torch's layout: one list per rank)
+  if (inputs.empty()) valueError("accl: all_gather_coalesced needs at least one input tensor");
+  bool shaped = static_cast<int>(outputLists.size()) == size_;
+  for (auto& l : outputLists) shaped = shaped && l.size() == inputs.size();
+  if (!shaped)
+    valueError("accl: all_gather_coalesced needs " + std::to_string(size_) +
+               " output lists (one per rank), each with one tensor per input tensor (" +
+               std::to_string(inputs.size()) + ")");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t j = 0; j < inputs.size(); ++j) {
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (auto& l : outputLists) outs[0].push_back(l[j]);
+    std::vector<at::Tensor> in{inputs[j]};
+    last = allgather(outs, in, opts);
+  }
+  return last;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  checkPairs(outputs, inputs, "reduce_scatter_tensor");
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < inputs.size(); ++i) last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+  return last;
+}
+
 std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::function<at::Tensor()> rows, const at::Tensor& output,
                                                           const Reduction& red, c10d::OpType type) {
   const int p = size_;

@@ -221,6 +221,17 @@ class ProcessGroupACCL : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                            std::vector<at::Tensor>& inputs,
                                            const c10d::AllgatherOptions& opts) override;
+  // the coalesced variants: one call per (output, input) pair, in order; the last one's Work covers them all
+  // (collectives complete in issue order)
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -263,6 +274,8 @@ class ProcessGroupACCL : public c10d::Backend {
   void checkList(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* what,
                  const char* name) const;
   void checkOpen() const;
+  void checkPairs(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
+                  const char* what) const;
   // gather/scatter's list: the root's one list, checked against `ref`; {} on the others, which must pass none
   std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
                                    int64_t root, const char* what, const char* name) const;
