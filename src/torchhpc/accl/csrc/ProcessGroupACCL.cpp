@@ -505,10 +505,71 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce(std::vector<at::Tensor>& tensors,
                                                            const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
   const at::Tensor& t = one(tensors, "all_reduce");
   const Reduction& red = reduction(t, opts.reduceOp, "all_reduce");
   checkOpen();
   return enqueue(allreduceCall(tensors, red, wire::kAllReduce, c10d::OpType::ALLREDUCE), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                                  const c10d::AllreduceOptions& opts) {
+  if (tensors.size() != 1)
+    valueError("accl: all_reduce takes exactly one tensor per call, got " + std::to_string(tensors.size()));
+  const at::Tensor& t = tensors[0];
+  if (t.layout() != at::kSparse) typeError("accl: sparse all_reduce needs a sparse COO tensor");
+  if (opts.reduceOp.op_ != RedOpType::SUM)
+    valueError("accl: sparse all_reduce supports ReduceOp.SUM only (as gloo), got ReduceOp." +
+               opName(opts.reduceOp.op_));
+  checkOpen();
+  return enqueue(sparseCall(t, opts.reduceOp), opts.asyncOp);
+}
+
+std::unique_ptr<Call> ProcessGroupACCL::sparseCall(const at::Tensor& t, const c10d::ReduceOp& op) {
+  // every rank's (indices, values) all-gathered, then summed by coalescing (gloo's algorithm): the header
+  // checks dtype and dense size; the nnz counts travel first
+  const int p = size_;
+  auto c = newCall(wire::kAllReduce, wire::dtypeCode(t.scalar_type()), wire::opCode(op.op_), 0, 0, t.numel(), {t},
+                   c10d::OpType::_ALLREDUCE_SPARSE);
+  c->head.extra = t.sparse_dim();
+  struct State {
+    at::Tensor indices, values;  // this rank's, coalesced: [nnz, sparse_dim] and [nnz, dense...]
+    at::Tensor result;
+  };
+  auto st = std::make_shared<State>();
+  c->stage = [t, st] {
+    at::Tensor mine = t.cpu().coalesce();
+    st->indices = mine.indices().t().contiguous();
+    st->values = mine.values().contiguous();
+  };
+  c->data = [this, t, st, p](Mode m, const WaitFn& wait) {
+    std::vector<int64_t> nnz(p);
+    int64_t mineNnz = st->indices.size(0);
+    MPI_Allgather(&mineNnz, 1, MPI_INT64_T, nnz.data(), 1, MPI_INT64_T, coll_);
+    int64_t total = 0;
+    for (int64_t n : nnz) total += n;
+    const int64_t sd = t.sparse_dim(), row = st->values.numel() / std::max<int64_t>(1, mineNnz);
+    std::vector<int64_t> valueShape{total};
+    for (int64_t d = 1; d < st->values.dim(); ++d) valueShape.push_back(st->values.size(d));
+    at::Tensor indices = at::empty({total, sd}, st->indices.options());
+    at::Tensor values = at::empty(valueShape, st->values.options());
+    const int64_t valueRow = total ? values.numel() / total : row;
+    std::vector<int> counts(p), displs(p);
+    auto gatherRows = [&](const at::Tensor& mine, at::Tensor& all, int64_t rowBytes) {
+      int64_t off = 0;
+      for (int r = 0; r < p; ++r) {
+        counts[r] = static_cast<int>(nnz[r] * rowBytes);
+        displs[r] = static_cast<int>(off);
+        off += counts[r];
+      }
+      wait(mpi_->allgatherv(mine.data_ptr(), counts[rank_], all.data_ptr(), counts.data(), displs.data(), m));
+    };
+    gatherRows(st->indices, indices, sd * 8);
+    gatherRows(st->values, values, valueRow * static_cast<int64_t>(values.element_size()));
+    st->result = at::sparse_coo_tensor(indices.t(), values, t.sizes()).coalesce();
+  };
+  c->finish = [t, st] { at::Tensor(t).copy_(st->result.to(t.device())); };
+  return c;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_coalesced(std::vector<at::Tensor>& tensors,

@@ -118,6 +118,8 @@ class MpiEngine {
   MPI_Request alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd,
                         Mode m);
   MPI_Request barrier(Mode m);
+  // every rank's `bytes` (counts[r] bytes from rank r, at displs[r] of dst)
+  MPI_Request allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs, Mode m);
   // rooted: reduce into the root's buffer (in place there), gather rows at `stride`, scatter rows at `stride`
   MPI_Request reduce(void* buf, int count, const Reduction& r, int root, Mode m);
   MPI_Request gather(const void* src, void* dst, int bytes, int64_t stride, int root, Mode m);
@@ -212,6 +214,9 @@ class ProcessGroupACCL : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // sparse COO tensors (torch routes SparseCPU all_reduce to allreduce, SparseCUDA to allreduce_sparse)
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -314,6 +319,7 @@ class ProcessGroupACCL : public c10d::Backend {
                                      std::vector<int64_t> rb, c10d::OpType type,
                                      std::vector<at::Tensor> outputs = {},
                                      std::function<void(const at::Tensor&)> deliverRows = nullptr);
+  std::unique_ptr<Call> sparseCall(const at::Tensor& t, const c10d::ReduceOp& op);
   std::vector<int64_t> splits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
   void reduceRows(const Reduction& red, int64_t count, int64_t nbytes, int64_t offset, void* dst);
   int failedPeerCheck(int rc, const char* what);

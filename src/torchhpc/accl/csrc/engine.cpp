@@ -133,6 +133,21 @@ MPI_Request MpiEngine::scatter(const void* src, int64_t stride, void* dst, int b
   return req;
 }
 
+MPI_Request MpiEngine::allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs,
+                                  Mode m) {
+  int size = 1;
+  MPI_Comm_size(comm_, &size);
+  int64_t total = 0;
+  for (int r = 0; r < size; ++r) total += counts[r];
+  stats_.count(total);
+  MPI_Request req = MPI_REQUEST_NULL;
+  if (m == Mode::kBlocking)
+    check(MPI_Allgatherv(src, bytes, MPI_BYTE, dst, counts, displs, MPI_BYTE, comm_), "MPI_Allgatherv");
+  else
+    check(MPI_Iallgatherv(src, bytes, MPI_BYTE, dst, counts, displs, MPI_BYTE, comm_, &req), "MPI_Iallgatherv");
+  return req;
+}
+
 MPI_Request MpiEngine::barrier(Mode m) {
   stats_.count(0);
   MPI_Request req = MPI_REQUEST_NULL;
