@@ -2,6 +2,10 @@
 // checks (helpers, written once), the Call (header words, engine calls segment by segment, copy-back), enqueue.
 #include "accl.hpp"
 
+#if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI's ULFM (MPIX_Comm_revoke, MPIX_Comm_get_failed); MPICH declares them in mpi.h
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -358,9 +362,7 @@ void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {
   std::exception_ptr error;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!aborted_.empty())
-      error = std::make_exception_ptr(AbortedError("accl: process group is aborted (" + aborted_ +
-                                                   "); create a new one (or restart) to communicate again"));
+    if (!aborted_.empty()) error = abortError_;  // queued behind the call that aborted the group: its error
   }
   if (!error) {
     try {
@@ -368,6 +370,8 @@ void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {
     } catch (const PeerTimeoutError&) {
       error = std::current_exception();
       abandoned_.push_back(std::move(call));  // MPI may still complete the given-up requests into its buffers
+    } catch (const MpiCallError& e) {
+      error = mpiFailure(e.rc, describe(*call));
     } catch (...) {
       error = std::current_exception();
     }
@@ -422,19 +426,72 @@ void ProcessGroupACCL::waitRequest(MPI_Request& req, const char* what) {
   int done = 0;
   while (true) {
     int rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) failedPeerCheck(rc, what);
+    if (rc != MPI_SUCCESS) raiseMpi(rc, what);
     if (done) return;
     if (Clock::now() > deadline_) expire(what);
     backoff.pause();
   }
 }
 
-int ProcessGroupACCL::failedPeerCheck(int rc, const char* what) {
+std::vector<int> ProcessGroupACCL::failedRanks() {
+  std::vector<int> out;
+#ifdef MPIX_ERR_PROC_FAILED
+  for (MPI_Comm comm : {coll_, ctl_, p2pHead_, p2pData_}) {
+    MPI_Group failed, mine;
+    if (MPIX_Comm_get_failed(comm, &failed) != MPI_SUCCESS) continue;
+    MPI_Comm_group(comm, &mine);
+    int n = 0;
+    MPI_Group_size(failed, &n);
+    std::vector<int> in(n), ranks(n);
+    for (int i = 0; i < n; ++i) in[i] = i;
+    MPI_Group_translate_ranks(failed, n, in.data(), mine, ranks.data());
+    for (int r : ranks)
+      if (r >= 0 && std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
+    MPI_Group_free(&failed);
+    MPI_Group_free(&mine);
+  }
+  std::sort(out.begin(), out.end());
+#endif
+  return out;
+}
+
+void ProcessGroupACCL::abortWith(const std::string& why, std::exception_ptr error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!aborted_.empty()) return;
+  aborted_ = why;
+  abortError_ = std::move(error);
+}
+
+std::exception_ptr ProcessGroupACCL::mpiFailure(int rc, const std::string& what) {
   char text[MPI_MAX_ERROR_STRING] = {};
-  int len = 0;
+  int len = 0, cls = 0;
   MPI_Error_string(rc, text, &len);
-  // TODO(issue 24): ULFM (MPIX_ERR_PROC_FAILED / MPIX_ERR_REVOKED): revoke, name the dead ranks, PeerFailedError
-  throw c10::DistBackendError(std::string("accl: MPI error during ") + what + ": " + std::string(text, len));
+  MPI_Error_class(rc, &cls);
+  const std::string mpiText(text, static_cast<size_t>(len));
+#ifdef MPIX_ERR_PROC_FAILED
+  if (cls == MPIX_ERR_PROC_FAILED || cls == MPIX_ERR_PROC_FAILED_PENDING || cls == MPIX_ERR_REVOKED) {
+    // revoke every communicator of the group, so that every survivor's pending and next calls fail at once
+    for (MPI_Comm comm : {coll_, ctl_, p2pHead_, p2pData_}) MPIX_Comm_revoke(comm);
+    // a rank told only by a revocation may learn who died from the runtime's notice a moment later
+    std::vector<int> ranks = failedRanks();
+    for (auto until = Clock::now() + std::chrono::milliseconds(250);
+         ranks.empty() && cls == MPIX_ERR_REVOKED && Clock::now() < until; ranks = failedRanks())
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    std::string who = "a peer rank (a survivor revoked the group after seeing it die)";
+    if (!ranks.empty()) {
+      who = ranks.size() > 1 ? "peer ranks " : "peer rank ";
+      for (size_t i = 0; i < ranks.size(); ++i) who += (i ? ", " : "") + std::to_string(ranks[i]);
+    }
+    const std::string msg = "accl: " + who + " of group '" + groupName() + "' died during " + what + " on rank " +
+                            std::to_string(rank_) + " of " + std::to_string(size_) + " (MPI: " + mpiText +
+                            "). The group is aborted; later calls on it raise at once. Restart the job (e.g. "
+                            "from a checkpoint) or rebuild the group from the survivors.";
+    auto error = std::make_exception_ptr(PeerFailedError(msg, ranks));
+    abortWith(msg, error);
+    return error;
+  }
+#endif
+  return std::make_exception_ptr(c10::DistBackendError("accl: MPI error during " + what + ": " + mpiText));
 }
 
 void ProcessGroupACCL::expire(const std::string& what) {
@@ -443,11 +500,9 @@ void ProcessGroupACCL::expire(const std::string& what) {
                     seconds(opts_.timeout) +
                     " s: a peer rank died, hung, or did not make the matching call. The group is aborted; later "
                     "calls on it raise at once.";
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (aborted_.empty()) aborted_ = msg;
-  }
-  throw PeerTimeoutError(msg);
+  PeerTimeoutError error(msg);
+  abortWith(msg, std::make_exception_ptr(error));
+  throw error;
 }
 
 void ProcessGroupACCL::reduceRows(const Reduction& red, int64_t count, int64_t nbytes, int64_t offset, void* dst) {
@@ -456,7 +511,7 @@ void ProcessGroupACCL::reduceRows(const Reduction& red, int64_t count, int64_t n
   for (int r = 1; r < size_; ++r) {
     int rc = MPI_Reduce_local(all_.data() + r * kSlot + kHdr + offset, acc, static_cast<int>(count), red.type,
                               red.mpiOp);
-    if (rc != MPI_SUCCESS) failedPeerCheck(rc, "MPI_Reduce_local");
+    if (rc != MPI_SUCCESS) throw MpiCallError(rc, "accl: MPI_Reduce_local failed");
   }
   std::memcpy(dst, acc, static_cast<size_t>(nbytes));
 }
@@ -1265,8 +1320,8 @@ bool ProcessGroupACCL::advanceP2P(P2P& op) {
   int flag = 0;
   if (op.stage == 0 && !op.send) {  // the envelope
     MPI_Status st;
-    if (MPI_Test(&op.reqs[0], &flag, &st) != MPI_SUCCESS) {
-      op.error = std::make_exception_ptr(c10::DistBackendError("accl: MPI error in a receive's envelope"));
+    if (int rc = MPI_Test(&op.reqs[0], &flag, &st); rc != MPI_SUCCESS) {
+      op.error = mpiFailure(rc, op.work->what());
       return true;
     }
     if (flag) {
@@ -1302,8 +1357,9 @@ bool ProcessGroupACCL::advanceP2P(P2P& op) {
     }
   }
   if (op.stage != 0 || op.send) {
-    if (MPI_Testall(static_cast<int>(op.reqs.size()), op.reqs.data(), &flag, MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
-      op.error = std::make_exception_ptr(c10::DistBackendError("accl: MPI error in " + op.work->what()));
+    if (int rc = MPI_Testall(static_cast<int>(op.reqs.size()), op.reqs.data(), &flag, MPI_STATUSES_IGNORE);
+        rc != MPI_SUCCESS) {
+      op.error = mpiFailure(rc, op.work->what());
       return true;
     }
     if (flag) {

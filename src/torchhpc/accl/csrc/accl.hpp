@@ -43,6 +43,11 @@ struct PeerFailedError : c10::DistBackendError {
 struct MismatchError : c10::ValueError {
   explicit MismatchError(std::string msg) : c10::ValueError(std::move(msg)) {}
 };
+// an MPI call returned an error (the group turns it into PeerFailedError or DistBackendError)
+struct MpiCallError : c10::DistBackendError {
+  MpiCallError(int code, std::string msg) : c10::DistBackendError(std::move(msg)), rc(code) {}
+  int rc;
+};
 // a group that was aborted (timeout, dead peer, shutdown): torch's DistBackendError
 struct AbortedError : c10::DistBackendError {
   explicit AbortedError(std::string msg) : c10::DistBackendError(std::move(msg)) {}
@@ -322,7 +327,12 @@ class ProcessGroupACCL : public c10d::Backend {
   std::unique_ptr<Call> sparseCall(const at::Tensor& t, const c10d::ReduceOp& op);
   std::vector<int64_t> splits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
   void reduceRows(const Reduction& red, int64_t count, int64_t nbytes, int64_t offset, void* dst);
-  int failedPeerCheck(int rc, const char* what);
+  // the error for MPI's return code `rc` during `what`: a dead peer (ULFM) revokes the group's communicators,
+  // names the dead ranks and aborts the group (PeerFailedError); anything else is a DistBackendError
+  std::exception_ptr mpiFailure(int rc, const std::string& what);
+  [[noreturn]] void raiseMpi(int rc, const std::string& what) { std::rethrow_exception(mpiFailure(rc, what)); }
+  std::vector<int> failedRanks();
+  void abortWith(const std::string& why, std::exception_ptr error);
 
   // ---- state
   Config opts_;
@@ -341,6 +351,7 @@ class ProcessGroupACCL : public c10d::Backend {
   bool stop_ = false;
   int64_t seq_ = 0;
   std::string aborted_;                    // why the group is aborted ("" while usable)
+  std::exception_ptr abortError_;          // the error that aborted it: queued calls fail with it
   std::thread worker_;
 
   std::mutex p2pMu_;

@@ -16,7 +16,7 @@ void MpiEngine::check(int rc, const char* what) {
   char text[MPI_MAX_ERROR_STRING] = {};
   int len = 0;
   MPI_Error_string(rc, text, &len);
-  throw c10::DistBackendError(std::string("accl: MPI error in ") + what + ": " + std::string(text, len));
+  throw MpiCallError(rc, std::string("accl: MPI error in ") + what + ": " + std::string(text, len));
 }
 
 MPI_Request MpiEngine::allreduce(void* buf, int count, const Reduction& r, Mode m) {

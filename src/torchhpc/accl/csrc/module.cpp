@@ -63,6 +63,8 @@ void translate(std::exception_ptr p) {
   } catch (const torchhpc::accl::PeerTimeoutError& e) {
     PyErr_SetObject(timeout.ptr(), timeout(e.msg()).ptr());
   } catch (const torchhpc::accl::PeerFailedError& e) {
+    // MPI_Finalize would wait for the dead rank forever: this process ends with MPI_Abort at exit instead
+    py::module_::import("mpi4py.run").attr("set_abort_status")(1);
     PyErr_SetObject(failed.ptr(), failed(e.msg(), e.failedRanks).ptr());
   } catch (const torchhpc::accl::MismatchError& e) {
     PyErr_SetObject(mismatch.ptr(), mismatch(e.msg()).ptr());
