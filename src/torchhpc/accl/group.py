@@ -15,13 +15,70 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import core
+from . import core, wire
 from .options import AcclOptions
+from .reduction import RedOp
 
 __all__ = ["ProcessGroupACCL", "AcclWork"]
 
+_mod = core.load_backend()
 #: the handle of every call (the C++ ``WorkACCL``, a ``torch.distributed.Work``)
-AcclWork = core.load_backend().AcclWork
+AcclWork = _mod.AcclWork
+
+
+def _done(req: object) -> None:
+    """Wait (GIL released) for one of the ACCL engine's driver calls."""
+    while not req.test():  # type: ignore[attr-defined]
+        req.block(0.005)  # type: ignore[attr-defined]
+
+
+class _AcclEngineAdapter(_mod.Engine):  # type: ignore[name-defined, misc]
+    """The ACCL engine (:class:`.accl_engine.AcclEngine`, over ``pyaccl``) behind the C++ backend's ``Engine``
+    interface: blocking calls on contiguous host tensors; dtypes and ops come as wire codes."""
+
+    def __init__(self, engine: object) -> None:
+        super().__init__()
+        self.engine = engine
+
+    def name(self) -> str:
+        return self.engine.name  # type: ignore[attr-defined]
+
+    def supports(self, coll: str, dcode: int, ocode: int) -> bool:
+        op = wire.OPS[ocode - 1] if ocode else None
+        return self.engine.supports(coll, wire.dtype_of(dcode), op)  # type: ignore[attr-defined]
+
+    def allreduce(self, buf: torch.Tensor, ocode: int) -> None:
+        _done(self.engine.allreduce(buf, RedOp.SUM))  # type: ignore[attr-defined]
+
+    def reduce(self, buf: torch.Tensor, ocode: int, root: int) -> None:
+        _done(self.engine.reduce(buf, RedOp.SUM, root))  # type: ignore[attr-defined]
+
+    def broadcast(self, buf: torch.Tensor, root: int) -> None:
+        _done(self.engine.broadcast(buf, root))  # type: ignore[attr-defined]
+
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        _done(self.engine.allgather(send, recv))  # type: ignore[attr-defined]
+
+    def gather(self, send: torch.Tensor, recv: torch.Tensor, root: int) -> None:
+        _done(self.engine.gather(send, recv if recv.numel() else None, root))  # type: ignore[attr-defined]
+
+    def scatter(self, send: torch.Tensor, recv: torch.Tensor, root: int) -> None:
+        _done(self.engine.scatter(send if send.numel() else None, recv, root))  # type: ignore[attr-defined]
+
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, ocode: int) -> None:
+        _done(self.engine.reduce_scatter(send, recv, RedOp.SUM))  # type: ignore[attr-defined]
+
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
+        _done(self.engine.send(buf, dst, tag))  # type: ignore[attr-defined]
+
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
+        _done(self.engine.recv(buf, src, tag))  # type: ignore[attr-defined]
+
+
+class _Mpi:
+    """The MPI engine as ``ProcessGroupACCL.engine`` names it (its calls are the C++ backend's own)."""
+
+    name = "mpi"
 
 _STATS = ("engine_calls", "sidestep_calls", "max_call_bytes")
 
@@ -58,13 +115,19 @@ class ProcessGroupACCL(dist.ProcessGroup):
         if comm.Get_rank() != rank or comm.Get_size() != size:
             raise RuntimeError(f"accl: MPI communicator is rank {comm.Get_rank()} of {comm.Get_size()} "
                                f"but torch expects rank {rank} of {size}")
-        self.options = options if options is not None else AcclOptions()
-        if self.options.engine != "mpi":
-            raise NotImplementedError("accl: the C++ backend (TORCHHPC_ACCL_IMPL=cpp) has no ACCL engine yet")
+        self.options = opts = options if options is not None else AcclOptions()
         timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
-        mod = core.load_backend()
-        self._backend = mod.ProcessGroupACCL(MPI._handleof(comm), self.options.max_segment_bytes, self.options.check,
-                                             self.options.threaded_min_bytes, timeout_s, group_name)
+        self._engine: object = _Mpi()
+        adapter = None
+        if opts.engine == "accl":
+            from .accl_engine import AcclEngine
+
+            self._engine = AcclEngine(comm, opts)
+            adapter = _AcclEngineAdapter(self._engine)
+        self._adapter = adapter  # (kept alive here: the C++ group holds it too)
+        self._backend = _mod.ProcessGroupACCL(MPI._handleof(comm), opts.max_segment_bytes, opts.check,
+                                              opts.threaded_min_bytes, timeout_s, group_name, adapter,
+                                              sorted(opts.sidestep))
         kind = dist.ProcessGroup.BackendType.CUSTOM
         for device in ("cpu", "cuda"):
             self._register_backend(torch.device(device), kind, self._backend)
@@ -74,7 +137,12 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return "accl"
 
     def __repr__(self) -> str:
-        return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine=mpi, impl=cpp)"
+        return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine={self.engine.name}, impl=cpp)"
+
+    @property
+    def engine(self) -> object:
+        """The engine carrying out this group's collectives (``.name``: ``mpi`` or ``accl``)."""
+        return self._engine
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0 raises for

@@ -166,10 +166,11 @@ void WorkACCL::complete(std::exception_ptr error, int source) {
 
 // ============================================================================================== group
 
-ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config)
+ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr<Engine> engine)
     : c10d::Backend([&] { int r = 0; MPI_Comm_rank(comm, &r); return r; }(),
                     [&] { int s = 0; MPI_Comm_size(comm, &s); return s; }()),
-      opts_(std::move(config)) {
+      opts_(std::move(config)),
+      engine_(std::move(engine)) {
   coll_ = dup(comm);
   ctl_ = dup(comm);
   p2pHead_ = dup(comm);
@@ -268,6 +269,21 @@ void ProcessGroupACCL::checkOpen() const {
 
 const Reduction& ProcessGroupACCL::reduction(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) const {
   return reductionFor(t.scalar_type(), op.op_, what);
+}
+
+Engine* ProcessGroupACCL::engineFor(const std::string& coll, int64_t dcode, int64_t ocode) {
+  if (!engine_) return nullptr;
+  if (engine_->supports(coll, dcode, ocode)) return engine_.get();
+  if (std::find(opts_.sidestep.begin(), opts_.sidestep.end(), coll) != opts_.sidestep.end()) {
+    stats_.sidestepCalls.fetch_add(1);
+    return nullptr;
+  }
+  std::string what = coll;
+  if (dcode) what += " of torch." + wire::dtypeName(dcode);
+  if (ocode) what += " with " + opName(static_cast<RedOpType>(ocode - 1));
+  throw c10::NotImplementedError("accl: the " + engine_->name() + " engine cannot do " + what +
+                                 " and sidestep to MPI is disabled for '" + coll +
+                                 "' (AcclOptions.sidestep / TORCHHPC_ACCL_SIDESTEP)");
 }
 
 // ---------------------------------------------------------------------------------------- the one rule
@@ -525,6 +541,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
   const int64_t nbytes = numel * static_cast<int64_t>(red.esz);
   auto c = newCall(kind, red.dcode, red.ocode, 0, nbytes, numel, ts, type);
   c->header = needsHeader(nbytes);
+  Engine* eng = engineFor("allreduce", red.dcode, red.ocode);
   auto buf = std::make_shared<at::Tensor>();
   const Reduction* r = &red;
   c->stage = [ts, buf] {
@@ -536,16 +553,23 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
     for (auto& x : ts) flat.push_back(x.reshape({-1}).cpu());
     *buf = at::cat(flat);
   };
-  if (c->header && nbytes <= static_cast<int64_t>(kPay)) {  // the data ride in the header slot
+  if (!eng && c->header && nbytes <= static_cast<int64_t>(kPay)) {  // the data ride in the header slot
     c->pack = [buf, nbytes](unsigned char* slot) { std::memcpy(slot, buf->data_ptr(), nbytes); };
     c->fused = [this, buf, numel, nbytes, r](const unsigned char*) {
       if (numel) reduceRows(*r, numel, nbytes, 0, buf->data_ptr());
       return true;
     };
   }
-  c->data = [this, buf, numel, r](Mode m, const WaitFn& wait) {
-    for (int64_t off = 0, per = perSegment(r->esz); off < numel; off += per)
-      wait(mpi_->allreduce(ptr(*buf) + off * r->esz, static_cast<int>(std::min(per, numel - off)), *r, m));
+  c->data = [this, buf, numel, r, eng](Mode m, const WaitFn& wait) {
+    for (int64_t off = 0, per = perSegment(r->esz); off < numel; off += per) {
+      const int64_t cnt = std::min(per, numel - off);
+      if (eng) {
+        stats_.count(cnt * r->esz);
+        eng->allreduce(buf->narrow(0, off, cnt), r->ocode);
+      } else {
+        wait(mpi_->allreduce(ptr(*buf) + off * r->esz, static_cast<int>(cnt), *r, m));
+      }
+    }
   };
   c->finish = [ts, buf, r, p = size_] {
     if (r->avg) buf->div_(p);
@@ -654,9 +678,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tenso
   auto c = newCall(wire::kBroadcast, wire::dtypeCode(t.scalar_type()), 0, root, nbytes, t.numel(), {t},
                    c10d::OpType::BROADCAST);
   c->header = needsHeader(nbytes);
+  Engine* eng = engineFor("broadcast", c->head.dtype);
   auto buf = std::make_shared<at::Tensor>();
   c->stage = [t, buf, isRoot] { *buf = host(t, isRoot); };
-  if (c->header && nbytes <= static_cast<int64_t>(kPay)) {
+  if (!eng && c->header && nbytes <= static_cast<int64_t>(kPay)) {
     c->pack = [buf, nbytes, isRoot](unsigned char* slot) {
       if (isRoot) std::memcpy(slot, buf->data_ptr(), nbytes);
     };
@@ -665,8 +690,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tenso
       return true;
     };
   }
-  c->data = [this, buf, nbytes, root](Mode m, const WaitFn& wait) {
-    for (int64_t off = 0, per = opts_.maxSegmentBytes; off < nbytes; off += per)
+  c->data = [this, buf, nbytes, root, eng](Mode m, const WaitFn& wait) {
+    const int64_t esz = buf->element_size(), numel = nbytes / std::max<int64_t>(esz, 1);
+    for (int64_t off = 0, per = perSegment(esz); eng && off < numel; off += per) {
+      stats_.count(std::min(per, numel - off) * esz);
+      eng->broadcast(buf->narrow(0, off, std::min(per, numel - off)), root);
+    }
+    for (int64_t off = 0, per = opts_.maxSegmentBytes; !eng && off < nbytes; off += per)
       wait(mpi_->bcast(ptr(*buf) + off, static_cast<int>(std::min(per, nbytes - off)), root, m));
   };
   c->finish = [t, buf, isRoot] {
@@ -683,21 +713,30 @@ std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, c
   auto c = newCall(wire::kAllGather, wire::dtypeCode(input.scalar_type()), 0, 0, nbytes, input.numel(),
                    std::move(outputs), type);
   c->header = needsHeader(nbytes * p);
+  Engine* eng = engineFor("allgather", c->head.dtype);
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
   c->stage = [input, output, src, dst, p] {
     *src = host(input, true);
     *dst = output.defined() && direct(output) ? output.view({-1})
                                               : at::empty({input.numel() * p}, input.options().device(at::kCPU));
   };
-  if (c->header && nbytes <= static_cast<int64_t>(kPay)) {
+  if (!eng && c->header && nbytes <= static_cast<int64_t>(kPay)) {
     c->pack = [src, nbytes](unsigned char* slot) { std::memcpy(slot, src->data_ptr(), nbytes); };
     c->fused = [dst, nbytes, p](const unsigned char* all) {
       for (int r = 0; r < p && nbytes; ++r) std::memmove(ptr(*dst) + r * nbytes, all + r * kSlot + kHdr, nbytes);
       return true;
     };
   }
-  c->data = [this, src, dst, nbytes, esz, p](Mode m, const WaitFn& wait) {
-    for (int64_t off = 0, per = perSegment(esz, p) * esz; off < nbytes; off += per)
+  c->data = [this, src, dst, nbytes, esz, p, eng](Mode m, const WaitFn& wait) {
+    const int64_t n = nbytes / std::max<int64_t>(esz, 1);
+    for (int64_t off = 0, per = perSegment(esz, p); eng && off < n; off += per) {
+      const int64_t cnt = std::min(per, n - off);
+      at::Tensor rows = at::empty({p, cnt}, src->options());
+      stats_.count(p * cnt * esz);
+      eng->allgather(src->narrow(0, off, cnt), rows);
+      dst->view({p, n}).narrow(1, off, cnt).copy_(rows);
+    }
+    for (int64_t off = 0, per = perSegment(esz, p) * esz; !eng && off < nbytes; off += per)
       wait(mpi_->allgather(ptr(*src) + off, ptr(*dst) + off, static_cast<int>(std::min(per, nbytes - off)), nbytes, m));
   };
   c->finish = [output, dst, deliverRows] {
@@ -785,21 +824,28 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::function<at::Tens
   const int64_t n = output.numel(), esz = static_cast<int64_t>(red.esz), nbytes = n * esz;
   auto c = newCall(wire::kReduceScatter, red.dcode, red.ocode, 0, nbytes, n, {output}, type);
   c->header = needsHeader(nbytes * p);
+  Engine* eng = engineFor("reduce_scatter", red.dcode, red.ocode);
   const Reduction* r = &red;
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
   c->stage = [rows, output, src, dst] {
     *src = rows();
     *dst = host(output, false);
   };
-  if (c->header && nbytes * p <= static_cast<int64_t>(kPay)) {
+  if (!eng && c->header && nbytes * p <= static_cast<int64_t>(kPay)) {
     c->pack = [src, nbytes, p](unsigned char* slot) { std::memcpy(slot, src->data_ptr(), nbytes * p); };
     c->fused = [this, dst, n, nbytes, r](const unsigned char*) {
       if (n) reduceRows(*r, n, nbytes, rank_ * nbytes, dst->data_ptr());
       return true;
     };
   }
-  c->data = [this, src, dst, n, esz, p, r](Mode m, const WaitFn& wait) {
+  c->data = [this, src, dst, n, esz, p, r, eng](Mode m, const WaitFn& wait) {
     const int64_t per = perSegment(esz, p);
+    for (int64_t off = 0; eng && off < n; off += per) {
+      const int64_t cnt = std::min(per, n - off);
+      stats_.count(p * cnt * esz);
+      eng->reduceScatter(src->view({p, n}).narrow(1, off, cnt).contiguous(), dst->narrow(0, off, cnt), r->ocode);
+    }
+    if (eng) return;
     if (per >= n) {
       if (n) wait(mpi_->reduceScatter(ptr(*src), ptr(*dst), static_cast<int>(n), *r, m));
       return;
@@ -894,6 +940,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& outpu
     for (int64_t s : splits(outputSplits, output, "output")) rb.push_back(s * row * esz);
   }
   checkOpen();
+  engineFor("alltoallv", wire::dtypeCode(input.scalar_type()));  // no engine has it: MPI's, if allowed
   return enqueue(alltoallCall(input, output, sb, rb, c10d::OpType::ALLTOALL_BASE), opts.asyncOp);
 }
 
@@ -1022,6 +1069,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor
     rb.push_back(static_cast<int64_t>(t.nbytes()));
     total += t.numel();
   }
+  engineFor("alltoallv", wire::dtypeCode(inputs[0].scalar_type()));
   at::Tensor send = at::cat(flat), recv = at::empty({total}, inputs[0].options().device(at::kCPU));
   auto rows = [outputs](const at::Tensor& all) {
     int64_t off = 0;
@@ -1044,12 +1092,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>&
   const int64_t numel = t.numel(), nbytes = numel * static_cast<int64_t>(red.esz);
   auto c = newCall(wire::kReduce, red.dcode, red.ocode, root, nbytes, numel, {t}, c10d::OpType::REDUCE);
   c->header = needsHeader(nbytes);
+  Engine* eng = engineFor("reduce", red.dcode, red.ocode);
   const Reduction* r = &red;
   auto buf = std::make_shared<at::Tensor>();
   c->stage = [t, buf, isRoot] { *buf = isRoot ? host(t, true) : t.reshape({-1}).cpu().contiguous(); };
-  c->data = [this, buf, numel, r, root](Mode m, const WaitFn& wait) {
-    for (int64_t off = 0, per = perSegment(r->esz); off < numel; off += per)
-      wait(mpi_->reduce(ptr(*buf) + off * r->esz, static_cast<int>(std::min(per, numel - off)), *r, root, m));
+  c->data = [this, buf, numel, r, root, eng](Mode m, const WaitFn& wait) {
+    for (int64_t off = 0, per = perSegment(r->esz); off < numel; off += per) {
+      const int64_t cnt = std::min(per, numel - off);
+      if (eng) {
+        stats_.count(cnt * r->esz);
+        eng->reduce(buf->narrow(0, off, cnt), r->ocode, root);
+      } else {
+        wait(mpi_->reduce(ptr(*buf) + off * r->esz, static_cast<int>(cnt), *r, root, m));
+      }
+    }
   };
   c->finish = [t, buf, r, isRoot, p = size_] {
     if (!isRoot) return;  // the others' tensors are left as they were
@@ -1084,13 +1140,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::gather(std::vector<std::vector<
   auto c = newCall(wire::kGather, wire::dtypeCode(input.scalar_type()), 0, root, nbytes, n, outs,
                    c10d::OpType::GATHER);
   c->header = needsHeader(nbytes * p);
+  Engine* eng = engineFor("gather", c->head.dtype);
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
   c->stage = [input, src, dst, p, n, root, me = rank_] {
     *src = host(input, true);
     if (me == root) *dst = at::empty({p * n}, input.options().device(at::kCPU));
   };
-  c->data = [this, src, dst, nbytes, esz, p, root](Mode m, const WaitFn& wait) {
-    for (int64_t off = 0, per = perSegment(esz, p) * esz; off < nbytes; off += per)
+  c->data = [this, src, dst, nbytes, esz, p, root, n, eng](Mode m, const WaitFn& wait) {
+    for (int64_t off = 0, per = perSegment(esz, p); eng && off < n; off += per) {
+      const int64_t cnt = std::min(per, n - off);
+      at::Tensor rows = dst->defined() ? at::empty({p, cnt}, src->options()) : at::empty({0}, src->options());
+      stats_.count(p * cnt * esz);
+      eng->gather(src->narrow(0, off, cnt), rows, root);
+      if (dst->defined()) dst->view({p, n}).narrow(1, off, cnt).copy_(rows);
+    }
+    for (int64_t off = 0, per = perSegment(esz, p) * esz; !eng && off < nbytes; off += per)
       wait(mpi_->gather(ptr(*src) + off, dst->defined() ? ptr(*dst) + off : nullptr,
                         static_cast<int>(std::min(per, nbytes - off)), nbytes, root, m));
   };
@@ -1112,6 +1176,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>
   auto c = newCall(wire::kScatter, wire::dtypeCode(output.scalar_type()), 0, root, nbytes, n, {output},
                    c10d::OpType::SCATTER);
   c->header = needsHeader(nbytes * p);
+  Engine* eng = engineFor("scatter", c->head.dtype);
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
   c->stage = [ins, output, src, dst] {
     if (!ins.empty()) {
@@ -1121,8 +1186,15 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>
     }
     *dst = host(output, false);
   };
-  c->data = [this, src, dst, nbytes, esz, p, root](Mode m, const WaitFn& wait) {
-    for (int64_t off = 0, per = perSegment(esz, p) * esz; off < nbytes; off += per)
+  c->data = [this, src, dst, nbytes, esz, p, root, n, eng](Mode m, const WaitFn& wait) {
+    for (int64_t off = 0, per = perSegment(esz, p); eng && off < n; off += per) {
+      const int64_t cnt = std::min(per, n - off);
+      at::Tensor rows = src->defined() ? src->view({p, n}).narrow(1, off, cnt).contiguous()
+                                       : at::empty({0}, dst->options());
+      stats_.count(p * cnt * esz);
+      eng->scatter(rows, dst->narrow(0, off, cnt), root);
+    }
+    for (int64_t off = 0, per = perSegment(esz, p) * esz; !eng && off < nbytes; off += per)
       wait(mpi_->scatter(src->defined() ? ptr(*src) + off : nullptr, nbytes, ptr(*dst) + off,
                          static_cast<int>(std::min(per, nbytes - off)), root, m));
   };
@@ -1132,6 +1204,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::barrier(const c10d::BarrierOptions& opts) {
   checkOpen();
+  engineFor("barrier");
   auto c = newCall(wire::kBarrier, 0, 0, 0, 0, 0, {}, c10d::OpType::BARRIER);
   c->header = opts_.check;  // checked: the header exchange is itself a full synchronisation
   c->data = [this](Mode m, const WaitFn& wait) {
@@ -1221,10 +1294,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
   std::memcpy(op->envelope.data(), &env, sizeof env);
   const bool small = nbytes <= static_cast<int64_t>(kPay);
   if (small && nbytes) std::memcpy(op->envelope.data() + kHdr, op->host.data_ptr(), nbytes);
+  op->eng = engineFor("send", env.dtype);
   op->reqs.push_back(MPI_REQUEST_NULL);
   MPI_Isend(op->envelope.data(), static_cast<int>(kHdr + (small ? nbytes : 0)), MPI_BYTE, dst, tag, p2pHead_,
             &op->reqs.back());
-  for (int64_t off = 0, per = opts_.maxSegmentBytes; !small && off < nbytes; off += per) {
+  const int64_t esz = t.element_size();
+  for (int64_t off = 0, per = perSegment(esz); op->eng && !small && off < t.numel(); off += per) {
+    stats_.count(std::min(per, t.numel() - off) * esz);  // the engine's calls block: made here, in order
+    op->eng->send(op->host.narrow(0, off, std::min(per, t.numel() - off)), dst, tag);
+  }
+  for (int64_t off = 0, per = opts_.maxSegmentBytes; !op->eng && !small && off < nbytes; off += per) {
     op->reqs.push_back(MPI_REQUEST_NULL);
     stats_.count(std::min(per, nbytes - off));
     MPI_Isend(ptr(op->host) + off, static_cast<int>(std::min(per, nbytes - off)), MPI_BYTE, dst, tag, p2pData_,
@@ -1252,6 +1331,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvFrom(const at::Tensor& t, i
   op->peer = src;
   op->tag = tag;
   op->tensor = t;
+  op->eng = engineFor("recv", wire::dtypeCode(t.scalar_type()));
   op->envelope.assign(kSlot, 0);
   op->reqs.push_back(MPI_REQUEST_NULL);
   MPI_Irecv(op->envelope.data(), static_cast<int>(kSlot), MPI_BYTE, src < 0 ? MPI_ANY_SOURCE : src, tag, p2pHead_,
@@ -1331,6 +1411,18 @@ bool ProcessGroupACCL::advanceP2P(P2P& op) {
       const std::string bad = envelopeMismatch(env, op.source, op);
       const bool small = env.nbytes <= static_cast<int64_t>(kPay);
       char* into = nullptr;
+      if (op.eng && !small && env.magic == wire::kMagic) {  // the payload on the engine (its calls block)
+        at::Tensor buf = bad.empty() ? (op.host = host(op.tensor, false))
+                                     : at::empty({env.numel}, op.tensor.options().dtype(wire::scalarTypeOf(env.dtype)));
+        const int64_t esz = buf.element_size();
+        for (int64_t off = 0, per = perSegment(esz); off < buf.numel(); off += per) {
+          stats_.count(std::min(per, buf.numel() - off) * esz);
+          op.eng->recv(buf.narrow(0, off, std::min(per, buf.numel() - off)), op.source, op.tag);
+        }
+        if (!bad.empty()) op.error = std::make_exception_ptr(MismatchError(bad));
+        else deliver(op.host, op.tensor);
+        return true;
+      }
       if (!bad.empty()) {
         op.error = std::make_exception_ptr(MismatchError(bad));
         if (env.magic != wire::kMagic || small) return true;

@@ -76,6 +76,7 @@ struct Header {
 int64_t dtypeCode(at::ScalarType t);
 int64_t opCode(RedOpType op);
 std::string dtypeName(int64_t code);
+at::ScalarType scalarTypeOf(int64_t code);  // (uint8 for a code outside the table)
 std::string describe(const Header& h);
 // the error text for gathered headers whose first `compare` fields differ (wire.describe_mismatch's text)
 std::string describeMismatch(const std::vector<Header>& heads, int compare, const std::string& group);
@@ -139,6 +140,26 @@ class MpiEngine {
   Stats& stats_;
 };
 
+// The interface of an engine other than MPI: the ACCL hardware engine lives in Python (pyaccl is Python) and
+// implements it through module.cpp's trampoline.  Blocking calls on contiguous host tensors (the group stages
+// and segments); dtypes and ops as wire codes (0: none).
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual std::string name() const = 0;
+  // whether it does `coll` (an AcclOptions.sidestep name: "allreduce", "broadcast", ...) for dtype and op
+  virtual bool supports(const std::string& coll, int64_t dcode, int64_t ocode) const = 0;
+  virtual void allreduce(at::Tensor buf, int64_t ocode) = 0;
+  virtual void reduce(at::Tensor buf, int64_t ocode, int64_t root) = 0;
+  virtual void broadcast(at::Tensor buf, int64_t root) = 0;
+  virtual void allgather(at::Tensor send, at::Tensor recv) = 0;            // recv: p x n
+  virtual void gather(at::Tensor send, at::Tensor recv, int64_t root) = 0;   // recv: p x n on the root, else empty
+  virtual void scatter(at::Tensor send, at::Tensor recv, int64_t root) = 0;  // send: p x n on the root, else empty
+  virtual void reduceScatter(at::Tensor send, at::Tensor recv, int64_t ocode) = 0;  // send: p x n
+  virtual void send(at::Tensor buf, int64_t dst, int64_t tag) = 0;
+  virtual void recv(at::Tensor buf, int64_t src, int64_t tag) = 0;
+};
+
 // ------------------------------------------------------------------------------------------ work
 class ProcessGroupACCL;
 
@@ -198,6 +219,7 @@ struct P2P {
   std::exception_ptr error;
   std::vector<unsigned char> drain;
   Clock::time_point deadline;
+  Engine* eng = nullptr;                   // the payload's engine (null: MPI); the envelope is always MPI's
   c10::intrusive_ptr<WorkACCL> work;
 };
 
@@ -208,11 +230,13 @@ struct Config {
   int64_t thresholdBytes = 64 << 10;       // threaded_min_bytes: unchecked calls above it exchange the header
   std::chrono::milliseconds timeout{1800 * 1000};
   std::string groupName;
+  std::vector<std::string> sidestep;       // collectives an engine lacks that may fall back to MPI
 };
 
 class ProcessGroupACCL : public c10d::Backend {
  public:
-  ProcessGroupACCL(MPI_Comm comm, Config config);
+  // `engine`: the group's engine when it is not MPI (null: MPI)
+  ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr<Engine> engine = nullptr);
   ~ProcessGroupACCL() override;
 
   const std::string getBackendName() const override { return "accl"; }
@@ -291,6 +315,10 @@ class ProcessGroupACCL : public c10d::Backend {
                                    int64_t root, const char* what, const char* name) const;
   const Reduction& reduction(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) const;
 
+  // the engine for `coll` on (dcode, ocode): the group's engine where it does it, else null (MPI) where
+  // AcclOptions.sidestep allows, else NotImplementedError
+  Engine* engineFor(const std::string& coll, int64_t dcode = 0, int64_t ocode = 0);
+
   // ---- the one rule: whether a call moving `bytes` exchanges the header
   bool needsHeader(int64_t bytes) const;
   int64_t perSegment(size_t esz, int parts = 1) const;
@@ -339,6 +367,7 @@ class ProcessGroupACCL : public c10d::Backend {
   Stats stats_;
   MPI_Comm coll_ = MPI_COMM_NULL, ctl_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
   std::unique_ptr<MpiEngine> mpi_;
+  std::shared_ptr<Engine> engine_;         // null: MPI
   std::vector<unsigned char> mine_, all_;  // this rank's slot, every rank's slots
   MPI_Request hreq_ = MPI_REQUEST_NULL;
   bool persistent_ = false;

@@ -30,15 +30,47 @@ H handleOf(uintptr_t v) {
   else return static_cast<H>(v);
 }
 
+// the engine interface as Python implements it (torchhpc.accl.group's adapter of the ACCL engine)
+class PyEngine : public torchhpc::accl::Engine {
+ public:
+  using Engine::Engine;
+  std::string name() const override { PYBIND11_OVERRIDE_PURE(std::string, Engine, name, ); }
+  bool supports(const std::string& coll, int64_t dcode, int64_t ocode) const override {
+    PYBIND11_OVERRIDE_PURE(bool, Engine, supports, coll, dcode, ocode);
+  }
+  void allreduce(at::Tensor buf, int64_t ocode) override { PYBIND11_OVERRIDE_PURE(void, Engine, allreduce, buf, ocode); }
+  void reduce(at::Tensor buf, int64_t ocode, int64_t root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, reduce, buf, ocode, root);
+  }
+  void broadcast(at::Tensor buf, int64_t root) override { PYBIND11_OVERRIDE_PURE(void, Engine, broadcast, buf, root); }
+  void allgather(at::Tensor send, at::Tensor recv) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, allgather, send, recv);
+  }
+  void gather(at::Tensor send, at::Tensor recv, int64_t root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, gather, send, recv, root);
+  }
+  void scatter(at::Tensor send, at::Tensor recv, int64_t root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, scatter, send, recv, root);
+  }
+  void reduceScatter(at::Tensor send, at::Tensor recv, int64_t ocode) override {
+    PYBIND11_OVERRIDE_PURE_NAME(void, Engine, "reduce_scatter", reduceScatter, send, recv, ocode);
+  }
+  void send(at::Tensor buf, int64_t dst, int64_t tag) override { PYBIND11_OVERRIDE_PURE(void, Engine, send, buf, dst, tag); }
+  void recv(at::Tensor buf, int64_t src, int64_t tag) override { PYBIND11_OVERRIDE_PURE(void, Engine, recv, buf, src, tag); }
+};
+
 c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, int64_t maxSegmentBytes, bool check,
-                                            int64_t thresholdBytes, double timeoutS, std::string name) {
+                                            int64_t thresholdBytes, double timeoutS, std::string name,
+                                            std::shared_ptr<torchhpc::accl::Engine> engine,
+                                            std::vector<std::string> sidestep) {
   torchhpc::accl::Config o;
   o.maxSegmentBytes = maxSegmentBytes;
   o.check = check;
   o.thresholdBytes = thresholdBytes;
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0));
   o.groupName = std::move(name);
-  return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(o));
+  o.sidestep = std::move(sidestep);
+  return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(o), std::move(engine));
 }
 
 std::atomic<int64_t>& counter(ProcessGroupACCL& pg, const std::string& name) {
@@ -79,9 +111,13 @@ void translate(std::exception_ptr p) {
 PYBIND11_MODULE(ACCL_MODULE, m) {
   m.doc() = "torchhpc.accl's C++ backend (c10d::Backend over MPI), built for one MPI family and one torch";
   py::module_::import("torch.distributed");  // c10d::Backend's Python type
+  py::class_<torchhpc::accl::Engine, PyEngine, std::shared_ptr<torchhpc::accl::Engine>>(
+      m, "Engine", "an engine other than MPI, implemented in Python: blocking calls on contiguous host tensors")
+      .def(py::init<>());
   py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
       .def(py::init(&create), py::arg("comm"), py::arg("max_segment_bytes"), py::arg("check"),
-           py::arg("threshold_bytes"), py::arg("timeout_s"), py::arg("group_name"),
+           py::arg("threshold_bytes"), py::arg("timeout_s"), py::arg("group_name"), py::arg("engine") = nullptr,
+           py::arg("sidestep") = std::vector<std::string>{},
            py::call_guard<py::gil_scoped_release>(),
            "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
            "of the communicator constructs it")

@@ -78,6 +78,10 @@ int64_t opCode(RedOpType op) {
   return op <= RedOpType::BXOR ? static_cast<int64_t>(op) + 1 : 0;
 }
 
+at::ScalarType scalarTypeOf(int64_t code) {
+  return code > 0 && code <= 15 ? kDtypes[code - 1] : at::kByte;
+}
+
 std::string dtypeName(int64_t code) {
   if (code > 0 && code <= 15) return kDtypeNames[code - 1];
   return code == 0 ? "none" : "dtype#" + std::to_string(code);
