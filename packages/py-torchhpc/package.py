@@ -44,5 +44,6 @@ class PyTorchhpc(PythonPackage):
         (_front.cpp) with Spack's $CXX against py-torch, into the installed package; corebuild.py runs from
         the source tree beside them."""
         corebuild = join_path(self.stage.source_path, "src", "torchhpc", "accl", "corebuild.py")
-        self.spec["python"].command(corebuild, "--mpicc", self.spec["mpi"].mpicc,
+        self.spec["python"].command(corebuild, "--mpicc", self.spec["mpi"].mpicc, "--backend", "yes",
+                                    "--mpicxx", self.spec["mpi"].mpicxx,
                                     "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"))

@@ -140,7 +140,7 @@ def _stamp(cxx: str, flags: list[str]) -> str:
 
 
 def build_backend(mpicc: str | None = None, dest: Path | None = None, force: bool = False,
-                  objdir: Path | None = None) -> Path:
+                  objdir: Path | None = None, mpicxx: str | None = None) -> Path:
     """Compile the C++ backend (``csrc/``) for the MPI family behind ``mpicc`` (its C++ wrapper) against the
     importable torch, into ``_backend_<family>`` in ``dest`` (default: this package); the output's path.
     Object files are kept per family in ``objdir`` (default ``build/accl-backend/<family>`` of the checkout, else
@@ -149,7 +149,7 @@ def build_backend(mpicc: str | None = None, dest: Path | None = None, force: boo
     import torch
     from torch.utils import cpp_extension
 
-    mpicxx = default_mpicxx(mpicc)
+    mpicxx = mpicxx or default_mpicxx(mpicc)
     fam = family_of(mpicc or default_mpicc())
     name = f"_backend_{fam}"
     dest = Path(dest) if dest is not None else SOURCE.parent
@@ -194,12 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cxx", help="C++ compiler for the front (default: $CXX, else c++)")
     ap.add_argument("--backend", choices=("yes", "no", "only"), default="no",
                     help="also build the C++ backend (csrc/, issue 24) for this MPI family, or only it")
+    ap.add_argument("--mpicxx", help="the MPI's C++ wrapper for the backend (default: the one beside --mpicc)")
     args = ap.parse_args(argv)
+    if args.backend != "no":
+        print(build_backend(args.mpicc, args.dest, args.force, mpicxx=args.mpicxx))
     if args.backend == "only":
-        print(build_backend(args.mpicc, args.dest, args.force))
         return 0
-    if args.backend == "yes":
-        print(build_backend(args.mpicc, args.dest, args.force))
     if args.front != "only":
         print(build(args.mpicc, args.dest, args.force))
     if args.front != "no":

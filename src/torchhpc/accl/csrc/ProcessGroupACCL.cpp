@@ -140,28 +140,33 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkACCL::getFuture() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!future_) {
     future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-    if (completed_) {
-      if (exception_) future_->setError(exception_);
-      else future_->markCompleted(c10::IValue(outputs_));
-    }
+    if (settling_) settle(future_, outcome_);  // a new future has no callbacks yet: settled under the lock
   }
   return future_;
 }
 
+void WorkACCL::settle(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::exception_ptr error) {
+  if (error) fut->setError(error);
+  else fut->markCompleted(c10::IValue(outputs_));
+}
+
 void WorkACCL::complete(std::exception_ptr error, int source) {
+  // the future is settled before the Work reads as completed: whoever waited on the Work finds its future done
   source_ = source;
   c10::intrusive_ptr<c10::ivalue::Future> fut;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    completed_ = true;
-    exception_ = error;
+    settling_ = true;
+    outcome_ = error;
     fut = future_;
   }
-  cv_.notify_all();
-  if (fut) {
-    if (error) fut->setError(error);
-    else fut->markCompleted(c10::IValue(outputs_));
+  if (fut) settle(fut, error);
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    completed_ = true;
+    exception_ = error;
   }
+  cv_.notify_all();
 }
 
 // ============================================================================================== group
@@ -204,6 +209,9 @@ void ProcessGroupACCL::shutdown() {
   for (auto& c : queue_) c->work->complete(std::make_exception_ptr(AbortedError("accl: process group shut down")));
   queue_.clear();
   if (!aborted_.empty()) return;  // requests given up at a deadline may still use the communicators
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;  // a group never destroyed, collected at interpreter exit after MPI_Finalize
   if (persistent_) MPI_Request_free(&hreq_);
   for (MPI_Comm* c : {&coll_, &ctl_, &p2pHead_, &p2pData_})
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);

@@ -185,9 +185,12 @@ class WorkACCL : public c10d::Work {
   }
 
  private:
+  void settle(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::exception_ptr error);
   std::string what_, group_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool settling_ = false;        // the outcome is known (the future is being settled)
+  std::exception_ptr outcome_;
   ProcessGroupACCL* p2pOwner_;  // progresses point-to-point ops while waiting (null: collectives)
   std::atomic<int> source_{-1};
 };
