@@ -121,8 +121,8 @@ bool WorkACCL::wait(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!completed_) {
     if (Clock::now() > limit)
-      throw PeerTimeoutError("accl: Work.wait(" + seconds(timeout) + " s) expired before " + what_ +
-                             " completed in group '" + group_ + "'");
+      throw PeerTimeoutError("accl: Work.wait(" + seconds(timeout) + " s) expired before " + what() +
+                             " completed in group '" + (group_ ? *group_ : std::string()) + "'");
     if (p2pOwner_ != nullptr) {  // point-to-point: the waiter progresses them
       lock.unlock();
       p2pOwner_->progressP2P();
@@ -219,6 +219,12 @@ void ProcessGroupACCL::shutdown() {
 
 std::string ProcessGroupACCL::groupName() const {
   return getGroupUid().empty() ? opts_.groupName : getGroupUid();
+}
+
+std::shared_ptr<const std::string> ProcessGroupACCL::groupNameShared() {
+  const std::string& now = getGroupUid().empty() ? opts_.groupName : getGroupUid();
+  if (!nameShared_ || *nameShared_ != now) nameShared_ = std::make_shared<const std::string>(now);
+  return nameShared_;
 }
 
 // ---------------------------------------------------------------------------------------- argument checks
@@ -334,7 +340,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::enqueue(std::unique_ptr<Call> c
     throw AbortedError("accl: process group is aborted (" + aborted_ +
                        "); create a new one (or restart) to communicate again");
   call->head.seq = seq_++;
-  work->name(describe(*call), groupName());
+  work->name(call->head, groupNameShared());
   if (!asyncOp && queue_.empty() && !running_) {  // idle group, synchronous call: the caller's thread runs it
     running_ = true;
     lock.unlock();
@@ -417,7 +423,7 @@ void ProcessGroupACCL::run(Call& c) {
   if (c.data) {
     WaitFn wait = [&](MPI_Request r) {
       if (r != MPI_REQUEST_NULL) {
-        waitRequest(r, describe(c).c_str());
+        waitRequest(r, c);
       }
     };
     c.data(mode, wait);
@@ -433,7 +439,7 @@ void ProcessGroupACCL::exchangeHeader(Call& c) {
   int rc = persistent_ ? MPI_Start(&hreq_)
                        : MPI_Iallgather(mine_.data(), kSlot, MPI_BYTE, all_.data(), kSlot, MPI_BYTE, ctl_, &hreq_);
   if (rc != MPI_SUCCESS) throw c10::DistBackendError("accl: starting the header exchange failed");
-  waitRequest(hreq_, describe(c).c_str());
+  waitRequest(hreq_, c);
   const int64_t* me = &c.head.magic;
   bool same = true;
   std::vector<wire::Header> heads(size_);
@@ -445,14 +451,14 @@ void ProcessGroupACCL::exchangeHeader(Call& c) {
   if (!same) throw MismatchError(wire::describeMismatch(heads, c.compare, groupName()));
 }
 
-void ProcessGroupACCL::waitRequest(MPI_Request& req, const char* what) {
+void ProcessGroupACCL::waitRequest(MPI_Request& req, const Call& call) {
   Backoff backoff;
   int done = 0;
   while (true) {
     int rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) raiseMpi(rc, what);
+    if (rc != MPI_SUCCESS) raiseMpi(rc, describe(call));
     if (done) return;
-    if (Clock::now() > deadline_) expire(what);
+    if (Clock::now() > deadline_) expire(describe(call));
     backoff.pause();
   }
 }
@@ -1375,16 +1381,16 @@ std::string ProcessGroupACCL::envelopeMismatch(const wire::Envelope& env, int pe
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op) {
   op->deadline = Clock::now() + opts_.timeout;
-  op->work->name(std::string(op->work->what()), groupName());
   auto work = op->work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    work->name(groupNameShared());
+    ensureWorker();
+  }
   {
     std::lock_guard<std::mutex> lock(p2pMu_);
     p2p_.push_back(std::move(op));
     p2pPending_.fetch_add(1);
-  }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    ensureWorker();
   }
   cv_.notify_all();
   progressP2P();

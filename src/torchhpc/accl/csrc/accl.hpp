@@ -178,15 +178,21 @@ class WorkACCL : public c10d::Work {
   // completion, by whoever ran the call
   void complete(std::exception_ptr error, int source = -1);
   // the call in words and its group, for errors (set when the call is numbered)
-  const std::string& what() const { return what_; }
-  void name(std::string what, std::string group) {
-    what_ = std::move(what);
+  // the call in words, made only when asked (errors, repr): from its header, or the text it was made with
+  std::string what() const { return hasHead_ ? wire::describe(head_) : what_; }
+  void name(const wire::Header& head, std::shared_ptr<const std::string> group) {
+    head_ = head;
+    hasHead_ = true;
     group_ = std::move(group);
   }
+  void name(std::shared_ptr<const std::string> group) { group_ = std::move(group); }
 
  private:
   void settle(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::exception_ptr error);
-  std::string what_, group_;
+  std::string what_;
+  wire::Header head_;
+  bool hasHead_ = false;
+  std::shared_ptr<const std::string> group_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool settling_ = false;        // the outcome is known (the future is being settled)
@@ -331,7 +337,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void run(Call& call);                    // header, data, finish; throws
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
   void exchangeHeader(Call& call);
-  void waitRequest(MPI_Request& req, const char* what);
+  void waitRequest(MPI_Request& req, const Call& call);  // polled against deadline_; `call` names it in errors
   void workerLoop();
   [[noreturn]] void expire(const std::string& what);
   std::string describe(const Call& c) const;
@@ -343,6 +349,7 @@ class ProcessGroupACCL : public c10d::Backend {
   bool advanceP2P(P2P& op);  // true when done
   void ensureWorker();        // (caller holds mu_)
   std::string groupName() const;
+  std::shared_ptr<const std::string> groupNameShared();  // for Works (made again only when torch renames the group)
   // the pieces the collectives share
   std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,
                                       c10d::OpType type);
@@ -383,6 +390,7 @@ class ProcessGroupACCL : public c10d::Backend {
   bool stop_ = false;
   int64_t seq_ = 0;
   std::string aborted_;                    // why the group is aborted ("" while usable)
+  std::shared_ptr<const std::string> nameShared_;
   std::exception_ptr abortError_;          // the error that aborted it: queued calls fail with it
   std::thread worker_;
 
