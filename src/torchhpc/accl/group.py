@@ -80,7 +80,7 @@ class _Mpi:
 
     name = "mpi"
 
-_STATS = ("engine_calls", "sidestep_calls", "max_call_bytes")
+_STATS = ("engine_calls", "sidestep_calls", "max_call_bytes", "queued_calls")
 
 
 class _Stats(MutableMapping):
@@ -153,5 +153,6 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
     @property
     def stats(self) -> MutableMapping[str, int]:
-        """Engine calls made, calls sidestepped to MPI, and the largest bytes of one call's buffer."""
+        """Engine calls made, calls sidestepped to MPI, the largest bytes of one call's buffer, and collectives
+        that went to the queue (async, or behind pending work) rather than running in their caller's thread."""
         return _Stats(self._backend)

@@ -352,6 +352,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::enqueue(std::unique_ptr<Call> c
     return work;
   }
   queue_.push_back(std::move(call));
+  stats_.queuedCalls.fetch_add(1, std::memory_order_relaxed);
   ensureWorker();
   lock.unlock();
   cv_.notify_all();

@@ -104,6 +104,7 @@ std::string opName(RedOpType op);
 // ------------------------------------------------------------------------------------------ engine
 struct Stats {
   std::atomic<int64_t> engineCalls{0}, sidestepCalls{0}, maxCallBytes{0};
+  std::atomic<int64_t> queuedCalls{0};  // collectives that went to the queue (not run inline by their caller)
   void count(int64_t bytes);
 };
 

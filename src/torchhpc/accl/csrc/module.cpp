@@ -78,6 +78,7 @@ std::atomic<int64_t>& counter(ProcessGroupACCL& pg, const std::string& name) {
   if (name == "engine_calls") return s.engineCalls;
   if (name == "sidestep_calls") return s.sidestepCalls;
   if (name == "max_call_bytes") return s.maxCallBytes;
+  if (name == "queued_calls") return s.queuedCalls;
   throw py::key_error(name);
 }
 
