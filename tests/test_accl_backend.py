@@ -43,6 +43,10 @@ def test_loaded_backend_matches_mpi4py_library_and_torch() -> None:
     assert mod.torch_version == torch.__version__
     assert mod.library_version().splitlines()[0] == MPI.Get_library_version().splitlines()[0]
     assert {"ProcessGroupACCL", "AcclWork", "Engine"} <= set(dir(mod))
+    # the same answer as the Python side's query (mpi4py), e.g. False for both PyPI wheels
+    from torchhpc.accl import mpi_cuda_aware
+
+    assert mod.cuda_aware() == mpi_cuda_aware()
 
 
 def test_backend_for_another_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -161,6 +161,11 @@ class Engine {
   virtual void recv(at::Tensor buf, int64_t src, int64_t tag) = 0;
 };
 
+// Whether the MPI library takes CUDA device buffers: the same query as our PyTorch patch
+// (patches/pytorch/*/0001-c10d-mpi-ask-mpich-for-cuda-support.patch): Open MPI's MPIX_Query_cuda_support, MPICH's
+// MPIX_GPU_query_support, else MPICH_GPU_SUPPORT_ENABLED=1 for MPICH derivatives without the query.
+bool cudaAwareMpi();
+
 // ------------------------------------------------------------------------------------------ work
 class ProcessGroupACCL;
 

@@ -142,6 +142,8 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
       });
   py::register_exception_translator(&translate);
   m.def("library_version", &libraryVersion, "MPI_Get_library_version");
+  m.def("cuda_aware", &torchhpc::accl::cudaAwareMpi,
+        "whether this MPI library takes CUDA device buffers (the query of our PyTorch patch)");
   m.attr("torch_version") = TORCH_BUILT_FOR;
   m.attr("module") = ACCL_STR(ACCL_MODULE);
 }
