@@ -6,7 +6,8 @@ import importlib.util
 
 import torch
 
-from . import core
+from ..errors import EngineUnavailableError
+from . import backend, core
 from .mpi_engine import mpi_cuda_aware
 
 __all__ = ["environment_report"]
@@ -30,4 +31,16 @@ def environment_report() -> list[tuple[str, str]]:
             if has_pyaccl else "pyaccl not installed: only the MPI engine is available")
     front = core.front_status()[1]
     return [("accl MPI library", lib), ("accl CUDA path", cuda), ("accl C++ front", front),
-            ("accl ACCL engine", accl)]
+            ("accl ACCL engine", accl), ("accl implementation", _implementation())]
+
+
+def _implementation() -> str:
+    """Which implementation serves "accl" (``TORCHHPC_ACCL_IMPL``) and whether the C++ backend is built."""
+    try:
+        mod = core.load_backend()
+        built = f"C++ backend {mod.__name__.rsplit('.', 1)[-1]} built for torch {mod.torch_version}"
+    except EngineUnavailableError as exc:
+        built = f"C++ backend unusable: {exc}"
+    if backend.IMPL == "cpp":
+        return f"C++ backend (TORCHHPC_ACCL_IMPL=cpp): {built}"
+    return f"Python adapter (TORCHHPC_ACCL_IMPL=py, the default); {built}"

@@ -86,10 +86,20 @@ MPI_Comm dup(MPI_Comm comm) {
 
 WorkACCL::WorkACCL(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
                    ProcessGroupACCL* p2pOwner)
-    : c10d::Work(rank, type), what_(std::move(what)), outputs_(std::move(outputs)), p2pOwner_(p2pOwner) {}
+    : c10d::Work(rank, type),
+      what_(std::move(what)),
+      outputs_(std::move(outputs)),
+      p2pOwner_(p2pOwner != nullptr ? c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(
+                                          static_cast<c10d::Backend*>(p2pOwner))
+                                    : c10::intrusive_ptr<c10d::Backend>()),
+      isP2P_(p2pOwner != nullptr) {}
+
+void WorkACCL::progressOwner() {
+  if (auto owner = p2pOwner_.lock()) static_cast<ProcessGroupACCL*>(owner.get())->progressP2P();
+}
 
 bool WorkACCL::isCompleted() {
-  if (p2pOwner_ != nullptr) p2pOwner_->progressP2P();
+  progressOwner();
   std::lock_guard<std::mutex> lock(mutex_);
   return completed_;
 }
@@ -123,9 +133,9 @@ bool WorkACCL::wait(std::chrono::milliseconds timeout) {
     if (Clock::now() > limit)
       throw PeerTimeoutError("accl: Work.wait(" + seconds(timeout) + " s) expired before " + what() +
                              " completed in group '" + (group_ ? *group_ : std::string()) + "'");
-    if (p2pOwner_ != nullptr) {  // point-to-point: the waiter progresses them
+    if (isP2P_) {  // point-to-point: the waiter progresses them
       lock.unlock();
-      p2pOwner_->progressP2P();
+      progressOwner();
       backoff.pause();
       lock.lock();
     } else {

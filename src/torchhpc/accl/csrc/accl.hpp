@@ -171,6 +171,7 @@ class ProcessGroupACCL;
 
 class WorkACCL : public c10d::Work {
  public:
+  // `p2pOwner`: the group whose point-to-point ops a waiter progresses (null: a collective)
   WorkACCL(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
            ProcessGroupACCL* p2pOwner = nullptr);
   bool isCompleted() override;
@@ -203,7 +204,10 @@ class WorkACCL : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool settling_ = false;        // the outcome is known (the future is being settled)
   std::exception_ptr outcome_;
-  ProcessGroupACCL* p2pOwner_;  // progresses point-to-point ops while waiting (null: collectives)
+  // the group progressed while waiting (a ProcessGroupACCL); may be gone: a Work can outlive its group
+  c10::weak_intrusive_ptr<c10d::Backend> p2pOwner_;
+  void progressOwner();
+  bool isP2P_;
   std::atomic<int> source_{-1};
 };
 
