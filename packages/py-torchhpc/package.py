@@ -40,10 +40,9 @@ class PyTorchhpc(PythonPackage):
 
     @run_after("install")
     def build_accl_core(self):
-        """accl's compiled core (src/torchhpc/accl/_core.c) built with this MPI's mpicc, and its C++ front
-        (_front.cpp) with Spack's $CXX against py-torch, into the installed package; corebuild.py runs from
-        the source tree beside them."""
+        """accl's C++ backend (src/torchhpc/accl/csrc/) built with this MPI's mpicxx against py-torch, into the
+        installed package; corebuild.py runs from the source tree beside the sources."""
         corebuild = join_path(self.stage.source_path, "src", "torchhpc", "accl", "corebuild.py")
-        self.spec["python"].command(corebuild, "--mpicc", self.spec["mpi"].mpicc, "--backend", "yes",
+        self.spec["python"].command(corebuild, "--mpicc", self.spec["mpi"].mpicc,
                                     "--mpicxx", self.spec["mpi"].mpicxx,
                                     "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"))

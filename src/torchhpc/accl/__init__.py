@@ -7,26 +7,26 @@ Importing this package registers the backend::
 
     dist.init_process_group("accl")  # under mpiexec: no MASTER_ADDR/MASTER_PORT needed
 
-See :class:`AcclOptions` for the engine (``mpi``/``accl``), segmentation and checks.
+Every call runs in one C++ class, ``ProcessGroupACCL`` (a ``c10d::Backend``, ``csrc/``); this package registers
+it, holds its options (:class:`AcclOptions`) and reports the environment it will run in.
 """
 
 from __future__ import annotations
 
-from . import backend
-from .backend import ProcessGroupACCL, create_process_group, register
-from .engine import CollectiveEngine, EngineUnavailableError, Request
-from .info import environment_report
-from .mpi_engine import MpiEngine, mpi_cuda_aware
+from ..errors import EngineUnavailableError, MismatchError, PeerFailedError, PeerTimeoutError
+from .backend import create_process_group, register
+from .group import AcclWork, ProcessGroupACCL
+from .info import environment_report, mpi_cuda_aware
 from .options import AcclOptions
-from .work import AcclMismatchError, AcclPeerFailedError, AcclTimeoutError, AcclWork
 
-if backend.IMPL == "cpp":
-    from .group import AcclWork  # noqa: F811 - the C++ backend's Work
+#: the errors of accl's calls under their accl names (one family: :mod:`torchhpc.errors`)
+AcclMismatchError = MismatchError
+AcclTimeoutError = PeerTimeoutError
+AcclPeerFailedError = PeerFailedError
 
 __all__ = [
     "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",
-    "AcclPeerFailedError", "CollectiveEngine", "Request", "MpiEngine", "EngineUnavailableError",
-    "mpi_cuda_aware",
+    "AcclPeerFailedError", "EngineUnavailableError", "mpi_cuda_aware",
     "create_process_group", "register", "environment_report",
 ]
 

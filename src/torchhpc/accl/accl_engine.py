@@ -1,7 +1,9 @@
 """The ``accl`` engine: collectives on Xilinx ACCL (Alveo FPGA or its emulator) through ``pyaccl``.
 
-``pyaccl`` (ACCL's Python driver, ``driver/pynq`` in the ACCL repository) is not on PyPI; install it
-from an ACCL checkout on a machine with an Alveo card (``pynq`` + XRT) or with the ACCL emulator.
+``pyaccl`` is ACCL's Python driver. It left the ACCL repository in June 2022 and lives in Xilinx/pyaccl; it is not
+on PyPI, needs ``pynq`` and ``pyzmq``, and has an emulator device for hosts without an Alveo card (an Alveo card
+also needs XRT).  ACCL's C++ driver (``driver/xrt``) needs XRT headers even for the emulator, so this engine
+stays on the Python driver.
 The engine reaches the device one of two ways:
 
 - emulator: ``TORCHHPC_ACCL_SIM_SOCK`` (or ``AcclOptions.accl_sim_sock``), a ZMQ address with
@@ -11,24 +13,25 @@ The engine reaches the device one of two ways:
 What the driver does itself: SUM reductions and data movement for float16/32/64 and int32/64
 (its default arithmetic configurations).  Everything else (other ops and dtypes, all-to-all,
 barrier) falls back to MPI when listed in ``AcclOptions.sidestep`` (default: every collective).
-Driver calls block, so they run one at a time on a worker thread whatever the call's ``mode``;
-the group polls the returned request, which keeps ``async_op=True`` truly asynchronous and timeouts enforceable.
+The class is the C++ backend's ``Engine`` (``csrc/accl.hpp``), implemented in Python because ``pyaccl`` is
+Python: the backend calls it with contiguous host tensors and wire codes for dtype and op, in the thread that
+runs the call (the caller's, or the group's worker for queued work).  Driver calls block, one at a time per
+process (one device), so the group timeout cannot interrupt one.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import socket
 import threading
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from mpi4py import MPI
 
-from .engine import CollectiveEngine, EngineUnavailableError, Mode
-from .mpi_engine import ThreadRequest
+from ..errors import EngineUnavailableError
+from . import core, wire
 from .options import AcclOptions
-from .reduction import RedOp
 
 __all__ = ["AcclEngine", "ACCL_DTYPES", "load_driver_module"]
 
@@ -39,6 +42,7 @@ _REDUCTIONS = ("allreduce", "reduce", "reduce_scatter")
 
 _driver_lock = threading.Lock()
 _driver_state: dict = {}  # one driver (device) per process, shared by all groups that use it
+_SUM = wire.op_code(dist.ReduceOp.RedOpType.SUM)
 
 
 def load_driver_module():
@@ -48,7 +52,7 @@ def load_driver_module():
     except ImportError as exc:
         raise EngineUnavailableError(
             "accl engine: the 'pyaccl' package (ACCL's Python driver) is not installed "
-            f"({exc}). Install it from an ACCL checkout (driver/pynq) on a host with an Alveo card "
+            f"({exc}). Install Xilinx/pyaccl (with pynq and pyzmq) on a host with an Alveo card "
             "or the ACCL emulator, or use the default MPI engine (engine='mpi', "
             "TORCHHPC_ACCL_ENGINE=mpi).") from None
     return driver_module
@@ -61,12 +65,14 @@ def _host_ip() -> str:
         return "127.0.0.1"
 
 
-class AcclEngine(CollectiveEngine):
-    """Engine over one ACCL communicator (the group's ranks on the process's ACCL device)."""
+class AcclEngine(core.load_backend().Engine):  # type: ignore[misc]
+    """The C++ backend's ``Engine`` over one ACCL communicator (the group's ranks on the process's ACCL device):
+    blocking calls on contiguous host tensors; dtypes and ops arrive as :mod:`.wire` codes."""
 
     name = "accl"
 
-    def __init__(self, comm: MPI.Comm, options: AcclOptions):
+    def __init__(self, comm: MPI.Comm, options: AcclOptions) -> None:
+        super().__init__()
         mod = load_driver_module()
         self._mod = mod
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -75,7 +81,6 @@ class AcclEngine(CollectiveEngine):
             if "driver" not in _driver_state:
                 _driver_state["driver"] = self._open_driver(mod, comm, options)
                 _driver_state["ranks"] = world_ranks
-                _driver_state["pool"] = cf.ThreadPoolExecutor(1, thread_name_prefix="accl-engine")
             drv = _driver_state["driver"]
             base = _driver_state["ranks"]
             if world_ranks == base:
@@ -88,7 +93,6 @@ class AcclEngine(CollectiveEngine):
                 drv.split_communicator([base.index(r) for r in world_ranks])
                 self._comm_id = len(drv.communicators) - 1
         self._drv = drv
-        self._pool: cf.ThreadPoolExecutor = _driver_state["pool"]
         self._sum = mod.ACCLReduceFunctions.SUM
 
     @staticmethod
@@ -119,9 +123,11 @@ class AcclEngine(CollectiveEngine):
             "'tcp://localhost:{port}') or TORCHHPC_ACCL_XCLBIN (Alveo bitstream), or use engine='mpi'.")
 
     # ------------------------------------------------------------------ capability
-    def supports(self, collective: str, dtype: torch.dtype | None = None, op: RedOp | None = None) -> bool:
+    def supports(self, collective: str, dcode: int, ocode: int) -> bool:
+        """Whether the driver does ``collective`` for the dtype and op of these wire codes (else sidestep)."""
+        dtype, op = wire.dtype_of(dcode), ocode
         if collective in _REDUCTIONS:
-            return dtype in ACCL_DTYPES and op == RedOp.SUM
+            return dtype in ACCL_DTYPES and op == _SUM
         if collective in _DATA_MOVES:
             return dtype in ACCL_DTYPES
         return False  # alltoall, alltoallv, barrier: not in ACCL
@@ -149,28 +155,30 @@ class AcclEngine(CollectiveEngine):
         if t.numel():
             t.copy_(torch.from_numpy(self._host(buf)[: t.numel()].copy()).view(t.shape))
 
-    def _submit(self, fn) -> ThreadRequest:
-        return ThreadRequest(self._pool.submit(fn))
+    def _run(self, fn) -> None:
+        """One driver call at a time per process: the device is shared by every group on it."""
+        with _driver_lock:
+            fn()
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, buf: torch.Tensor, op: RedOp, mode: Mode = Mode.WORKER) -> ThreadRequest:
+    def allreduce(self, buf: torch.Tensor, ocode: int) -> None:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
             self._drv.allreduce(self._comm_id, s, r, buf.numel(), self._sum)
             self._drain(r, buf)
-        return self._submit(run)
+        self._run(run)
 
-    def reduce(self, buf: torch.Tensor, op: RedOp, root: int, mode: Mode = Mode.WORKER) -> ThreadRequest:
+    def reduce(self, buf: torch.Tensor, ocode: int, root: int) -> None:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
             self._drv.reduce(self._comm_id, s, r, buf.numel(), root, self._sum)
             if self.rank == root:
                 self._drain(r, buf)
-        return self._submit(run)
+        self._run(run)
 
-    def broadcast(self, buf: torch.Tensor, root: int, mode: Mode = Mode.WORKER) -> ThreadRequest:
+    def broadcast(self, buf: torch.Tensor, root: int) -> None:
         def run() -> None:
             b = self._buffer(buf.numel(), buf.dtype)
             if self.rank == root:
@@ -178,9 +186,9 @@ class AcclEngine(CollectiveEngine):
             self._drv.bcast(self._comm_id, b, buf.numel(), root)
             if self.rank != root:
                 self._drain(b, buf)
-        return self._submit(run)
+        self._run(run)
 
-    def allgather(self, send: torch.Tensor, recv: torch.Tensor, mode: Mode = Mode.WORKER) -> ThreadRequest:
+    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
         def run() -> None:
             n = send.numel()
             s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
@@ -188,10 +196,9 @@ class AcclEngine(CollectiveEngine):
             self._drv.allgather(self._comm_id, s, r, n)
             tmp = torch.from_numpy(self._host(r)[: n * self.size].copy()).view(self.size, n)
             recv.copy_(tmp.view(recv.shape))
-        return self._submit(run)
+        self._run(run)
 
-    def gather(self, send: torch.Tensor, recv: torch.Tensor | None, root: int,
-               mode: Mode = Mode.WORKER) -> ThreadRequest:
+    def gather(self, send: torch.Tensor, recv: torch.Tensor, root: int) -> None:
         def run() -> None:
             n = send.numel()
             s, r = self._buffer(n, send.dtype), self._buffer(n * self.size, send.dtype)
@@ -199,10 +206,9 @@ class AcclEngine(CollectiveEngine):
             self._drv.gather(self._comm_id, s, r, n, root)
             if self.rank == root:
                 recv.copy_(torch.from_numpy(self._host(r)[: n * self.size].copy()).view(recv.shape))
-        return self._submit(run)
+        self._run(run)
 
-    def scatter(self, send: torch.Tensor | None, recv: torch.Tensor, root: int,
-                mode: Mode = Mode.WORKER) -> ThreadRequest:
+    def scatter(self, send: torch.Tensor, recv: torch.Tensor, root: int) -> None:
         def run() -> None:
             n = recv.numel()
             s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
@@ -210,40 +216,27 @@ class AcclEngine(CollectiveEngine):
                 self._fill(s, send.contiguous())
             self._drv.scatter(self._comm_id, s, r, n, root)
             self._drain(r, recv)
-        return self._submit(run)
+        self._run(run)
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: RedOp,
-                       mode: Mode = Mode.WORKER) -> ThreadRequest:
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, ocode: int) -> None:
         def run() -> None:
             n = recv.numel()
             s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)
             self._fill(s, send)
             self._drv.reduce_scatter(self._comm_id, s, r, n, self._sum)
             self._drain(r, recv)
-        return self._submit(run)
+        self._run(run)
 
-    def send(self, buf: torch.Tensor, dst: int, tag: int, channel: int = 1) -> ThreadRequest:
+    def send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
         def run() -> None:
             b = self._buffer(buf.numel(), buf.dtype)
             self._fill(b, buf)
             self._drv.send(self._comm_id, b, buf.numel(), dst, tag=tag)
-        return self._submit(run)
+        self._run(run)
 
-    def recv(self, buf: torch.Tensor, src: int, tag: int, channel: int = 1) -> ThreadRequest:
+    def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
         def run() -> None:
             b = self._buffer(buf.numel(), buf.dtype)
             self._drv.recv(self._comm_id, b, buf.numel(), src, tag=tag)
             self._drain(b, buf)
-        return self._submit(run)
-
-    def _absent(self, what: str):
-        raise NotImplementedError(f"accl engine: ACCL has no {what}; the group sidesteps it to MPI")
-
-    def alltoall(self, send, recv, mode=Mode.WORKER):
-        self._absent("all-to-all")
-
-    def alltoallv(self, send, scounts, sdispls, recv, rcounts, rdispls, mode=Mode.WORKER):
-        self._absent("all-to-all")
-
-    def barrier(self, mode=Mode.WORKER):
-        self._absent("barrier")
+        self._run(run)

@@ -18,7 +18,6 @@ failed makes every member raise (:class:`~torchhpc.errors.RemoteError` naming it
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -29,17 +28,9 @@ from mpi4py import MPI
 
 from ..errors import PeerTimeoutError, RemoteError
 from ..waiting import agree, agreed, wait_requests
+from .group import ProcessGroupACCL
 from .options import AcclOptions
-from .process_group import ProcessGroupACCL
 from .rendezvous import install_env_rendezvous
-
-#: which implementation serves "accl": ``py`` (the Python adapter, default) or ``cpp`` (the C++ backend of
-#: issue 24, csrc/), from ``TORCHHPC_ACCL_IMPL`` at import; the two run the same suites while the C++ one grows
-IMPL = os.environ.get("TORCHHPC_ACCL_IMPL", "py").lower()
-if IMPL not in ("py", "cpp"):
-    raise ValueError(f"TORCHHPC_ACCL_IMPL={IMPL!r}: expected 'py' or 'cpp'")
-if IMPL == "cpp":
-    from .group import AcclWork, ProcessGroupACCL  # noqa: F401, F811 - the C++ backend's replace the adapter's
 
 __all__ = ["register", "create_process_group"]
 
@@ -112,55 +103,64 @@ def _handshake(ctl: MPI.Comm, ranks: list[int], tag: int, error: BaseException |
     """Members of ``ranks`` meet before ``MPI_Comm_create_group`` (which cannot time out): each reports ok
     or its error to the first member, which answers all.  Raises on every member if any failed or one
     did not come within ``timeout``; a member that failed itself returns (its caller re-raises)."""
-    me, leader = ctl.Get_rank(), ranks[0]
+    me = ctl.Get_rank()
     digest = _digest(ranks)
     mine = _message(0 if error is None else 1, digest,
                     "" if error is None else f"rank {me}: {type(error).__name__}: {error}")
-    if me != leader:
-        verdict = bytearray(_MSG_BYTES)
-        send = ctl.Isend([mine, MPI.BYTE], leader, tag)
-        try:
-            wait_requests([ctl.Irecv([verdict, MPI.BYTE], leader, tag)], timeout, what, keep=verdict,
-                          cancel=True, message=lambda: (
-                              f"{what}: rank {me} got no answer from the group's first rank {leader} within "
-                              f"{timeout:g} s: it did not call new_group for this group (every rank must "
-                              "create the same groups in the same order), died, or is stuck"))
-        except PeerTimeoutError:
-            if error is None:
-                raise
-            return
-        send.Wait()  # matched: the leader answered after receiving it
-        status, _, text = _unpack(verdict)
-    else:
-        others = [r for r in ranks if r != leader]
-        bufs = {r: bytearray(_MSG_BYTES) for r in others}
-        reqs = {r: ctl.Irecv([bufs[r], MPI.BYTE], r, tag) for r in others}
-        try:
-            wait_requests(list(reqs.values()), timeout, what, keep=bufs, cancel=True, message=lambda: (
-                f"{what}: ranks {[r for r in others if not reqs[r].Test()]} did not join within {timeout:g} s "
-                "(every rank must create the same groups in the same order; a rank that died or is stuck "
-                "never joins)"))
-        except PeerTimeoutError:
-            if error is None:
-                raise
-            return
-        failures = [mine] if error is not None else []
-        for r in others:
-            status, their_digest, text = _unpack(bufs[r])
-            if status:
-                failures.append(bufs[r])
-            elif their_digest != digest:
-                failures.append(_message(1, digest, f"rank {r}: created a group with other members than "
-                                                    f"rank {leader}'s {ranks} under the same tag"))
-        answer = failures[0] if failures else _message(0, digest, "")
-        if len(failures) > 1:
-            status, _, text = _unpack(failures[0])
-            answer = _message(1, digest, f"{text} (and {len(failures) - 1} more failing ranks)")
-        wait_requests([ctl.Isend([answer, MPI.BYTE], r, tag) for r in others], timeout, what, keep=answer)
-        status, _, text = _unpack(answer)
+    meet = _lead if me == ranks[0] else _report
+    try:
+        status, text = meet(ctl, ranks, tag, mine, digest, timeout, what)
+    except PeerTimeoutError:
+        if error is None:
+            raise
+        return
     if status and error is None:
         first = int(text.split(":", 1)[0].removeprefix("rank ")) if text.startswith("rank ") else -1
         raise RemoteError(f"{what} failed on another member ({text}); rank {me} stops too", first, text)
+
+
+def _report(ctl: MPI.Comm, ranks: list[int], tag: int, mine: bytearray, digest: int, timeout: float,
+            what: str) -> tuple[int, str]:
+    """A member's side: send its report to the first member and wait for the verdict (status, text)."""
+    me, leader = ctl.Get_rank(), ranks[0]
+    verdict = bytearray(_MSG_BYTES)
+    send = ctl.Isend([mine, MPI.BYTE], leader, tag)
+    wait_requests([ctl.Irecv([verdict, MPI.BYTE], leader, tag)], timeout, what, keep=verdict,
+                  cancel=True, message=lambda: (
+                      f"{what}: rank {me} got no answer from the group's first rank {leader} within "
+                      f"{timeout:g} s: it did not call new_group for this group (every rank must "
+                      "create the same groups in the same order), died, or is stuck"))
+    send.Wait()  # matched: the leader answered after receiving it
+    status, _, text = _unpack(verdict)
+    return status, text
+
+
+def _lead(ctl: MPI.Comm, ranks: list[int], tag: int, mine: bytearray, digest: int, timeout: float,
+          what: str) -> tuple[int, str]:
+    """The first member's side: gather every report, answer all with the first failure (or ok)."""
+    leader = ranks[0]
+    others = [r for r in ranks if r != leader]
+    bufs = {r: bytearray(_MSG_BYTES) for r in others}
+    reqs = {r: ctl.Irecv([bufs[r], MPI.BYTE], r, tag) for r in others}
+    wait_requests(list(reqs.values()), timeout, what, keep=bufs, cancel=True, message=lambda: (
+        f"{what}: ranks {[r for r in others if not reqs[r].Test()]} did not join within {timeout:g} s "
+        "(every rank must create the same groups in the same order; a rank that died or is stuck "
+        "never joins)"))
+    failures = [mine] if _unpack(mine)[0] else []
+    for r in others:
+        status, their_digest, _ = _unpack(bufs[r])
+        if status:
+            failures.append(bufs[r])
+        elif their_digest != digest:
+            failures.append(_message(1, digest, f"rank {r}: created a group with other members than "
+                                                f"rank {leader}'s {ranks} under the same tag"))
+    answer = failures[0] if failures else _message(0, digest, "")
+    if len(failures) > 1:
+        text = _unpack(failures[0])[2]
+        answer = _message(1, digest, f"{text} (and {len(failures) - 1} more failing ranks)")
+    wait_requests([ctl.Isend([answer, MPI.BYTE], r, tag) for r in others], timeout, what, keep=answer)
+    status, _, text = _unpack(answer)
+    return status, text
 
 
 def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:

@@ -1,4 +1,4 @@
-"""``ProcessGroupACCL`` over the C++ backend (issue 24, ``TORCHHPC_ACCL_IMPL=cpp``).
+"""``ProcessGroupACCL``: torch's ``ProcessGroup`` over accl's C++ ``c10d::Backend``.
 
 The group is torch's own ``ProcessGroup`` with accl's ``c10d::Backend`` (``csrc/``, loaded by
 :func:`.core.load_backend`) registered for ``cpu`` and ``cuda``: torch's dispatcher hands every collective and
@@ -15,64 +15,14 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from . import core, wire
+from . import core
 from .options import AcclOptions
-from .reduction import RedOp
 
 __all__ = ["ProcessGroupACCL", "AcclWork"]
 
 _mod = core.load_backend()
 #: the handle of every call (the C++ ``WorkACCL``, a ``torch.distributed.Work``)
 AcclWork = _mod.AcclWork
-
-
-def _done(req: object) -> None:
-    """Wait (GIL released) for one of the ACCL engine's driver calls."""
-    while not req.test():  # type: ignore[attr-defined]
-        req.block(0.005)  # type: ignore[attr-defined]
-
-
-class _AcclEngineAdapter(_mod.Engine):  # type: ignore[name-defined, misc]
-    """The ACCL engine (:class:`.accl_engine.AcclEngine`, over ``pyaccl``) behind the C++ backend's ``Engine``
-    interface: blocking calls on contiguous host tensors; dtypes and ops come as wire codes."""
-
-    def __init__(self, engine: object) -> None:
-        super().__init__()
-        self.engine = engine
-
-    def name(self) -> str:
-        return self.engine.name  # type: ignore[attr-defined]
-
-    def supports(self, coll: str, dcode: int, ocode: int) -> bool:
-        op = wire.OPS[ocode - 1] if ocode else None
-        return self.engine.supports(coll, wire.dtype_of(dcode), op)  # type: ignore[attr-defined]
-
-    def allreduce(self, buf: torch.Tensor, ocode: int) -> None:
-        _done(self.engine.allreduce(buf, RedOp.SUM))  # type: ignore[attr-defined]
-
-    def reduce(self, buf: torch.Tensor, ocode: int, root: int) -> None:
-        _done(self.engine.reduce(buf, RedOp.SUM, root))  # type: ignore[attr-defined]
-
-    def broadcast(self, buf: torch.Tensor, root: int) -> None:
-        _done(self.engine.broadcast(buf, root))  # type: ignore[attr-defined]
-
-    def allgather(self, send: torch.Tensor, recv: torch.Tensor) -> None:
-        _done(self.engine.allgather(send, recv))  # type: ignore[attr-defined]
-
-    def gather(self, send: torch.Tensor, recv: torch.Tensor, root: int) -> None:
-        _done(self.engine.gather(send, recv if recv.numel() else None, root))  # type: ignore[attr-defined]
-
-    def scatter(self, send: torch.Tensor, recv: torch.Tensor, root: int) -> None:
-        _done(self.engine.scatter(send if send.numel() else None, recv, root))  # type: ignore[attr-defined]
-
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, ocode: int) -> None:
-        _done(self.engine.reduce_scatter(send, recv, RedOp.SUM))  # type: ignore[attr-defined]
-
-    def send(self, buf: torch.Tensor, dst: int, tag: int) -> None:
-        _done(self.engine.send(buf, dst, tag))  # type: ignore[attr-defined]
-
-    def recv(self, buf: torch.Tensor, src: int, tag: int) -> None:
-        _done(self.engine.recv(buf, src, tag))  # type: ignore[attr-defined]
 
 
 class _Mpi:
@@ -117,16 +67,14 @@ class ProcessGroupACCL(dist.ProcessGroup):
                                f"but torch expects rank {rank} of {size}")
         self.options = opts = options if options is not None else AcclOptions()
         timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
-        self._engine: object = _Mpi()
-        adapter = None
+        accl_engine = None
         if opts.engine == "accl":
-            from .accl_engine import AcclEngine
+            from .accl_engine import AcclEngine  # pyaccl's driver: imported only when asked for
 
-            self._engine = AcclEngine(comm, opts)
-            adapter = _AcclEngineAdapter(self._engine)
-        self._adapter = adapter  # (kept alive here: the C++ group holds it too)
+            accl_engine = AcclEngine(comm, opts)
+        self._engine: object = accl_engine if accl_engine is not None else _Mpi()
         self._backend = _mod.ProcessGroupACCL(MPI._handleof(comm), opts.max_segment_bytes, opts.check,
-                                              opts.threaded_min_bytes, timeout_s, group_name, adapter,
+                                              opts.threaded_min_bytes, timeout_s, group_name, accl_engine,
                                               sorted(opts.sidestep))
         kind = dist.ProcessGroup.BackendType.CUSTOM
         for device in ("cpu", "cuda"):
@@ -137,7 +85,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return "accl"
 
     def __repr__(self) -> str:
-        return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine={self.engine.name}, impl=cpp)"
+        return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine={self.engine.name})"
 
     @property
     def engine(self) -> object:
@@ -148,7 +96,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0 raises for
         the first missing rank, or for every one with ``wait_all_ranks=True``.  ``dist.monitored_barrier``
         itself accepts only gloo groups; call this method on the group."""
-        secs = timeout.total_seconds() if timeout is not None else 0.0  # 0: the group's timeout
+        secs = timeout.total_seconds() if timeout is not None else -1.0  # negative: the group's timeout
         self._backend.monitored_barrier(secs, wait_all_ranks)
 
     @property

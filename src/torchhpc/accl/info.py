@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 
 from ..errors import EngineUnavailableError
-from . import backend, core
-from .mpi_engine import mpi_cuda_aware
+from ..mpi_info import cuda_aware_query
+from . import core
 
-__all__ = ["environment_report"]
+__all__ = ["environment_report", "mpi_cuda_aware"]
+
+
+@functools.cache
+def mpi_cuda_aware() -> bool:
+    """True when the MPI library can take CUDA device pointers (see :func:`torchhpc.mpi_info.cuda_aware_query`;
+    ``TORCHHPC_CUDA_AWARE_MPI=0/1`` overrides)."""
+    return cuda_aware_query().supported is True
 
 
 def environment_report() -> list[tuple[str, str]]:
-    """(item, finding) pairs: MPI library, CUDA tensor path (direct or staged), the C++ front in use, ACCL
+    """(item, finding) pairs: MPI library, the C++ backend in use, CUDA tensor path (direct or staged), ACCL
     engine availability."""
     from mpi4py import MPI
 
@@ -29,18 +37,10 @@ def environment_report() -> list[tuple[str, str]]:
     has_pyaccl = importlib.util.find_spec("pyaccl") is not None
     accl = ("pyaccl installed: engine='accl' usable with TORCHHPC_ACCL_SIM_SOCK or TORCHHPC_ACCL_XCLBIN"
             if has_pyaccl else "pyaccl not installed: only the MPI engine is available")
-    front = core.front_status()[1]
-    return [("accl MPI library", lib), ("accl CUDA path", cuda), ("accl C++ front", front),
-            ("accl ACCL engine", accl), ("accl implementation", _implementation())]
-
-
-def _implementation() -> str:
-    """Which implementation serves "accl" (``TORCHHPC_ACCL_IMPL``) and whether the C++ backend is built."""
     try:
         mod = core.load_backend()
-        built = f"C++ backend {mod.__name__.rsplit('.', 1)[-1]} built for torch {mod.torch_version}"
+        backend = f"{mod.__name__.rsplit('.', 1)[-1]}, built for torch {mod.torch_version}"
     except EngineUnavailableError as exc:
-        built = f"C++ backend unusable: {exc}"
-    if backend.IMPL == "cpp":
-        return f"C++ backend (TORCHHPC_ACCL_IMPL=cpp): {built}"
-    return f"Python adapter (TORCHHPC_ACCL_IMPL=py, the default); {built}"
+        backend = f"unusable: {exc}"
+    return [("accl MPI library", lib), ("accl C++ backend", backend), ("accl CUDA path", cuda),
+            ("accl ACCL engine", accl)]

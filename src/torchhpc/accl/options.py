@@ -69,10 +69,6 @@ class AcclOptions:
       every rank arrived before MPI's blocking calls.
     - ``threaded_min_bytes``: collectives moving at least this many bytes run MPI's blocking (tuned)
       algorithms on a worker thread instead of nonblocking ones (faster on Open MPI); still async.
-    - ``front``: read torch's calls in the compiled C++ front where it is built (the common synchronous
-      case skips the Python adapter; off: every call goes through the adapter, to compare or debug).
-    - ``progress_interval_us``: polling period of the background progress thread that drives
-      ``async_op=True`` operations nobody is waiting on.
     - ``accl_sim_sock``/``accl_start_port``/``accl_xclbin``/``accl_bufsize``/``accl_protocol``:
       how the ACCL engine reaches its device (see :mod:`torchhpc.accl.accl_engine`).
     """
@@ -85,8 +81,6 @@ class AcclOptions:
     check: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_CHECK", True))
     threaded_min_bytes: int = field(
         default_factory=lambda: _env_int("TORCHHPC_ACCL_THREADED_MIN_BYTES", 64 << 10))
-    progress_interval_us: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_PROGRESS_US", 100))
-    front: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_FRONT", True))
     accl_sim_sock: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_SIM_SOCK"))
     accl_start_port: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_START_PORT", 5500))
     accl_xclbin: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_XCLBIN"))
@@ -105,6 +99,3 @@ class AcclOptions:
         if unknown:
             raise ValueError(f"AcclOptions.sidestep names unknown collectives {sorted(unknown)}; "
                              f"known: {', '.join(ALL_COLLECTIVES)}")
-        if self.progress_interval_us < 1:
-            raise ValueError(f"AcclOptions.progress_interval_us must be >= 1, "
-                             f"got {self.progress_interval_us}")

@@ -6,6 +6,9 @@
 #include <mpi-ext.h>  // Open MPI's ULFM (MPIX_Comm_revoke, MPIX_Comm_get_failed); MPICH declares them in mpi.h
 #endif
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -40,11 +43,23 @@ bool direct(const at::Tensor& t) {
   return t.is_cpu() && t.is_contiguous();
 }
 
+// Device tensors are staged through pinned host memory, copied on the current stream, which the call has set to
+// the caller's stream of the time of issue (Call::stream): the copy out waits for the kernels queued before the
+// call, and the blocking copy back is ordered before the caller's later kernels.
 at::Tensor host(const at::Tensor& t, bool copy) {
   if (direct(t)) return t.view({-1});
-  auto h = at::empty({t.numel()}, t.options().device(at::kCPU));
+  auto h = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(!t.is_cpu()));
   if (copy) h.copy_(t.reshape({-1}));
   return h;
+}
+
+// the caller's current stream on the device of the first device tensor in `ts`, else none (host tensors).
+// c10's device-generic guard: no CUDA header is needed, and a module built on a CPU-only torch works on a CUDA one
+std::optional<c10::Stream> callerStream(const std::vector<at::Tensor>& ts) {
+  for (const auto& t : ts) {
+    if (t.defined() && !t.is_cpu()) return c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
+  }
+  return std::nullopt;
 }
 
 // copy `buf` (from host()) into `t` unless it is `t`'s own memory
@@ -335,6 +350,7 @@ std::unique_ptr<Call> ProcessGroupACCL::newCall(wire::Kind kind, int64_t dcode, 
   c->head.root = root;
   c->head.nbytes = nbytes;
   c->head.numel = numel;
+  c->stream = callerStream(outputs);
   c->work = c10::make_intrusive<WorkACCL>(rank_, type, "", std::move(outputs));
   return c;
 }
@@ -422,6 +438,7 @@ void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {
 
 void ProcessGroupACCL::run(Call& c) {
   deadline_ = Clock::now() + opts_.timeout;
+  c10::OptionalStreamGuard onCallerStream(c.stream);  // staging copies of device tensors (host())
   if (c.stage) c.stage();
   if (c.header) {
     exchangeHeader(c);
@@ -969,6 +986,71 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& outpu
   return enqueue(alltoallCall(input, output, sb, rb, c10d::OpType::ALLTOALL_BASE), opts.asyncOp);
 }
 
+namespace {
+
+// the agreed byte matrix: rows[i * stride + j] is what rank i sends to rank j, rows[j * stride + p + i] what j
+// expects from i; a mismatch names the first pair. Returns the largest send, which fixes the segment rounds.
+int64_t checkAlltoallMatrix(const int64_t* rows, int64_t stride, int p) {
+  int64_t bad = 0, bi = 0, bj = 0, most = 0;
+  for (int i = 0; i < p; ++i)
+    for (int j = 0; j < p; ++j) {
+      int64_t s = rows[i * stride + j], r = rows[j * stride + p + i];
+      if (s != r && bad++ == 0) {
+        bi = i;
+        bj = j;
+      }
+      most = std::max(most, s);
+    }
+  if (bad)
+    throw MismatchError("accl: all_to_all split sizes do not match across ranks: rank " + std::to_string(bi) +
+                        " sends " + std::to_string(rows[bi * stride + bj]) + " bytes to rank " + std::to_string(bj) +
+                        ", which expects " + std::to_string(rows[bj * stride + p + bi]) + " bytes from it (" +
+                        std::to_string(bad) + " mismatched pairs)");
+  return most;
+}
+
+// the sends that rode in the header slots after every rank's matrix row, into `dst` in rank order; false (nothing
+// taken) unless every rank's sends fit its slot's `room`
+bool alltoallFromSlots(const unsigned char* all, int p, int me, int64_t room, char* dst) {
+  const auto* rows = reinterpret_cast<const int64_t*>(all + kHdr);
+  const int64_t stride = kSlot / 8;
+  for (int i = 0; i < p; ++i) {
+    int64_t s = 0;
+    for (int j = 0; j < p; ++j) s += rows[i * stride + j];
+    if (s > room) return false;
+  }
+  for (int r = 0; r < p; ++r) {
+    const int64_t* row = rows + r * stride;
+    int64_t off = 16 * p;
+    for (int j = 0; j < me; ++j) off += row[j];
+    std::memcpy(dst, all + r * kSlot + kHdr + off, row[me]);
+    dst += row[me];
+  }
+  return true;
+}
+
+// one MPI_Alltoallv per round of at most `per` bytes to and from each rank (counts and displacements in bytes)
+void alltoallvRounds(MpiEngine& mpi, const std::vector<int64_t>& sb, const std::vector<int64_t>& rb, int64_t rounds,
+                     int64_t per, char* src, char* dst, Mode m, const WaitFn& wait) {
+  const int p = static_cast<int>(sb.size());
+  std::vector<int> sc(p), sd(p), rc(p), rd(p);
+  for (int64_t k = 0; k < rounds; ++k) {
+    int64_t so = 0, ro = 0;
+    for (int j = 0; j < p; ++j) {
+      const int64_t a = std::min(k * per, sb[j]), b = std::min(k * per, rb[j]);
+      sc[j] = static_cast<int>(std::min(per, sb[j] - a));
+      sd[j] = static_cast<int>(so + a);
+      rc[j] = static_cast<int>(std::min(per, rb[j] - b));
+      rd[j] = static_cast<int>(ro + b);
+      so += sb[j];
+      ro += rb[j];
+    }
+    wait(mpi.alltoallv(src, sc.data(), sd.data(), dst, rc.data(), rd.data(), m));
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(const at::Tensor& input, const at::Tensor& output,
                                                      std::vector<int64_t> sb, std::vector<int64_t> rb,
                                                      c10d::OpType type, std::vector<at::Tensor> outputs,
@@ -980,7 +1062,7 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(const at::Tensor& input, co
   c->compare = wire::kCompareCall;  // sizes are checked on the byte matrix
   c->header = true;                 // always: the matrix fixes the rounds and checks sends against receives
   struct State {
-    std::vector<int64_t> sb, rb, matrix;  // matrix: every rank's row [sends to each rank, receives from each]
+    std::vector<int64_t> sb, rb;
     int64_t rounds = 1;
     at::Tensor src, dst;
   };
@@ -989,31 +1071,14 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(const at::Tensor& input, co
   st->rb = std::move(rb);
   int64_t sent = 0;
   for (int64_t s : st->sb) sent += s;
-  const bool inSlot = 16 * p <= static_cast<int64_t>(kPay);
-  const int64_t room = static_cast<int64_t>(kPay) - 16 * p;
+  const bool inSlot = 16 * p <= static_cast<int64_t>(kPay);  // the matrix row rides in the slot
+  const int64_t room = static_cast<int64_t>(kPay) - 16 * p, per = std::max<int64_t>(1, opts_.maxSegmentBytes / p);
+  auto agree = [st, p, per](const int64_t* rows, int64_t stride) {
+    st->rounds = std::max<int64_t>(1, (checkAlltoallMatrix(rows, stride, p) + per - 1) / per);
+  };
   c->stage = [input, output, st] {
     st->src = host(input, true);
     st->dst = direct(output) ? output.view({-1}) : at::empty({output.numel()}, output.options().device(at::kCPU));
-  };
-  // the agreed matrix: rows[i * stride + j] = what rank i sends to rank j, rows[j * stride + p + i] what j expects
-  auto agree = [this, st, p](const int64_t* rows, int64_t stride) {
-    int64_t bad = 0, bi = 0, bj = 0, most = 0;
-    for (int i = 0; i < p; ++i)
-      for (int j = 0; j < p; ++j) {
-        int64_t s = rows[i * stride + j], r = rows[j * stride + p + i];
-        if (s != r && bad++ == 0) {
-          bi = i;
-          bj = j;
-        }
-        most = std::max(most, s);
-      }
-    if (bad)
-      throw MismatchError("accl: all_to_all split sizes do not match across ranks: rank " + std::to_string(bi) +
-                          " sends " + std::to_string(rows[bi * stride + bj]) + " bytes to rank " + std::to_string(bj) +
-                          ", which expects " + std::to_string(rows[bj * stride + p + bi]) + " bytes from it (" +
-                          std::to_string(bad) + " mismatched pairs)");
-    const int64_t per = std::max<int64_t>(1, opts_.maxSegmentBytes / p);
-    st->rounds = std::max<int64_t>(1, (most + per - 1) / per);
   };
   if (inSlot) {
     c->pack = [st, p, sent, room](unsigned char* slot) {
@@ -1022,48 +1087,18 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(const at::Tensor& input, co
       if (sent <= room) std::memcpy(slot + 16 * p, st->src.data_ptr(), sent);
     };
     c->fused = [this, st, p, room, agree](const unsigned char* all) {
-      const auto* rows = reinterpret_cast<const int64_t*>(all + kHdr);
-      const int64_t stride = kSlot / 8;
-      agree(rows, stride);
-      for (int i = 0; i < p; ++i) {  // the sends rode after the matrix when every rank's fit
-        int64_t s = 0;
-        for (int j = 0; j < p; ++j) s += rows[i * stride + j];
-        if (s > room) return false;
-      }
-      char* at = ptr(st->dst);
-      for (int r = 0; r < p; ++r) {
-        const int64_t* row = rows + r * stride;
-        int64_t off = 16 * p;
-        for (int j = 0; j < rank_; ++j) off += row[j];
-        std::memcpy(at, all + r * kSlot + kHdr + off, row[rank_]);
-        at += row[rank_];
-      }
-      return true;
+      agree(reinterpret_cast<const int64_t*>(all + kHdr), kSlot / 8);
+      return alltoallFromSlots(all, p, rank_, room, ptr(st->dst));
     };
   }
-  c->data = [this, st, p, inSlot, agree](Mode m, const WaitFn& wait) {
+  c->data = [this, st, p, per, inSlot, agree](Mode m, const WaitFn& wait) {
     if (!inSlot) {  // many ranks: the byte matrix by a second all-gather, then its check
-      std::vector<int64_t> mine(st->sb);
+      std::vector<int64_t> mine(st->sb), matrix(2 * p * p);
       mine.insert(mine.end(), st->rb.begin(), st->rb.end());
-      st->matrix.assign(2 * p * p, 0);
-      MPI_Allgather(mine.data(), 2 * p, MPI_INT64_T, st->matrix.data(), 2 * p, MPI_INT64_T, coll_);
-      agree(st->matrix.data(), 2 * p);
+      MPI_Allgather(mine.data(), 2 * p, MPI_INT64_T, matrix.data(), 2 * p, MPI_INT64_T, coll_);
+      agree(matrix.data(), 2 * p);
     }
-    const int64_t per = std::max<int64_t>(1, opts_.maxSegmentBytes / p);
-    std::vector<int> sc(p), sd(p), rc(p), rd(p);
-    for (int64_t k = 0; k < st->rounds; ++k) {
-      int64_t so = 0, ro = 0;
-      for (int j = 0; j < p; ++j) {
-        const int64_t a = std::min(k * per, st->sb[j]), b = std::min(k * per, st->rb[j]);
-        sc[j] = static_cast<int>(std::min(per, st->sb[j] - a));
-        sd[j] = static_cast<int>(so + a);
-        rc[j] = static_cast<int>(std::min(per, st->rb[j] - b));
-        rd[j] = static_cast<int>(ro + b);
-        so += st->sb[j];
-        ro += st->rb[j];
-      }
-      wait(mpi_->alltoallv(ptr(st->src), sc.data(), sd.data(), ptr(st->dst), rc.data(), rd.data(), m));
-    }
+    alltoallvRounds(*mpi_, st->sb, st->rb, st->rounds, per, ptr(st->src), ptr(st->dst), m, wait);
   };
   c->finish = [output, st, deliverRows] {
     if (deliverRows) deliverRows(st->dst);
@@ -1164,6 +1199,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::gather(std::vector<std::vector<
   const int64_t n = input.numel(), esz = input.element_size(), nbytes = n * esz;
   auto c = newCall(wire::kGather, wire::dtypeCode(input.scalar_type()), 0, root, nbytes, n, outs,
                    c10d::OpType::GATHER);
+  if (!c->stream) c->stream = callerStream({input});  // off the root: no outputs
   c->header = needsHeader(nbytes * p);
   Engine* eng = engineFor("gather", c->head.dtype);
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
@@ -1242,7 +1278,7 @@ void ProcessGroupACCL::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
   // every other rank sends a token to rank 0 and waits for its release; rank 0 waits for every token until the
   // deadline, then releases everyone (the p2p header communicator, on a tag no user message can carry)
   checkOpen();
-  const auto timeout = opts.timeout.count() > 0 ? opts.timeout : opts_.timeout;
+  const auto timeout = opts.timeout.count() >= 0 ? opts.timeout : opts_.timeout;  // unset (-1): the group's
   const auto deadline = Clock::now() + timeout;
   const int tag = 0x7FFF0000 % tagUb_, release = (tag + 1) % tagUb_;
   int64_t token = 0;
@@ -1356,6 +1392,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvFrom(const at::Tensor& t, i
   op->peer = src;
   op->tag = tag;
   op->tensor = t;
+  op->stream = callerStream({t});
   op->eng = engineFor("recv", wire::dtypeCode(t.scalar_type()));
   op->envelope.assign(kSlot, 0);
   op->reqs.push_back(MPI_REQUEST_NULL);
@@ -1422,6 +1459,7 @@ void ProcessGroupACCL::progressP2P() {
 }
 
 bool ProcessGroupACCL::advanceP2P(P2P& op) {
+  c10::OptionalStreamGuard onCallerStream(op.stream);  // a received device tensor is copied back on it
   int flag = 0;
   if (op.stage == 0 && !op.send) {  // the envelope
     MPI_Status st;

@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -20,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -223,6 +225,7 @@ struct Call {
   std::function<bool(const unsigned char* all)> fused;            // take results from every slot: done?
   std::function<void(Mode, const std::function<void(MPI_Request)>& wait)> data;  // engine calls
   std::function<void()> finish;            // copy back, AVG's division (may be empty)
+  std::optional<c10::Stream> stream;       // device tensors: the caller's current stream at issue (staging runs on it)
   c10::intrusive_ptr<WorkACCL> work;
 };
 
@@ -239,6 +242,7 @@ struct P2P {
   std::vector<unsigned char> drain;
   Clock::time_point deadline;
   Engine* eng = nullptr;                   // the payload's engine (null: MPI); the envelope is always MPI's
+  std::optional<c10::Stream> stream;       // a device tensor: the caller's current stream at issue
   c10::intrusive_ptr<WorkACCL> work;
 };
 

@@ -30,11 +30,16 @@ H handleOf(uintptr_t v) {
   else return static_cast<H>(v);
 }
 
-// the engine interface as Python implements it (torchhpc.accl.group's adapter of the ACCL engine)
+// the engine interface as Python implements it (torchhpc.accl.accl_engine.AcclEngine); its `name` is a plain
+// attribute, as `ProcessGroupACCL.engine.name` always was
 class PyEngine : public torchhpc::accl::Engine {
  public:
   using Engine::Engine;
-  std::string name() const override { PYBIND11_OVERRIDE_PURE(std::string, Engine, name, ); }
+  std::string name() const override {
+    py::gil_scoped_acquire gil;
+    py::handle self = py::detail::get_object_handle(this, py::detail::get_type_info(typeid(torchhpc::accl::Engine)));
+    return self ? py::str(self.attr("name")).cast<std::string>() : std::string("engine");
+  }
   bool supports(const std::string& coll, int64_t dcode, int64_t ocode) const override {
     PYBIND11_OVERRIDE_PURE(bool, Engine, supports, coll, dcode, ocode);
   }

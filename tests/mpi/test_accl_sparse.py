@@ -1,28 +1,15 @@
-"""accl's C++ backend (issue 24, ``TORCHHPC_ACCL_IMPL=cpp``) under mpiexec: "accl" is the C++ class in this
-file's processes, and what only it does, sparse all_reduce, alone (against the dense sum every rank computes)
-and in DDP with sparse embeddings (against gloo, in the same job).  The other accl suites run on it with
-``TORCHHPC_ACCL_IMPL=cpp`` in the environment."""
+"""accl under mpiexec: "accl" is the C++ class, and what gloo has that accl lacked, sparse all_reduce, alone
+(against the dense sum every rank computes) and in DDP with sparse embeddings (against gloo, in the same
+job)."""
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+import torch.distributed as dist
+from _backend_compare import assert_same, run_both
 
-os.environ["TORCHHPC_ACCL_IMPL"] = "cpp"  # before torchhpc.accl is imported: this file is about the C++ backend
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from _backend_compare import assert_same, run_both  # noqa: E402
-
-from torchhpc.accl import core  # noqa: E402
-from torchhpc.errors import EngineUnavailableError  # noqa: E402
-
-try:
-    core.load_backend()
-except EngineUnavailableError as exc:  # not built: `python -m torchhpc.accl.corebuild --backend only`
-    pytest.skip(str(exc), allow_module_level=True)
-
-import torchhpc.accl as accl  # noqa: E402
+import torchhpc.accl as accl
 
 MPI_RANKS = (2, 3)
 MPI_TIMEOUT = 240
