@@ -142,6 +142,26 @@ def test_cuda_tensors_are_staged_or_passed(solo) -> None:  # pragma: no cover - 
     assert t.device.type == "cuda" and torch.all(t == 1)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_calls_follow_the_callers_stream(solo) -> None:  # pragma: no cover - needs a GPU
+    """Staging runs on the caller's stream of issue: the kernels queued before a call (on a side stream, behind a
+    long one) are in what it sends, and an async call finished on the worker thread delivers before wait()."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.ones(1 << 22, device="cuda")
+        torch.cuda._sleep(50_000_000)  # keeps the side stream busy for a while
+        t.mul_(3)
+        dist.all_reduce(t)
+        assert torch.all(t == 3)
+        u = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+        torch.cuda._sleep(50_000_000)
+        u.add_(1)
+        out = torch.empty_like(u)
+        w = dist.all_gather_into_tensor(out, u, async_op=True)
+        w.wait()
+        assert torch.equal(out, u)
+
+
 def test_environment_report_for_doctor() -> None:
     items = dict(accl.environment_report())
     assert "Open MPI" in items["accl MPI library"] or "MPICH" in items["accl MPI library"]

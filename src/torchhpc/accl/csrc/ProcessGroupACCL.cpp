@@ -1326,6 +1326,9 @@ void ProcessGroupACCL::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
     }
     const std::string ms = std::to_string(timeout.count());
     if (waitAllRanks) words = "[Rank 0]: Ranks " + list + " failed to pass monitoredBarrier in " + ms + " ms";
+    else if (timeout.count() == 0)  // gloo checks the time left before each rank's wait: none was left for any
+      words = "Rank 0 timed out in monitoredBarrier after 0 ms. No ranks successfully processed in "
+              "monitoredBarrier. Failing rank: " + std::to_string(missing.empty() ? -1 : missing[0]);
     else words = "[Rank 0]: Rank " + std::to_string(missing.empty() ? -1 : missing[0]) +
                  " failed to pass monitoredBarrier in " + ms + " ms";
     throw PeerTimeoutError("accl: " + words + " (missing: ranks [" + list + "])");
