@@ -20,8 +20,7 @@ only for more ranks than cores; one thread per rank).  For every size it times t
   mpi4py as ``tensor.numpy()``, the same storage: checked by address), labelled ``mpi(torch mem)``;
 * ``mpi4py-numpy`` (``--impls`` only): the same raw call on numpy-allocated arrays.  numpy advises transparent
   huge pages for large arrays, torch's allocator does not unless ``THP_MEM_ALLOC_ENABLE=1``, so the two raw
-  columns differ at large sizes where THP is ``madvise``;
-* ``accl-py`` (``--impls`` only): accl with ``AcclOptions(front=False)``, the Python adapter alone.
+  columns differ at large sizes where THP is ``madvise``.
 
 all_gather and reduce_scatter go through ``all_gather_into_tensor``/``reduce_scatter_tensor`` (torch >= 2.13:
 ``all_gather_single``/``reduce_scatter_single``), all_to_all through ``all_to_all_single``.  A size is the
@@ -59,9 +58,9 @@ __all__ = ["main", "COLLECTIVES", "IMPLS", "DEFAULT_IMPLS", "LABELS", "Point", "
 COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 FULL_SIZES = [8, 64, 512, 4 << 10, 32 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [8, 4 << 10, 1 << 20]
-IMPLS = ("accl", "accl-py", "mpi-upstream", "gloo", "mpi4py", "mpi4py-numpy")
+IMPLS = ("accl", "mpi-upstream", "gloo", "mpi4py", "mpi4py-numpy")
 DEFAULT_IMPLS = ("accl", "mpi-upstream", "gloo", "mpi4py")
-LABELS = {"accl": "accl", "accl-py": "accl-py", "mpi-upstream": "mpi-upstream", "gloo": "gloo",
+LABELS = {"accl": "accl", "mpi-upstream": "mpi-upstream", "gloo": "gloo",
           "mpi4py": "mpi(torch mem)", "mpi4py-numpy": "mpi(numpy mem)"}
 RAW = "mpi4py"  # the baseline of the ratios
 SMALL_BELOW = 1 << 20  # sizes below: the "+2 us over raw" target; from here: the 0.95x bandwidth target
@@ -340,9 +339,6 @@ def run(args: argparse.Namespace) -> int:
                 flush=True)
     if "gloo" in impls:
         groups["gloo"] = dist.new_group(backend="gloo")
-    if "accl-py" in impls:
-        groups["accl-py"] = dist.new_group(backend="accl", pg_options=accl.AcclOptions(check=not args.no_check,
-                                                                                       front=False))
     if not impls:
         say("torchhpc bench: no implementation left to time", flush=True)
         dist.destroy_process_group()
@@ -513,7 +509,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 # ---- the SVG plot -----------------------------------------------------------------------------------------
 
-COLORS = {"accl": "#d62728", "accl-py": "#ff7f0e", "mpi-upstream": "#1f77b4", "gloo": "#2ca02c",
+COLORS = {"accl": "#d62728", "mpi-upstream": "#1f77b4", "gloo": "#2ca02c",
           "mpi4py": "#222222", "mpi4py-numpy": "#8c8c8c"}
 DASHES = {"mpi4py": "5,3", "mpi4py-numpy": "2,2"}
 
