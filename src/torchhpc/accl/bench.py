@@ -311,19 +311,11 @@ def _meta(args: argparse.Namespace, n: int, impls: list[str], skipped: dict[str,
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def run(args: argparse.Namespace) -> int:
-    """Benchmark body, executed by every rank of an MPI job."""
+def _setup_groups(comm, impls: list[str], say: Callable[..., None]) -> tuple[dict, dict[str, str]]:
+    """The process group of every implementation in ``impls`` (accl's is the default group) and the ones
+    skipped with their reason: ``mpi-upstream`` is dropped from ``impls`` where its module cannot load."""
     import torch.distributed as dist
-    from mpi4py import MPI
 
-    import torchhpc.accl as accl
-
-    comm = MPI.COMM_WORLD.Dup()
-    rank, n = comm.Get_rank(), comm.Get_size()
-    say = print if rank == 0 else (lambda *a, **k: None)
-    opts = accl.AcclOptions(check=not args.no_check)
-    dist.init_process_group("accl", pg_options=opts)
-    impls = [i for i in dict.fromkeys(args.impls.split(",")) if i in IMPLS]
     skipped: dict[str, str] = {}
     groups = {"accl": dist.group.WORLD}  # (every rank parses the same --impls: the groups match)
     if "mpi-upstream" in impls:
@@ -339,14 +331,79 @@ def run(args: argparse.Namespace) -> int:
                 flush=True)
     if "gloo" in impls:
         groups["gloo"] = dist.new_group(backend="gloo")
+    return groups, skipped
+
+
+def _teardown(groups: dict, comm) -> None:
+    """Destroy every group, the extra ones first, and free ``comm``: upstream's worker thread is joined (its
+    group destroyed) before the interpreter finalizes, as a thread taking the GIL during finalization aborts
+    the process."""
+    import torch.distributed as dist
+
+    for impl in [i for i in groups if i != "accl"]:
+        dist.destroy_process_group(groups.pop(impl))
+    dist.destroy_process_group()
+    comm.Free()
+
+
+def _time_size(coll: str, size: int, n: int, groups: dict, comm, impls: list[str], repeats: int,
+               budget: float, quick: bool) -> list[Point]:
+    """One point per implementation for one ``coll`` of ``size`` bytes, timed in ``repeats`` interleaved rounds
+    (each starting one further along ``impls``) so that a noisy machine hurts every implementation alike."""
+    runners = _runners(coll, size, n, groups, comm, impls)
+    here = {impl: Point(coll, n, size, impl) for impl in impls}
+    for r in range(repeats):
+        for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+            here[impl].rounds_s.append(mean_call_time(runners[impl], comm, budget, quick))
+    _settle(groups)
+    del runners
+    return list(here.values())
+
+
+def _time_collective(coll: str, args: argparse.Namespace, n: int, groups: dict, comm, impls: list[str],
+                     repeats: int) -> list[Point]:
+    """Every size of one collective timed (see :func:`_time_size`); rank 0 prints its table and duration."""
+    t_coll = time.perf_counter()
+    budget = args.time_per_point / repeats
+    rows: list[Point] = []
+    for size in dict.fromkeys(measured_bytes(coll, s, n) for s in _sizes(args)):
+        rows += _time_size(coll, size, n, groups, comm, impls, repeats, budget, args.quick)
+    if comm.Get_rank() == 0:
+        print_table(rows, impls, repeats)
+        print(f"# {coll}: {time.perf_counter() - t_coll:.0f} s", flush=True)
+    return rows
+
+
+def _write_outputs(args: argparse.Namespace, meta: dict, points: list[Point], impls: list[str]) -> None:
+    """Write the ``--json`` and ``--plot`` files asked for (rank 0 only), saying so."""
+    if args.json:
+        write_json(args.json, meta, points)
+        print(f"wrote {args.json}")
+    if args.plot:
+        write_svg(args.plot, points, impls)
+        print(f"wrote {args.plot}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Benchmark body, executed by every rank of an MPI job."""
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    import torchhpc.accl as accl
+
+    comm = MPI.COMM_WORLD.Dup()
+    rank, n = comm.Get_rank(), comm.Get_size()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    opts = accl.AcclOptions(check=not args.no_check)
+    dist.init_process_group("accl", pg_options=opts)
+    impls = [i for i in dict.fromkeys(args.impls.split(",")) if i in IMPLS]
+    groups, skipped = _setup_groups(comm, impls, say)
     if not impls:
         say("torchhpc bench: no implementation left to time", flush=True)
-        dist.destroy_process_group()
-        comm.Free()
+        _teardown(groups, comm)
         return 1
     colls = COLLECTIVES if args.collective == "all" else (args.collective or "allreduce",)
     repeats = 1 if args.quick else args.repeats
-    budget = args.time_per_point / repeats
     meta = _meta(args, n, impls, skipped, repeats) if rank == 0 else {}
     say(f"# torchhpc bench: {n} ranks, {meta.get('mpi')}, torch {meta.get('torch')}, {meta.get('memory')}",
         flush=True)
@@ -354,36 +411,12 @@ def run(args: argparse.Namespace) -> int:
     points: list[Point] = []
     start = time.perf_counter()
     for coll in colls:
-        t_coll = time.perf_counter()
-        rows: list[Point] = []
-        for size in dict.fromkeys(measured_bytes(coll, s, n) for s in _sizes(args)):
-            runners = _runners(coll, size, n, groups, comm, impls)
-            here = {impl: Point(coll, n, size, impl) for impl in impls}
-            for r in range(repeats):  # interleaved, each round starting one further along the list
-                for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
-                    here[impl].rounds_s.append(mean_call_time(runners[impl], comm, budget, args.quick))
-            _settle(groups)
-            del runners
-            rows += here.values()
-        points += rows
-        if rank == 0:
-            print_table(rows, impls, repeats)
-            print(f"# {coll}: {time.perf_counter() - t_coll:.0f} s", flush=True)
+        points += _time_collective(coll, args, n, groups, comm, impls, repeats)
     say(f"\n# total {time.perf_counter() - start:.0f} s for {len(colls)} collective(s) at {n} ranks", flush=True)
     if rank == 0:
-        if args.json:
-            write_json(args.json, meta, points)
-            print(f"wrote {args.json}")
-        if args.plot:
-            write_svg(args.plot, points, impls)
-            print(f"wrote {args.plot}")
+        _write_outputs(args, meta, points, impls)
     _settle(groups)
-    # upstream's worker thread is joined (its group destroyed) before the interpreter finalizes: a thread
-    # taking the GIL during finalization aborts the process
-    for impl in [i for i in groups if i != "accl"]:
-        dist.destroy_process_group(groups.pop(impl))
-    dist.destroy_process_group()
-    comm.Free()
+    _teardown(groups, comm)
     return 0
 
 
@@ -405,6 +438,78 @@ def _targets(size: int, t: dict[str, float]) -> str:
     return ",".join(miss) or "ok"
 
 
+GROUP_W = 24  # the width of one implementation's column group (time, spread, busbw)
+
+
+def _ratio_columns(have: set[str]) -> tuple[bool, list[str]]:
+    """Which of accl's ratio columns a table has: accl vs raw MPI (both timed), and the other backends
+    (``mpi-upstream``, ``gloo``) timed beside accl."""
+    raw_ratio = {"accl", RAW} <= have
+    others = [i for i in ("mpi-upstream", "gloo") if i in have and "accl" in have]
+    return raw_ratio, others
+
+
+def _ratio_head(raw_ratio: bool, others: list[str]) -> str:
+    """The second header line's ratio part: accl - raw, bw x and its rounds, one column per other backend,
+    the targets ("" with no ratio column)."""
+    if not (raw_ratio or others):
+        return ""
+    head = f" {'accl-raw':>8} {'bw x':>5} {'rounds':>9}" if raw_ratio else ""
+    for i in others:
+        head += f" {('upstream' if i == 'mpi-upstream' else i) + '/accl':>13}"
+    return head + f" {'targets':>8}"
+
+
+def _print_head(impls: list[str], raw_ratio: bool, others: list[str]) -> None:
+    """Print the two header lines: the implementations' names over their column groups, then the columns."""
+    head1 = f"#{'':>9}" + "".join(f" | {LABELS[impl]:^{GROUP_W}}" for impl in impls)
+    head2 = f"#{'size':>9}" + "".join(f" | {'time':>9} {'spread':>6} {'busbw':>7}" for _ in impls)
+    ratios2 = _ratio_head(raw_ratio, others)
+    if ratios2:
+        head1 += f" | {'accl vs the others':^{len(ratios2) - 1}}"
+        head2 += " |" + ratios2
+    print(head1.rstrip())
+    print(head2.rstrip())
+
+
+def _impl_cells(pts: dict[str, Point], impls: list[str]) -> str:
+    """One row's column groups: per implementation its median time (us), spread and busbw, ``-`` if untimed."""
+    cells = ""
+    for impl in impls:
+        if impl not in pts:
+            cells += f" | {'-':>{GROUP_W}}"
+            continue
+        p = pts[impl]
+        cells += f" | {p.median_s * 1e6:9.1f} {p.spread * 100:5.1f}% {_bw(p.busbw()):>7}"
+    return cells
+
+
+def _ratio_cells(size: int, pts: dict[str, Point], t: dict[str, float], raw_ratio: bool,
+                 others: list[str]) -> str:
+    """One row's ratio part: accl - raw (us), raw/accl time with its per-round range, the other backends'
+    time / accl's, and the targets missed ("" with no ratio column)."""
+    if not (raw_ratio or others):
+        return ""
+    cells = " |"
+    if raw_ratio:
+        paired = [m / a for a, m in zip(pts["accl"].rounds_s, pts[RAW].rounds_s, strict=False)]
+        cells += (f" {(t['accl'] - t[RAW]) * 1e6:8.1f} {t[RAW] / t['accl']:5.2f} "
+                  f"{min(paired):4.2f}-{max(paired):4.2f}")
+    for i in others:
+        cells += f" {t[i] / t['accl']:12.2f}x"
+    return cells + f" {_targets(size, t):>8}"
+
+
+def _print_targets_summary(by_size: dict[int, dict[str, Point]], have: set[str]) -> None:
+    """Print at how many sizes accl met its targets and which it missed (only where there is a target)."""
+    if not ("accl" in have and (RAW in have or "mpi-upstream" in have)):
+        return
+    missed = [f"{_human(s)} ({m})" for s in sorted(by_size)
+              if (m := _targets(s, {i: by_size[s][i].median_s for i in by_size[s]})) not in ("ok", "-")]
+    print(f"# targets met at {len(by_size) - len(missed)} of {len(by_size)} sizes"
+          + (f"; missed: {', '.join(missed)}" if missed else ""))
+
+
 def print_table(rows: list[Point], impls: list[str], repeats: int) -> None:
     """Print one collective's table at one rank count (nccl-tests style): per implementation the median time,
     the rounds' spread and busbw; then accl's ratios to raw MPI and to the other backends."""
@@ -414,51 +519,15 @@ def print_table(rows: list[Point], impls: list[str], repeats: int) -> None:
     for p in rows:
         by_size.setdefault(p.size, {})[p.impl] = p
     have = set(impls)
-    raw_ratio = {"accl", RAW} <= have
+    raw_ratio, others = _ratio_columns(have)
     print(f"\n# {coll}, float32, {n} ranks, median of {repeats} round(s), busbw factor {bus_factor(coll, n):.3g}")
-    group_w = 24
-    head1 = f"#{'':>9}"
-    head2 = f"#{'size':>9}"
-    for impl in impls:
-        head1 += f" | {LABELS[impl]:^{group_w}}"
-        head2 += f" | {'time':>9} {'spread':>6} {'busbw':>7}"
-    others = [i for i in ("mpi-upstream", "gloo") if i in have and "accl" in have]
-    if raw_ratio or others:
-        ratios2 = ""
-        if raw_ratio:
-            ratios2 += f" {'accl-raw':>8} {'bw x':>5} {'rounds':>9}"
-        for i in others:
-            ratios2 += f" {('upstream' if i == 'mpi-upstream' else i) + '/accl':>13}"
-        ratios2 += f" {'targets':>8}" if "accl" in have else ""
-        head1 += f" | {'accl vs the others':^{len(ratios2) - 1}}"
-        head2 += " |" + ratios2
-    print(head1.rstrip())
-    print(head2.rstrip())
+    _print_head(impls, raw_ratio, others)
     for size in sorted(by_size):
         pts = by_size[size]
         t = {i: pts[i].median_s for i in impls if i in pts}
-        line = f"{_human(size):>10}"
-        for impl in impls:
-            if impl not in pts:
-                line += f" | {'-':>{group_w}}"
-                continue
-            p = pts[impl]
-            line += f" | {p.median_s * 1e6:9.1f} {p.spread * 100:5.1f}% {_bw(p.busbw()):>7}"
-        if raw_ratio or others:
-            line += " |"
-            if raw_ratio:
-                paired = [m / a for a, m in zip(pts["accl"].rounds_s, pts[RAW].rounds_s, strict=False)]
-                line += (f" {(t['accl'] - t[RAW]) * 1e6:8.1f} {t[RAW] / t['accl']:5.2f} "
-                         f"{min(paired):4.2f}-{max(paired):4.2f}")
-            for i in others:
-                line += f" {t[i] / t['accl']:12.2f}x"
-            line += f" {_targets(size, t):>8}"
+        line = f"{_human(size):>10}" + _impl_cells(pts, impls) + _ratio_cells(size, pts, t, raw_ratio, others)
         print(line.rstrip(), flush=True)
-    if "accl" in have and (RAW in have or "mpi-upstream" in have):
-        missed = [f"{_human(s)} ({m})" for s in sorted(by_size)
-                  if (m := _targets(s, {i: by_size[s][i].median_s for i in by_size[s]})) not in ("ok", "-")]
-        print(f"# targets met at {len(by_size) - len(missed)} of {len(by_size)} sizes"
-              + (f"; missed: {', '.join(missed)}" if missed else ""))
+    _print_targets_summary(by_size, have)
 
 
 # ---- JSON -------------------------------------------------------------------------------------------------
@@ -523,67 +592,119 @@ def _size_ticks(lo: float, hi: float) -> list[int]:
     return sorted(ends + inner)
 
 
+PANEL_W, PANEL_H = 300, 230  # one panel's size
+MARGIN_L, MARGIN_R, MARGIN_T, MARGIN_B = 52, 22, 26, 40  # a panel's margins around its plot area
+LEGEND_H = 30
+
+
+@dataclass
+class _Panel:
+    """One panel's plot area (pixels) and the data range every panel shares (log2 bytes, log10 GB/s)."""
+
+    ox: int
+    oy: int
+    w: int
+    h: int
+    x0: float
+    x1: float
+    y0: int
+    y1: int
+
+    def px(self, v: float) -> float:
+        """The pixel x of log2(size) ``v``."""
+        return self.ox + (v - self.x0) / (self.x1 - self.x0) * self.w
+
+    def py(self, v: float) -> float:
+        """The pixel y of log10(busbw) ``v``."""
+        return self.oy + self.h - (v - self.y0) / (self.y1 - self.y0) * self.h
+
+
+def _dash(impl: str) -> str:
+    """The stroke-dasharray attribute of ``impl``'s line ("" for a solid line): the raw MPI lines are dashed."""
+    return f' stroke-dasharray="{DASHES[impl]}"' if impl in DASHES else ""
+
+
+def _svg_ranges(good: list[Point]) -> tuple[float, float, int, int]:
+    """The shared axes' ranges (x0, x1 in log2 bytes; y0, y1 whole decades of GB/s) covering ``good``, at
+    least one unit wide."""
+    xs = [math.log2(p.size) for p in good] or [0.0, 1.0]
+    ys = [math.log10(p.busbw()) for p in good] or [0.0, 1.0]
+    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
+    y0 = math.floor(min(ys))
+    y1 = max(math.ceil(max(ys)), y0 + 1)
+    return x0, x1, y0, y1
+
+
+def _svg_legend(impls: list[str], width: int) -> list[str]:
+    """The legend line along the top: a line sample and label per implementation, the axes' meaning right."""
+    out = []
+    lx = 10
+    for impl in impls:
+        out.append(f'<line x1="{lx}" y1="15" x2="{lx + 24}" y2="15" stroke="{COLORS[impl]}" stroke-width="2"'
+                   f'{_dash(impl)}/>')
+        out.append(f'<text x="{lx + 28}" y="19" font-size="11">{escape(LABELS.get(impl, impl))}</text>')
+        lx += 40 + 7 * len(LABELS.get(impl, impl))
+    out.append(f'<text x="{width - 10}" y="19" text-anchor="end" fill="#555">busbw (GB/s, log) vs message size '
+               f'(log2), float32</text>')
+    return out
+
+
+def _svg_axes(pn: _Panel, title: str) -> list[str]:
+    """One panel's title, frame, grid and tick labels: a decade per GB/s line, sizes from :func:`_size_ticks`."""
+    ox, oy, w, h = pn.ox, pn.oy, pn.w, pn.h
+    out = [f'<text x="{ox + w / 2:.1f}" y="{oy - 8}" text-anchor="middle" font-size="12" '
+           f'font-weight="bold">{title}</text>',
+           f'<rect x="{ox}" y="{oy}" width="{w}" height="{h}" fill="none" stroke="#999"/>']
+    for e in range(pn.y0, pn.y1 + 1):
+        y = pn.py(e)
+        out.append(f'<line x1="{ox}" y1="{y:.1f}" x2="{ox + w}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        out.append(f'<text x="{ox - 4}" y="{y + 3:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
+    for e in _size_ticks(pn.x0, pn.x1):
+        x = pn.px(e)
+        out.append(f'<line x1="{x:.1f}" y1="{oy}" x2="{x:.1f}" y2="{oy + h}" stroke="#e5e5e5"/>')
+        out.append(f'<text x="{x:.1f}" y="{oy + h + 13}" text-anchor="middle">'
+                   f'{_human(1 << e).replace(" ", "")}</text>')
+    out.append(f'<text x="{ox + w / 2:.1f}" y="{oy + h + 28}" text-anchor="middle" fill="#555">'
+               f'message size</text>')
+    return out
+
+
+def _svg_line(pn: _Panel, impl: str, pts: list[Point]) -> list[str]:
+    """One implementation's busbw line in a panel, a dot per measured size (nothing without points)."""
+    if not pts:
+        return []
+    xy = [(pn.px(math.log2(p.size)), pn.py(math.log10(p.busbw()))) for p in sorted(pts, key=lambda p: p.size)]
+    return ([f'<polyline fill="none" stroke="{COLORS[impl]}" stroke-width="1.6"{_dash(impl)} points="'
+             + " ".join(f"{x:.1f},{y:.1f}" for x, y in xy) + '"/>']
+            + [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.2" fill="{COLORS[impl]}"/>' for x, y in xy])
+
+
+def _svg_panel(pn: _Panel, coll: str, n: int, good: list[Point], impls: list[str]) -> list[str]:
+    """The panel of ``coll`` at ``n`` ranks: its axes, then one line per implementation in ``impls`` order."""
+    out = _svg_axes(pn, f"{coll}, {n} ranks")
+    for impl in impls:
+        out += _svg_line(pn, impl, [p for p in good if p.ranks == n and p.collective == coll and p.impl == impl])
+    return out
+
+
 def write_svg(path: str, points: list[Point], impls: list[str]) -> None:
     """Busbw vs size (log-log), one panel per collective (columns) and rank count (rows), one line per
     implementation, written as a self-contained SVG."""
     impls = [i for i in impls if any(p.impl == i for p in points)]
     colls = [c for c in COLLECTIVES if any(p.collective == c for p in points)]
     ranks = sorted({p.ranks for p in points})
-    pw, ph, ml, mr, mt, mb = 300, 230, 52, 22, 26, 40  # panel size and its margins
-    legend_h = 30
-    width, height = pw * len(colls), legend_h + ph * len(ranks)
+    width, height = PANEL_W * len(colls), LEGEND_H + PANEL_H * len(ranks)
     good = [p for p in points if p.busbw() > 0]
-    xs = [math.log2(p.size) for p in good] or [0.0, 1.0]
-    ys = [math.log10(p.busbw()) for p in good] or [0.0, 1.0]
-    x0, x1 = min(xs), max(max(xs), min(xs) + 1)
-    y0 = math.floor(min(ys))
-    y1 = max(math.ceil(max(ys)), y0 + 1)
+    ranges = _svg_ranges(good)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">',
            f'<rect width="{width}" height="{height}" fill="white"/>']
-    lx = 10
-    for impl in impls:  # legend
-        dash = f' stroke-dasharray="{DASHES[impl]}"' if impl in DASHES else ""
-        out.append(f'<line x1="{lx}" y1="15" x2="{lx + 24}" y2="15" stroke="{COLORS[impl]}" stroke-width="2"{dash}/>')
-        out.append(f'<text x="{lx + 28}" y="19" font-size="11">{escape(LABELS.get(impl, impl))}</text>')
-        lx += 40 + 7 * len(LABELS.get(impl, impl))
-    out.append(f'<text x="{width - 10}" y="19" text-anchor="end" fill="#555">busbw (GB/s, log) vs message size '
-               f'(log2), float32</text>')
+    out += _svg_legend(impls, width)
     for row, n in enumerate(ranks):
         for col, coll in enumerate(colls):
-            ox, oy = col * pw + ml, legend_h + row * ph + mt
-            w, h = pw - ml - mr, ph - mt - mb
-
-            def px(v: float, ox: int = ox, w: int = w) -> float:
-                return ox + (v - x0) / (x1 - x0) * w
-
-            def py(v: float, oy: int = oy, h: int = h) -> float:
-                return oy + h - (v - y0) / (y1 - y0) * h
-
-            out.append(f'<text x="{ox + w / 2:.1f}" y="{oy - 8}" text-anchor="middle" font-size="12" '
-                       f'font-weight="bold">{coll}, {n} ranks</text>')
-            out.append(f'<rect x="{ox}" y="{oy}" width="{w}" height="{h}" fill="none" stroke="#999"/>')
-            for e in range(y0, y1 + 1):
-                y = py(e)
-                out.append(f'<line x1="{ox}" y1="{y:.1f}" x2="{ox + w}" y2="{y:.1f}" stroke="#e5e5e5"/>')
-                out.append(f'<text x="{ox - 4}" y="{y + 3:.1f}" text-anchor="end">{10.0 ** e:g}</text>')
-            for e in _size_ticks(x0, x1):
-                x = px(e)
-                out.append(f'<line x1="{x:.1f}" y1="{oy}" x2="{x:.1f}" y2="{oy + h}" stroke="#e5e5e5"/>')
-                out.append(f'<text x="{x:.1f}" y="{oy + h + 13}" text-anchor="middle">'
-                           f'{_human(1 << e).replace(" ", "")}</text>')
-            out.append(f'<text x="{ox + w / 2:.1f}" y="{oy + h + 28}" text-anchor="middle" fill="#555">'
-                       f'message size</text>')
-            for impl in impls:
-                pts = sorted((p for p in good if p.ranks == n and p.collective == coll and p.impl == impl),
-                             key=lambda p: p.size)
-                if not pts:
-                    continue
-                xy = [(px(math.log2(p.size)), py(math.log10(p.busbw()))) for p in pts]
-                dash = f' stroke-dasharray="{DASHES[impl]}"' if impl in DASHES else ""
-                out.append(f'<polyline fill="none" stroke="{COLORS[impl]}" stroke-width="1.6"{dash} points="'
-                           + " ".join(f"{x:.1f},{y:.1f}" for x, y in xy) + '"/>')
-                out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2.2" fill="{COLORS[impl]}"/>' for x, y in xy]
+            pn = _Panel(col * PANEL_W + MARGIN_L, LEGEND_H + row * PANEL_H + MARGIN_T,
+                        PANEL_W - MARGIN_L - MARGIN_R, PANEL_H - MARGIN_T - MARGIN_B, *ranges)
+            out += _svg_panel(pn, coll, n, good, impls)
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
