@@ -892,12 +892,12 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::function<at::Tens
       if (n) wait(mpi_->reduceScatter(ptr(*src), ptr(*dst), static_cast<int>(n), *r, m));
       return;
     }
-    std::vector<char> rowsOfSegment(static_cast<size_t>(per * esz * p));  // each segment's rows copied together
+    // each segment's rows copied together, into torch's allocator (not zero-filled; huge pages where torch uses them)
+    at::Tensor rows = at::empty({per * esz * p}, at::TensorOptions().dtype(at::kByte));
     for (int64_t off = 0; off < n; off += per) {
       const int64_t cnt = std::min(per, n - off);
-      for (int k = 0; k < p; ++k)
-        std::memcpy(rowsOfSegment.data() + k * cnt * esz, ptr(*src) + (k * n + off) * esz, cnt * esz);
-      wait(mpi_->reduceScatter(rowsOfSegment.data(), ptr(*dst) + off * esz, static_cast<int>(cnt), *r, m));
+      for (int k = 0; k < p; ++k) std::memcpy(ptr(rows) + k * cnt * esz, ptr(*src) + (k * n + off) * esz, cnt * esz);
+      wait(mpi_->reduceScatter(ptr(rows), ptr(*dst) + off * esz, static_cast<int>(cnt), *r, m));
     }
   };
   c->finish = [output, dst, r, p] {
