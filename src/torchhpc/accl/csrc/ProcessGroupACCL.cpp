@@ -778,20 +778,8 @@ std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, c
       eng->allgather(src->narrow(0, off, cnt), rows);
       dst->view({p, n}).narrow(1, off, cnt).copy_(rows);
     }
-    const int64_t per = perSegment(esz, p) * esz;
-    if (eng || nbytes == 0) return;
-    if (nbytes <= per) {  // one segment: straight into the output
-      wait(mpi_->allgather(ptr(*src), ptr(*dst), static_cast<int>(nbytes), nbytes, m));
-      return;
-    }
-    // several: each segment gathered contiguously, then its rows copied to their places (faster than MPI
-    // receiving through a strided datatype: 0.36-0.48x raw at 16-64 MiB and 4 ranks here, see docs/accl.md)
-    at::Tensor rows = at::empty({per * p}, at::TensorOptions().dtype(at::kByte));
-    for (int64_t off = 0; off < nbytes; off += per) {
-      const int64_t cnt = std::min(per, nbytes - off);
-      wait(mpi_->allgather(ptr(*src) + off, ptr(rows), static_cast<int>(cnt), cnt, m));
-      for (int r = 0; r < p; ++r) std::memcpy(ptr(*dst) + r * nbytes + off, ptr(rows) + r * cnt, cnt);
-    }
+    for (int64_t off = 0, per = perSegment(esz, p) * esz; !eng && off < nbytes; off += per)
+      wait(mpi_->allgather(ptr(*src) + off, ptr(*dst) + off, static_cast<int>(std::min(per, nbytes - off)), nbytes, m));
   };
   c->finish = [output, dst, deliverRows] {
     if (output.defined()) deliver(*dst, output);
