@@ -320,7 +320,7 @@ def test_py_torchhpc_recipe_declares_what_pyproject_needs(spack_standin: types.M
     torch_specs = [a[0] for a, _ in directives(recipe, "depends_on") if a[0].startswith("py-torch")]
     assert "py-torch+distributed+mpi" in torch_specs and "py-torch+cuda+nccl" in torch_specs
     assert recipe.import_modules == ["torchhpc"]
-    # accl's compiled core is built against the environment's MPI once the package is installed
+    # accl's C++ backend is built against the environment's MPI once the package is installed
     assert "mpi" in deps and "link" in deps["mpi"][1]["type"]
     assert recipe.build_accl_core.run_after == "install"
 

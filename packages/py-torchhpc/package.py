@@ -26,9 +26,9 @@ class PyTorchhpc(PythonPackage):
     depends_on("py-setuptools@68:", type="build")
     depends_on("py-numpy@1.23:", type=("build", "run"))
     depends_on("py-mpi4py@4.0:", type=("build", "run"))
-    depends_on("mpi", type=("build", "link", "run"))  # accl's compiled core links the MPI mpi4py uses
-    depends_on("c", type="build")  # the core (through the MPI's mpicc)
-    depends_on("cxx", type="build")  # accl's C++ front, against py-torch's headers
+    depends_on("mpi", type=("build", "link", "run"))  # accl's C++ backend links the MPI mpi4py uses
+    depends_on("c", type="build")  # the MPI's mpicc, which names its family for the backend build
+    depends_on("cxx", type="build")  # accl's C++ backend, against py-torch's headers
     depends_on("py-psutil@5.9:", type=("build", "run"))
     # torch is left out of pyproject.toml on purpose (the environment provides it); here it is explicit.
     depends_on("py-torch+distributed+mpi", type=("build", "run"))
