@@ -5,6 +5,9 @@ refused when built for another torch or library."""
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,3 +73,23 @@ def test_missing_backend_says_how_to_build_it(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(importlib, "import_module", no_backend)
     with pytest.raises(EngineUnavailableError, match=r"not built .*corebuild --mpicc"):
         core.load_backend.__wrapped__()
+
+
+def test_accl_imports_before_its_build_and_creating_a_group_says_how_to_build(tmp_path: Path) -> None:
+    """``make env`` imports the build helper (``torchhpc.accl.corebuild``) before the module exists: importing accl
+    needs no build; creating a group then raises EngineUnavailableError naming the build command."""
+    src = Path(core.__file__).resolve().parents[2]
+    shutil.copytree(src / "torchhpc", tmp_path / "torchhpc", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    code = (
+        "import torch.distributed as dist, torchhpc.accl as accl\n"
+        "from torchhpc.accl.corebuild import family_of\n"
+        "from torchhpc.errors import EngineUnavailableError\n"
+        "try:\n"
+        "    dist.init_process_group('accl', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "except EngineUnavailableError as exc:\n"
+        "    print('REFUSED', exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED accl: the C++ backend for" in out.stdout and "corebuild --mpicc" in out.stdout, out.stdout

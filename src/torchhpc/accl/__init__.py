@@ -14,8 +14,9 @@ it, holds its options (:class:`AcclOptions`) and reports the environment it will
 from __future__ import annotations
 
 from ..errors import EngineUnavailableError, MismatchError, PeerFailedError, PeerTimeoutError
+from . import core
 from .backend import create_process_group, register
-from .group import AcclWork, ProcessGroupACCL
+from .group import ProcessGroupACCL
 from .info import environment_report, mpi_cuda_aware
 from .options import AcclOptions
 
@@ -29,5 +30,14 @@ __all__ = [
     "AcclPeerFailedError", "EngineUnavailableError", "mpi_cuda_aware",
     "create_process_group", "register", "environment_report",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``AcclWork`` (the C++ backend's ``Work``), from the built module when first asked for: ``import
+    torchhpc.accl`` works before the backend is built (``make env`` imports the build helper first)."""
+    if name == "AcclWork":
+        return core.load_backend().AcclWork
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 register()

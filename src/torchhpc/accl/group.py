@@ -18,11 +18,7 @@ from mpi4py import MPI
 from . import core
 from .options import AcclOptions
 
-__all__ = ["ProcessGroupACCL", "AcclWork"]
-
-_mod = core.load_backend()
-#: the handle of every call (the C++ ``WorkACCL``, a ``torch.distributed.Work``)
-AcclWork = _mod.AcclWork
+__all__ = ["ProcessGroupACCL"]
 
 
 class _Mpi:
@@ -73,7 +69,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
             accl_engine = AcclEngine(comm, opts)
         self._engine: object = accl_engine if accl_engine is not None else _Mpi()
-        self._backend = _mod.ProcessGroupACCL(MPI._handleof(comm), opts.max_segment_bytes, opts.check,
+        self._backend = core.load_backend().ProcessGroupACCL(MPI._handleof(comm), opts.max_segment_bytes, opts.check,
                                               opts.threaded_min_bytes, timeout_s, group_name, accl_engine,
                                               sorted(opts.sidestep))
         kind = dist.ProcessGroup.BackendType.CUSTOM
