@@ -137,8 +137,11 @@ class MpiEngine {
 
  private:
   void check(int rc, const char* what);
-  // `bytes` per rank at `stride` apart: (MPI_BYTE, bytes), or (a resized type, 1) the caller frees
-  std::pair<MPI_Datatype, int> strided(int bytes, int64_t stride);
+  // `bytes` per rank at `stride` apart, as byte counts and displacements for the v-variant calls (not a resized
+  // datatype: Open MPI 5.0's hierarchical all_gather across nodes mis-delivered the last blocks of one). Kept
+  // here until the call completes: every caller waits on a call before making the next.
+  void blocks(int bytes, int64_t stride);
+  std::vector<int> counts_, displs_;
   MPI_Comm comm_;
   Stats& stats_;
 };

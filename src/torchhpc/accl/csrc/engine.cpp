@@ -2,6 +2,8 @@
 // blocking after a header exchange, nonblocking (the request handed back) without one.
 #include "accl.hpp"
 
+#include <climits>
+
 #if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support
 #endif
@@ -55,14 +57,13 @@ MPI_Request MpiEngine::bcast(void* buf, int bytes, int root, Mode m) {
   return req;
 }
 
-std::pair<MPI_Datatype, int> MpiEngine::strided(int bytes, int64_t stride) {
-  if (stride == bytes) return {MPI_BYTE, bytes};
-  MPI_Datatype block, type;
-  check(MPI_Type_contiguous(bytes, MPI_BYTE, &block), "MPI_Type_contiguous");
-  check(MPI_Type_create_resized(block, 0, stride, &type), "MPI_Type_create_resized");
-  MPI_Type_free(&block);
-  MPI_Type_commit(&type);
-  return {type, 1};
+void MpiEngine::blocks(int bytes, int64_t stride) {
+  int size = 1;
+  MPI_Comm_size(comm_, &size);
+  if (stride * (size - 1) > INT_MAX) throw c10::ValueError("accl: a strided block lies beyond MPI's int displacements");
+  counts_.assign(size, bytes);
+  displs_.resize(size);
+  for (int r = 0; r < size; ++r) displs_[r] = static_cast<int>(r * stride);
 }
 
 MPI_Request MpiEngine::allgather(const void* src, void* dst, int bytes, int64_t stride, Mode m) {
@@ -70,14 +71,19 @@ MPI_Request MpiEngine::allgather(const void* src, void* dst, int bytes, int64_t 
   MPI_Comm_rank(comm_, &rank);
   MPI_Comm_size(comm_, &size);
   stats_.count(static_cast<int64_t>(bytes) * size);
-  // rank r's block lands at dst + r * stride: a resized datatype when blocks are not adjacent
-  auto [rtype, rcount] = strided(bytes, stride);
   // the input already in place (all_gather_into_tensor of a shard of the output, as FSDP calls it)
   const void* s = src == static_cast<char*>(dst) + rank * stride ? MPI_IN_PLACE : src;
   MPI_Request req = MPI_REQUEST_NULL;
-  int rc = m == Mode::kBlocking ? MPI_Allgather(s, bytes, MPI_BYTE, dst, rcount, rtype, comm_)
-                                : MPI_Iallgather(s, bytes, MPI_BYTE, dst, rcount, rtype, comm_, &req);
-  if (rtype != MPI_BYTE) MPI_Type_free(&rtype);  // (a pending nonblocking call keeps its own reference)
+  int rc;
+  if (stride == bytes) {
+    rc = m == Mode::kBlocking ? MPI_Allgather(s, bytes, MPI_BYTE, dst, bytes, MPI_BYTE, comm_)
+                              : MPI_Iallgather(s, bytes, MPI_BYTE, dst, bytes, MPI_BYTE, comm_, &req);
+  } else {  // rank r's block lands at dst + r * stride
+    blocks(bytes, stride);
+    rc = m == Mode::kBlocking
+             ? MPI_Allgatherv(s, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, comm_)
+             : MPI_Iallgatherv(s, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, comm_, &req);
+  }
   check(rc, "MPI_Allgather");
   return req;
 }
@@ -130,11 +136,11 @@ MPI_Request MpiEngine::gather(const void* src, void* dst, int bytes, int64_t str
   MPI_Comm_rank(comm_, &rank);
   MPI_Comm_size(comm_, &size);
   stats_.count(rank == root ? static_cast<int64_t>(bytes) * size : bytes);
-  auto [rtype, rcount] = rank == root ? strided(bytes, stride) : std::pair<MPI_Datatype, int>{MPI_BYTE, 0};
+  blocks(bytes, stride);  // rank r's block at dst + r * stride on the root
   MPI_Request req = MPI_REQUEST_NULL;
-  int rc = m == Mode::kBlocking ? MPI_Gather(src, bytes, MPI_BYTE, dst, rcount, rtype, root, comm_)
-                                : MPI_Igather(src, bytes, MPI_BYTE, dst, rcount, rtype, root, comm_, &req);
-  if (rtype != MPI_BYTE) MPI_Type_free(&rtype);
+  int rc = m == Mode::kBlocking
+               ? MPI_Gatherv(src, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, root, comm_)
+               : MPI_Igatherv(src, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, root, comm_, &req);
   check(rc, "MPI_Gather");
   return req;
 }
@@ -144,11 +150,11 @@ MPI_Request MpiEngine::scatter(const void* src, int64_t stride, void* dst, int b
   MPI_Comm_rank(comm_, &rank);
   MPI_Comm_size(comm_, &size);
   stats_.count(rank == root ? static_cast<int64_t>(bytes) * size : bytes);
-  auto [stype, scount] = rank == root ? strided(bytes, stride) : std::pair<MPI_Datatype, int>{MPI_BYTE, 0};
+  blocks(bytes, stride);  // rank r's block at src + r * stride on the root
   MPI_Request req = MPI_REQUEST_NULL;
-  int rc = m == Mode::kBlocking ? MPI_Scatter(src, scount, stype, dst, bytes, MPI_BYTE, root, comm_)
-                                : MPI_Iscatter(src, scount, stype, dst, bytes, MPI_BYTE, root, comm_, &req);
-  if (stype != MPI_BYTE) MPI_Type_free(&stype);
+  int rc = m == Mode::kBlocking
+               ? MPI_Scatterv(src, counts_.data(), displs_.data(), MPI_BYTE, dst, bytes, MPI_BYTE, root, comm_)
+               : MPI_Iscatterv(src, counts_.data(), displs_.data(), MPI_BYTE, dst, bytes, MPI_BYTE, root, comm_, &req);
   check(rc, "MPI_Scatter");
   return req;
 }
