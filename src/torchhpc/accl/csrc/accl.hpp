@@ -141,6 +141,8 @@ class MpiEngine {
   // datatype: Open MPI 5.0's hierarchical all_gather across nodes mis-delivered the last blocks of one). Kept
   // here until the call completes: every caller waits on a call before making the next.
   void blocks(int bytes, int64_t stride);
+  // a rooted call's accounting (the root moves every rank's block) and its blocks
+  void rooted(int bytes, int64_t stride, int root);
   std::vector<int> counts_, displs_;
   MPI_Comm comm_;
   Stats& stats_;

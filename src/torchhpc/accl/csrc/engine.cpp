@@ -131,12 +131,16 @@ MPI_Request MpiEngine::reduce(void* buf, int count, const Reduction& r, int root
   return req;
 }
 
-MPI_Request MpiEngine::gather(const void* src, void* dst, int bytes, int64_t stride, int root, Mode m) {
+void MpiEngine::rooted(int bytes, int64_t stride, int root) {
   int rank = 0, size = 1;
   MPI_Comm_rank(comm_, &rank);
   MPI_Comm_size(comm_, &size);
   stats_.count(rank == root ? static_cast<int64_t>(bytes) * size : bytes);
-  blocks(bytes, stride);  // rank r's block at dst + r * stride on the root
+  blocks(bytes, stride);
+}
+
+MPI_Request MpiEngine::gather(const void* src, void* dst, int bytes, int64_t stride, int root, Mode m) {
+  rooted(bytes, stride, root);  // rank r's block at dst + r * stride on the root
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = m == Mode::kBlocking
                ? MPI_Gatherv(src, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, root, comm_)
@@ -146,11 +150,7 @@ MPI_Request MpiEngine::gather(const void* src, void* dst, int bytes, int64_t str
 }
 
 MPI_Request MpiEngine::scatter(const void* src, int64_t stride, void* dst, int bytes, int root, Mode m) {
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm_, &rank);
-  MPI_Comm_size(comm_, &size);
-  stats_.count(rank == root ? static_cast<int64_t>(bytes) * size : bytes);
-  blocks(bytes, stride);  // rank r's block at src + r * stride on the root
+  rooted(bytes, stride, root);  // rank r's block at src + r * stride on the root
   MPI_Request req = MPI_REQUEST_NULL;
   int rc = m == Mode::kBlocking
                ? MPI_Scatterv(src, counts_.data(), displs_.data(), MPI_BYTE, dst, bytes, MPI_BYTE, root, comm_)
