@@ -41,7 +41,9 @@ def main(argv: list[str]) -> int:
     from mpi4py import MPI
 
     import torchhpc.accl  # noqa: F401  (registers "accl")
-    from torchhpc.accl import wire
+    from torchhpc.accl import core
+
+    wire = core.load_backend().wire  # the wire protocol as the backend defines it
 
     dist.init_process_group("accl")
     comm = MPI.COMM_WORLD.Dup()

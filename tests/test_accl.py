@@ -21,11 +21,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_options_defaults_and_validation(monkeypatch) -> None:
     for var in ("TORCHHPC_ACCL_ENGINE", "TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "TORCHHPC_ACCL_SIDESTEP",
-                "TORCHHPC_ACCL_CHECK"):
+                "TORCHHPC_ACCL_CHECK", "TORCHHPC_ACCL_BLOCKING_MIN_BYTES"):
         monkeypatch.delenv(var, raising=False)
     o = accl.AcclOptions()
     assert (o.engine, o.max_segment_bytes, o.check) == ("mpi", 4 << 20, True)
-    assert "alltoallv" in o.sidestep
+    assert o.sidestep == set(accl.core.load_backend().COLLECTIVES) and "alltoall" in o.sidestep
+    assert o.blocking_min_bytes == 64 << 10
     monkeypatch.setenv("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "1024")
     monkeypatch.setenv("TORCHHPC_ACCL_SIDESTEP", "allreduce, barrier")
     monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "off")
@@ -35,6 +36,10 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
         accl.AcclOptions(max_segment_bytes=4)
     with pytest.raises(ValueError, match="unknown collectives"):
         accl.AcclOptions(sidestep=frozenset({"allreduse"}))
+    with pytest.raises(ValueError, match=r"unknown collectives \['alltoallv'\]; known: allreduce, .*alltoall"):
+        accl.AcclOptions(sidestep=frozenset({"alltoallv"}))  # one name per collective: torch's all_to_all
+    monkeypatch.setenv("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "4096")
+    assert accl.AcclOptions().blocking_min_bytes == 4096
     monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "maybe")
     with pytest.raises(ValueError, match="TORCHHPC_ACCL_CHECK"):
         accl.AcclOptions()
@@ -165,7 +170,7 @@ def test_cuda_calls_follow_the_callers_stream(solo) -> None:  # pragma: no cover
 def test_environment_report_for_doctor() -> None:
     items = dict(accl.environment_report())
     assert "Open MPI" in items["accl MPI library"] or "MPICH" in items["accl MPI library"]
-    assert ("staged" in items["accl CUDA path"]) != accl.mpi_cuda_aware()
+    assert "staged through pinned host memory" in items["accl CUDA path"]  # whatever the MPI library says
     assert "pyaccl" in items["accl ACCL engine"]
 
 

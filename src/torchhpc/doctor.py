@@ -136,9 +136,11 @@ def _mpi(probe: bool) -> list[Check]:
         text += "; not probed (run under `mpiexec -n 2 torchhpc doctor` to test a real device transfer)"
         aware = query.supported
     if aware:
-        checks.append(Check("cuda-aware mpi", OK, text + "; accl passes CUDA tensors to MPI directly"))
+        checks.append(Check("cuda-aware mpi", OK, text + "; PyTorch's MPI backend passes CUDA tensors to MPI "
+                            "directly (accl stages them through pinned host memory either way)"))
     else:
-        checks.append(Check("cuda-aware mpi", WARN, text + "; accl stages CUDA tensors through pinned host memory",
+        checks.append(Check("cuda-aware mpi", WARN, text + "; PyTorch's MPI backend refuses CUDA tensors (accl "
+                            "stages them through pinned host memory either way)",
                             "for GPU-direct MPI use a CUDA-aware MPI (Cray: MPICH_GPU_SUPPORT_ENABLED=1)"))
     return checks
 

@@ -137,7 +137,7 @@ def test_all_reduce_non_contiguous_and_large(groups) -> None:
     dist.all_reduce(big, op=R.MAX, group=groups["tiny"])
     assert torch.all(big == p)
     # 16-bit floats above the header slot go through MPI with the user-defined op: blocking inline
-    # (synchronous) and on the worker thread (async, >= threaded_min_bytes)
+    # (synchronous) and on the worker thread (async, >= blocking_min_bytes)
     for dtype, n in itertools.product((torch.float16, torch.bfloat16), (3000, 70_000)):
         for op in (R.SUM, R.MIN, R.PRODUCT):
             seed = n + OPS.index(op)
@@ -543,7 +543,7 @@ def test_sync_call_behind_async_work_keeps_issue_order(groups, monkeypatch) -> N
 @pytest.mark.parametrize("n", [4, 600, 20_000])
 def test_sync_and_async_ranks_make_matching_calls(groups, n: int) -> None:
     """Rank 0 issues every call async (queued path), the others synchronously (fast path): both
-    paths must make the same MPI calls, in the slot, above it, and above threaded_min_bytes."""
+    paths must make the same MPI calls, in the slot, above it, and above blocking_min_bytes."""
     rank, p = dist.get_rank(), dist.get_world_size()
     for name in ("world", "tiny", "unchecked"):
         g = groups[name]

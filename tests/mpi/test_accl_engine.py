@@ -169,7 +169,7 @@ def accl_group():
     install_fake_pyaccl()
     opts = accl.AcclOptions(engine="accl", accl_sim_sock="tcp://localhost:{port}", max_segment_bytes=256)
     g = dist.new_group(backend="accl", pg_options=opts)
-    assert g.engine.name == "accl"
+    assert g.engine_name == "accl"
     return g
 
 

@@ -14,8 +14,9 @@ What the driver does itself: SUM reductions and data movement for float16/32/64 
 (its default arithmetic configurations).  Everything else (other ops and dtypes, all-to-all,
 barrier) falls back to MPI when listed in ``AcclOptions.sidestep`` (default: every collective).
 The class is the C++ backend's ``Engine`` (``csrc/accl.hpp``), implemented in Python because ``pyaccl`` is
-Python: the backend calls it with contiguous host tensors and wire codes for dtype and op, in the thread that
-runs the call (the caller's, or the group's worker for queued work).  Driver calls block, one at a time per
+Python: the backend calls it with one segment's host tensors (a ``rows`` tensor is every rank's block of the
+segment, rows possibly strided) and reduce ops by name, in the thread that runs the call (the caller's, or the
+group's worker for queued work).  Driver calls block, one at a time per
 process (one device), so the group timeout cannot interrupt one.
 """
 
@@ -26,23 +27,18 @@ import threading
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from mpi4py import MPI
 
 from ..errors import EngineUnavailableError
-from . import core, wire
+from . import core
 from .options import AcclOptions
 
 __all__ = ["AcclEngine", "ACCL_DTYPES", "load_driver_module"]
 
 ACCL_DTYPES = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
                torch.int32: np.int32, torch.int64: np.int64}
-_DATA_MOVES = ("broadcast", "allgather", "gather", "scatter", "send", "recv")
-_REDUCTIONS = ("allreduce", "reduce", "reduce_scatter")
-
 _driver_lock = threading.Lock()
 _driver_state: dict = {}  # one driver (device) per process, shared by all groups that use it
-_SUM = wire.op_code(dist.ReduceOp.RedOpType.SUM)
 
 
 def load_driver_module():
@@ -67,12 +63,12 @@ def _host_ip() -> str:
 
 class AcclEngine(core.load_backend().Engine):  # type: ignore[misc]
     """The C++ backend's ``Engine`` over one ACCL communicator (the group's ranks on the process's ACCL device):
-    blocking calls on contiguous host tensors; dtypes and ops arrive as :mod:`.wire` codes."""
+    blocking calls on host tensors, one segment each."""
 
     name = "accl"
 
     def __init__(self, comm: MPI.Comm, options: AcclOptions) -> None:
-        super().__init__()
+        super().__init__(self.name)
         mod = load_driver_module()
         self._mod = mod
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -123,14 +119,11 @@ class AcclEngine(core.load_backend().Engine):  # type: ignore[misc]
             "'tcp://localhost:{port}') or TORCHHPC_ACCL_XCLBIN (Alveo bitstream), or use engine='mpi'.")
 
     # ------------------------------------------------------------------ capability
-    def supports(self, collective: str, dcode: int, ocode: int) -> bool:
-        """Whether the driver does ``collective`` for the dtype and op of these wire codes (else sidestep)."""
-        dtype, op = wire.dtype_of(dcode), ocode
-        if collective in _REDUCTIONS:
-            return dtype in ACCL_DTYPES and op == _SUM
-        if collective in _DATA_MOVES:
-            return dtype in ACCL_DTYPES
-        return False  # alltoall, alltoallv, barrier: not in ACCL
+    def supports(self, collective: str, dtype: torch.dtype, op: str | None) -> bool:
+        """Whether the driver does ``collective`` on ``dtype`` with reduce op ``op`` (None: a data move): its
+        default arithmetic configurations, SUM only (else the call sidesteps to MPI).  The backend asks only for
+        the collectives the engine interface has."""
+        return dtype in ACCL_DTYPES and op in (None, "SUM")
 
     # ------------------------------------------------------------------ buffers
     def _buffer(self, n: int, dtype: torch.dtype):
@@ -161,7 +154,7 @@ class AcclEngine(core.load_backend().Engine):  # type: ignore[misc]
             fn()
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, buf: torch.Tensor, ocode: int) -> None:
+    def allreduce(self, buf: torch.Tensor, op: str) -> None:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
@@ -169,7 +162,7 @@ class AcclEngine(core.load_backend().Engine):  # type: ignore[misc]
             self._drain(r, buf)
         self._run(run)
 
-    def reduce(self, buf: torch.Tensor, ocode: int, root: int) -> None:
+    def reduce(self, buf: torch.Tensor, op: str, root: int) -> None:
         def run() -> None:
             s, r = self._buffer(buf.numel(), buf.dtype), self._buffer(buf.numel(), buf.dtype)
             self._fill(s, buf)
@@ -218,7 +211,7 @@ class AcclEngine(core.load_backend().Engine):  # type: ignore[misc]
             self._drain(r, recv)
         self._run(run)
 
-    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, ocode: int) -> None:
+    def reduce_scatter(self, send: torch.Tensor, recv: torch.Tensor, op: str) -> None:
         def run() -> None:
             n = recv.numel()
             s, r = self._buffer(n * self.size, recv.dtype), self._buffer(n, recv.dtype)

@@ -8,7 +8,7 @@ and completion.  This class defines no call; it only identifies the group (its n
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
+from collections.abc import MutableMapping
 from datetime import timedelta
 
 import torch
@@ -19,37 +19,6 @@ from . import core
 from .options import AcclOptions
 
 __all__ = ["ProcessGroupACCL"]
-
-
-class _Mpi:
-    """The MPI engine as ``ProcessGroupACCL.engine`` names it (its calls are the C++ backend's own)."""
-
-    name = "mpi"
-
-_STATS = ("engine_calls", "sidestep_calls", "max_call_bytes", "queued_calls")
-
-
-class _Stats(MutableMapping):
-    """The C++ backend's counters as the mapping ``ProcessGroupACCL.stats`` always was (settable: tests reset
-    ``max_call_bytes``)."""
-
-    def __init__(self, backend: object) -> None:
-        self._b = backend
-
-    def __getitem__(self, key: str) -> int:
-        return self._b.stat(key)  # type: ignore[attr-defined]
-
-    def __setitem__(self, key: str, value: int) -> None:
-        self._b.set_stat(key, int(value))  # type: ignore[attr-defined]
-
-    def __delitem__(self, key: str) -> None:
-        raise TypeError("accl: stats entries cannot be deleted")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(_STATS)
-
-    def __len__(self) -> int:
-        return len(_STATS)
 
 
 class ProcessGroupACCL(dist.ProcessGroup):
@@ -68,10 +37,10 @@ class ProcessGroupACCL(dist.ProcessGroup):
             from .accl_engine import AcclEngine  # pyaccl's driver: imported only when asked for
 
             accl_engine = AcclEngine(comm, opts)
-        self._engine: object = accl_engine if accl_engine is not None else _Mpi()
-        self._backend = core.load_backend().ProcessGroupACCL(MPI._handleof(comm), opts.max_segment_bytes, opts.check,
-                                              opts.threaded_min_bytes, timeout_s, group_name, accl_engine,
-                                              sorted(opts.sidestep))
+        self._accl_engine = accl_engine  # the Python half of the C++ engine: alive as long as the group
+        self._backend = core.load_backend().ProcessGroupACCL(
+            MPI._handleof(comm), opts.max_segment_bytes, opts.check, opts.blocking_min_bytes, timeout_s, group_name,
+            accl_engine, sorted(opts.sidestep))
         kind = dist.ProcessGroup.BackendType.CUSTOM
         for device in ("cpu", "cuda"):
             self._register_backend(torch.device(device), kind, self._backend)
@@ -81,12 +50,12 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return "accl"
 
     def __repr__(self) -> str:
-        return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine={self.engine.name})"
+        return f"ProcessGroupACCL(rank={self.rank()}, size={self.size()}, engine={self.engine_name})"
 
     @property
-    def engine(self) -> object:
-        """The engine carrying out this group's collectives (``.name``: ``mpi`` or ``accl``)."""
-        return self._engine
+    def engine_name(self) -> str:
+        """The engine carrying out this group's collectives: ``mpi`` or ``accl``."""
+        return self._backend.engine_name
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0 raises for
@@ -98,5 +67,6 @@ class ProcessGroupACCL(dist.ProcessGroup):
     @property
     def stats(self) -> MutableMapping[str, int]:
         """Engine calls made, calls sidestepped to MPI, the largest bytes of one call's buffer, and collectives
-        that went to the queue (async, or behind pending work) rather than running in their caller's thread."""
-        return _Stats(self._backend)
+        that went to the queue (async, or behind pending work) rather than running in their caller's thread.
+        Settable, e.g. ``stats["max_call_bytes"] = 0`` before a measurement."""
+        return self._backend.stats

@@ -22,16 +22,14 @@ def mpi_cuda_aware() -> bool:
 
 
 def environment_report() -> list[tuple[str, str]]:
-    """(item, finding) pairs: MPI library, the C++ backend in use, CUDA tensor path (direct or staged), ACCL
-    engine availability."""
+    """(item, finding) pairs: MPI library, the C++ backend in use, how CUDA tensors travel (always staged through
+    pinned host memory; whether the MPI library is CUDA-aware is reported, and changes nothing yet), ACCL engine
+    availability."""
     from mpi4py import MPI
 
     lib = MPI.Get_library_version().strip().replace("\x00", "").splitlines()[0]
-    aware = mpi_cuda_aware()
-    if aware:
-        cuda = "CUDA tensors go to MPI directly (the MPI library reports CUDA support)"
-    else:
-        cuda = "CUDA tensors are staged through pinned host memory (MPI is not CUDA-aware)"
+    aware = "reports CUDA support" if mpi_cuda_aware() else "is not CUDA-aware"
+    cuda = f"CUDA tensors are staged through pinned host memory (the MPI library {aware}; accl stages either way)"
     if not torch.cuda.is_available():
         cuda += "; no CUDA device visible"
     has_pyaccl = importlib.util.find_spec("pyaccl") is not None

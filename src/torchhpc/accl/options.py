@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["AcclOptions", "ALL_COLLECTIVES", "DEFAULT_MAX_SEGMENT_BYTES"]
+__all__ = ["AcclOptions", "DEFAULT_MAX_SEGMENT_BYTES", "collectives"]
 
 DEFAULT_MAX_SEGMENT_BYTES = 4 << 20
 
-#: Collective names used by the engine interface, sidestep configuration and error messages.
-ALL_COLLECTIVES = (
-    "allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
-    "reduce_scatter", "alltoall", "alltoallv", "send", "recv", "barrier",
-)
+
+def collectives() -> tuple[str, ...]:
+    """The collective names of ``sidestep`` (and of the backend's errors), as the C++ backend defines them."""
+    from . import core  # the built module; options can be made before it is asked for
+
+    return tuple(core.load_backend().COLLECTIVES)
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -45,12 +46,12 @@ def _env_int(name: str, default: int) -> int:
 def _env_sidestep() -> frozenset[str]:
     raw = os.environ.get("TORCHHPC_ACCL_SIDESTEP")
     if raw is None:
-        return frozenset(ALL_COLLECTIVES)
+        return frozenset(collectives())
     raw = raw.strip().lower()
     if raw in ("", "none", "0", "off"):
         return frozenset()
     if raw in ("all", "1", "on"):
-        return frozenset(ALL_COLLECTIVES)
+        return frozenset(collectives())
     return frozenset(x.strip() for x in raw.split(",") if x.strip())
 
 
@@ -64,11 +65,13 @@ class AcclOptions:
       (for the dtype/op at hand); the others raise instead.
     - ``check``: exchange a small header before each collective so that mismatched sizes,
       dtypes, ops, roots or call order across ranks raise a clear error instead of hanging
-      or corrupting memory (costs one small message per collective). Off, collectives small enough
-      for one nonblocking call skip it (the lowest latency); larger ones keep it, as the proof that
-      every rank arrived before MPI's blocking calls.
-    - ``threaded_min_bytes``: collectives moving at least this many bytes run MPI's blocking (tuned)
-      algorithms on a worker thread instead of nonblocking ones (faster on Open MPI); still async.
+      or corrupting memory (costs one small message per collective; data up to 1 KiB per rank ride
+      in it). Every checked call then runs MPI's blocking (tuned) algorithms: the header proved that
+      every rank entered it.
+    - ``blocking_min_bytes``: with ``check`` off, a collective moving fewer bytes (and fitting one
+      segment) skips the header and runs as one nonblocking MPI call waited on against the group
+      timeout (the lowest latency); one moving at least this many exchanges the header anyway, as the
+      proof that every rank arrived, then runs MPI's blocking algorithms (faster on Open MPI).
     - ``accl_sim_sock``/``accl_start_port``/``accl_xclbin``/``accl_bufsize``/``accl_protocol``:
       how the ACCL engine reaches its device (see :mod:`torchhpc.accl.accl_engine`).
     """
@@ -79,8 +82,8 @@ class AcclOptions:
     )
     sidestep: frozenset[str] = field(default_factory=_env_sidestep)
     check: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_CHECK", True))
-    threaded_min_bytes: int = field(
-        default_factory=lambda: _env_int("TORCHHPC_ACCL_THREADED_MIN_BYTES", 64 << 10))
+    blocking_min_bytes: int = field(
+        default_factory=lambda: _env_int("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", 64 << 10))
     accl_sim_sock: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_SIM_SOCK"))
     accl_start_port: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_START_PORT", 5500))
     accl_xclbin: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_XCLBIN"))
@@ -95,7 +98,8 @@ class AcclOptions:
             raise ValueError(f"AcclOptions.max_segment_bytes must be an int >= 8, "
                              f"got {self.max_segment_bytes!r}")
         self.sidestep = frozenset(self.sidestep)
-        unknown = self.sidestep - set(ALL_COLLECTIVES)
+        known = collectives()
+        unknown = self.sidestep - set(known)
         if unknown:
             raise ValueError(f"AcclOptions.sidestep names unknown collectives {sorted(unknown)}; "
-                             f"known: {', '.join(ALL_COLLECTIVES)}")
+                             f"known: {', '.join(known)}")

@@ -1,8 +1,8 @@
-// torchhpc.accl as one C++ c10d::Backend (issue 24; design: docs/accl-cpp-design.md).
+// torchhpc.accl: the "accl" backend as one c10d::Backend over MPI (or an ACCL engine).
 //
-// Every declaration of the backend: the wire layout, the reduction rules, the MPI engine, the Work, the
-// error classes and ProcessGroupACCL itself.  Built per MPI family against the installed torch
-// (torchhpc.accl.corebuild --backend); module.cpp is the only file that knows Python.
+// Every declaration of the backend: the errors, the wire protocol, the reduction rules, the engines, the Work and
+// ProcessGroupACCL itself.  Built per MPI family against the installed torch (python -m torchhpc.accl.corebuild);
+// module.cpp is the only file that knows Python.
 #pragma once
 
 #include <mpi.h>
@@ -13,6 +13,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -45,10 +46,11 @@ struct PeerFailedError : c10::DistBackendError {
 struct MismatchError : c10::ValueError {
   explicit MismatchError(std::string msg) : c10::ValueError(std::move(msg)) {}
 };
-// an MPI call returned an error (the group turns it into PeerFailedError or DistBackendError)
+// an MPI call returned `rc`; the group turns it into its error (ProcessGroupACCL::mpiFailure)
 struct MpiCallError : c10::DistBackendError {
-  MpiCallError(int code, std::string msg) : c10::DistBackendError(std::move(msg)), rc(code) {}
+  MpiCallError(int code, const char* fn);
   int rc;
+  const char* call;
 };
 // a group that was aborted (timeout, dead peer, shutdown): torch's DistBackendError
 struct AbortedError : c10::DistBackendError {
@@ -58,9 +60,18 @@ struct AbortedError : c10::DistBackendError {
 [[noreturn]] void valueError(const std::string& msg);
 [[noreturn]] void typeError(const std::string& msg);
 
+// The one way to call MPI: a return code other than MPI_SUCCESS throws MpiCallError naming the function.
+inline void mpiCheck(int rc, const char* fn) {
+  if (rc != MPI_SUCCESS) throw MpiCallError(rc, fn);
+}
+#define ACCL_MPI(fn, ...) ::torchhpc::accl::mpiCheck(fn(__VA_ARGS__), #fn)
+std::string mpiErrorText(int rc);
+
 // ------------------------------------------------------------------------------------------ wire
-// The collective header (torchhpc/accl/wire.py documents the same layout): nine int64 fields in a slot of
-// kSlotBytes, the first kHeaderBytes for the header, then kPayloadBytes of payload (small calls ride there).
+// The one definition of the wire protocol (Python reads it from the built module: module.cpp's `wire`).
+// Collective header: nine int64 fields in a slot of kSlotBytes, the first kHeaderBytes for the header, then
+// kPayloadBytes of payload (small calls ride there, so the header exchange is the whole collective).
+// P2P envelope: four int64 fields, then the payload up to kPayloadBytes; larger payloads follow on their own.
 namespace wire {
 constexpr int64_t kMagic = 0x4ACC1;
 constexpr size_t kHeaderBytes = 128;
@@ -75,21 +86,28 @@ enum Kind : int64_t {
 struct Header {
   int64_t magic = kMagic, kind = 0, seq = 0, dtype = 0, op = 0, root = 0, nbytes = 0, numel = 0, extra = 0;
 };
-int64_t dtypeCode(at::ScalarType t);
-int64_t opCode(RedOpType op);
-std::string dtypeName(int64_t code);
-at::ScalarType scalarTypeOf(int64_t code);  // (uint8 for a code outside the table)
-std::string describe(const Header& h);
-// the error text for gathered headers whose first `compare` fields differ (wire.describe_mismatch's text)
-std::string describeMismatch(const std::vector<Header>& heads, int compare, const std::string& group);
-// the p2p envelope: magic, dtype code, payload bytes, element count, then the payload up to kPayloadBytes
 struct Envelope {
   int64_t magic = kMagic, dtype = 0, nbytes = 0, numel = 0;
 };
+constexpr int kFields = 9;
+extern const char* const kFieldNames[kFields];
+extern const char* const kKindNames[10];
+extern const char* const kDtypeNames[15];
+extern const char* const kOpNames[8];
+int64_t dtypeCode(at::ScalarType t);  // 1.. in kDtypeNames' order; 99 for a dtype outside the table
+int64_t opCode(RedOpType op);         // 1.. in kOpNames' order; 0 for none
+std::string dtypeName(int64_t code);
+at::ScalarType scalarTypeOf(int64_t code);  // (uint8 for a code outside the table)
+std::string torchName(at::ScalarType t);    // "torch.float32"
+std::string describe(const Header& h);      // "all_reduce(float32, 4 elements, SUM) as call #3"
+// the error text for gathered headers whose first `compare` fields differ
+std::string describeMismatch(const std::vector<Header>& heads, int compare, const std::string& group);
+// the receiver's error text when `env` from rank `peer` does not fit `t` ("" when it fits); `from`: "from rank 1"
+std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t, const std::string& from, int tag);
 }  // namespace wire
 
 // ------------------------------------------------------------------------------------------ reduction
-// What a (dtype, op) reduction is on MPI, checked once per pair (gloo's rules, reduction.py's texts).
+// What a (dtype, op) reduction is on MPI, checked once per pair (gloo's rules).
 struct Reduction {
   at::ScalarType dtype;
   RedOpType op;
@@ -103,75 +121,96 @@ struct Reduction {
 const Reduction& reductionFor(at::ScalarType dtype, RedOpType op, const char* what);
 std::string opName(RedOpType op);
 
-// ------------------------------------------------------------------------------------------ engine
+// ------------------------------------------------------------------------------------------ engines
+// The collectives an engine may do, by the names AcclOptions.sidestep uses (module.cpp exports the list).
+enum class Coll { kAllreduce, kBroadcast, kReduce, kAllgather, kGather, kScatter, kReduceScatter, kAlltoall, kSend,
+                  kRecv, kBarrier };
+extern const char* const kCollNames[11];
+
 struct Stats {
   std::atomic<int64_t> engineCalls{0}, sidestepCalls{0}, maxCallBytes{0};
   std::atomic<int64_t> queuedCalls{0};  // collectives that went to the queue (not run inline by their caller)
   void count(int64_t bytes);
 };
 
-// How a data call is made: blocking (after a header exchange proved every rank arrived) or nonblocking
-// (unchecked small calls: polled against the deadline).
-enum class Mode { kBlocking, kNonblocking };
-
-// The MPI engine: MPI's collectives on host (or, CUDA-aware, device) buffers, one call per segment.  Each
-// returns MPI_REQUEST_NULL when blocking, else the request to poll.  Throws on MPI errors.
-class MpiEngine {
- public:
-  MpiEngine(MPI_Comm comm, Stats& stats) : comm_(comm), stats_(stats) {}
-  MPI_Request allreduce(void* buf, int count, const Reduction& r, Mode m);
-  MPI_Request bcast(void* buf, int bytes, int root, Mode m);
-  // `bytes` from each rank into dst at rank * stride
-  MPI_Request allgather(const void* src, void* dst, int bytes, int64_t stride, Mode m);
-  MPI_Request reduceScatter(const void* src, void* dst, int count, const Reduction& r, Mode m);
-  MPI_Request alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd,
-                        Mode m);
-  MPI_Request barrier(Mode m);
-  // every rank's `bytes` (counts[r] bytes from rank r, at displs[r] of dst)
-  MPI_Request allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs, Mode m);
-  // rooted: reduce into the root's buffer (in place there), gather rows at `stride`, scatter rows at `stride`
-  MPI_Request reduce(void* buf, int count, const Reduction& r, int root, Mode m);
-  MPI_Request gather(const void* src, void* dst, int bytes, int64_t stride, int root, Mode m);
-  MPI_Request scatter(const void* src, int64_t stride, void* dst, int bytes, int root, Mode m);
-  MPI_Comm comm() const { return comm_; }
-
- private:
-  void check(int rc, const char* what);
-  // `bytes` per rank at `stride` apart, as byte counts and displacements for the v-variant calls (not a resized
-  // datatype: Open MPI 5.0's hierarchical all_gather across nodes mis-delivered the last blocks of one). Kept
-  // here until the call completes: every caller waits on a call before making the next.
-  void blocks(int bytes, int64_t stride);
-  // a rooted call's accounting (the root moves every rank's block) and its blocks
-  void rooted(int bytes, int64_t stride, int root);
-  std::vector<int> counts_, displs_;
-  MPI_Comm comm_;
-  Stats& stats_;
-};
-
-// The interface of an engine other than MPI: the ACCL hardware engine lives in Python (pyaccl is Python) and
-// implements it through module.cpp's trampoline.  Blocking calls on contiguous host tensors (the group stages
-// and segments); dtypes and ops as wire codes (0: none).
+// What moves a collective's data, one segment per call, on host tensors (the group stages and segments).
+// `rows` tensors are p x n views whose rows may lie further apart than n (a segment of every rank's block).
+// The ACCL engine implements it in Python (module.cpp's trampoline); MpiEngine is MPI's.
 class Engine {
  public:
+  explicit Engine(std::string name) : name_(std::move(name)) {}
   virtual ~Engine() = default;
-  virtual std::string name() const = 0;
-  // whether it does `coll` (an AcclOptions.sidestep name: "allreduce", "broadcast", ...) for dtype and op
-  virtual bool supports(const std::string& coll, int64_t dcode, int64_t ocode) const = 0;
-  virtual void allreduce(at::Tensor buf, int64_t ocode) = 0;
-  virtual void reduce(at::Tensor buf, int64_t ocode, int64_t root) = 0;
-  virtual void broadcast(at::Tensor buf, int64_t root) = 0;
-  virtual void allgather(at::Tensor send, at::Tensor recv) = 0;            // recv: p x n
-  virtual void gather(at::Tensor send, at::Tensor recv, int64_t root) = 0;   // recv: p x n on the root, else empty
-  virtual void scatter(at::Tensor send, at::Tensor recv, int64_t root) = 0;  // send: p x n on the root, else empty
-  virtual void reduceScatter(at::Tensor send, at::Tensor recv, int64_t ocode) = 0;  // send: p x n
-  virtual void send(at::Tensor buf, int64_t dst, int64_t tag) = 0;
-  virtual void recv(at::Tensor buf, int64_t src, int64_t tag) = 0;
+  const std::string& name() const { return name_; }
+  // whether it does `coll` for this dtype and op (none: a data move)
+  virtual bool supports(Coll coll, at::ScalarType dtype, std::optional<RedOpType> op) const = 0;
+  virtual void allreduce(at::Tensor buf, const Reduction& r) = 0;
+  virtual void reduce(at::Tensor buf, const Reduction& r, int root) = 0;
+  virtual void broadcast(at::Tensor buf, int root) = 0;
+  virtual void allgather(at::Tensor send, at::Tensor rows) = 0;
+  virtual void gather(at::Tensor send, at::Tensor rows, int root) = 0;  // rows: undefined off the root
+  virtual void scatter(at::Tensor rows, at::Tensor recv, int root) = 0;  // rows: undefined off the root
+  virtual void reduceScatter(at::Tensor rows, at::Tensor recv, const Reduction& r) = 0;
+  // blocking point-to-point (MPI's are the group's own nonblocking messages, not an engine call)
+  virtual void send(at::Tensor buf, int dst, int tag);
+  virtual void recv(at::Tensor buf, int src, int tag);
+
+ private:
+  std::string name_;
+};
+
+// How MPI is called: blocking (after the header exchange proved that every rank entered this call) or
+// nonblocking, the request waited on against the group deadline (small unchecked calls, which skip the header).
+enum class Mode { kBlocking, kNonblocking };
+
+class MpiEngine final : public Engine {
+ public:
+  using Wait = std::function<void(MPI_Request&)>;
+  MpiEngine(MPI_Comm comm, Wait wait);
+  Mode mode = Mode::kBlocking;  // set by the group for each call
+  bool supports(Coll, at::ScalarType, std::optional<RedOpType>) const override { return true; }
+  void allreduce(at::Tensor buf, const Reduction& r) override;
+  void reduce(at::Tensor buf, const Reduction& r, int root) override;
+  void broadcast(at::Tensor buf, int root) override;
+  void allgather(at::Tensor send, at::Tensor rows) override;
+  void gather(at::Tensor send, at::Tensor rows, int root) override;
+  void scatter(at::Tensor rows, at::Tensor recv, int root) override;
+  void reduceScatter(at::Tensor rows, at::Tensor recv, const Reduction& r) override;
+  // MPI only: byte counts and displacements
+  void alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd);
+  void allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs);
+  void barrier();
+
+ private:
+  // one MPI call in the engine's mode: `blocking()` or `nonblocking(&req)`, then the wait
+  template <typename B, typename N>
+  void call(const char* fn, B blocking, N nonblocking);
+  // rank r's row of `rows` as byte counts and displacements for the v-variant calls (not a resized datatype:
+  // Open MPI 5.0's hierarchical all_gather across nodes mis-delivered the last blocks of one)
+  void blocks(const at::Tensor& rows, int bytes);
+  MPI_Comm comm_;
+  int rank_ = 0, size_ = 1;
+  Wait wait_;
+  std::vector<int> counts_, displs_;
+  at::Tensor scratch_;  // reduce_scatter's rows, made contiguous (one segment, kept)
 };
 
 // Whether the MPI library takes CUDA device buffers: the same query as our PyTorch patch
-// (patches/pytorch/*/0001-c10d-mpi-ask-mpich-for-cuda-support.patch): Open MPI's MPIX_Query_cuda_support, MPICH's
-// MPIX_GPU_query_support, else MPICH_GPU_SUPPORT_ENABLED=1 for MPICH derivatives without the query.
+// (patches/pytorch/*/0001-c10d-mpi-ask-mpich-for-cuda-support.patch).  Reported only: accl stages device
+// tensors through pinned host memory whatever it answers.
 bool cudaAwareMpi();
+
+// ------------------------------------------------------------------------------------------ staging
+// Device and strided tensors are staged through contiguous host buffers (pinned for device tensors), copied on the
+// caller's stream of issue (Call::stream): the copy out waits for the kernels queued before the call, and the
+// blocking copy back is ordered before the caller's later kernels.
+bool direct(const at::Tensor& t);                        // a contiguous CPU tensor: engines use its own memory
+at::Tensor host(const at::Tensor& t, bool copy);         // t's memory when direct, else a host buffer (copy: filled)
+at::Tensor flatHost(const std::vector<at::Tensor>& ts);  // every tensor of ts end to end in one host buffer
+void deliver(const at::Tensor& buf, const at::Tensor& t);                    // buf into t unless it is t's memory
+void deliverEach(const at::Tensor& buf, const std::vector<at::Tensor>& ts);  // buf's elements in order into each
+std::optional<c10::Stream> callerStream(const std::vector<at::Tensor>& ts);  // of the first device tensor
+char* ptr(const at::Tensor& t);                                             // (nullptr when undefined)
+std::string seconds(std::chrono::milliseconds ms);
 
 // ------------------------------------------------------------------------------------------ work
 class ProcessGroupACCL;
@@ -191,7 +230,6 @@ class WorkACCL : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // completion, by whoever ran the call
   void complete(std::exception_ptr error, int source = -1);
-  // the call in words and its group, for errors (set when the call is numbered)
   // the call in words, made only when asked (errors, repr): from its header, or the text it was made with
   std::string what() const { return hasHead_ ? wire::describe(head_) : what_; }
   void name(const wire::Header& head, std::shared_ptr<const std::string> group) {
@@ -203,51 +241,52 @@ class WorkACCL : public c10d::Work {
 
  private:
   void settle(const c10::intrusive_ptr<c10::ivalue::Future>& fut, std::exception_ptr error);
+  void progressOwner();
   std::string what_;
   wire::Header head_;
   bool hasHead_ = false;
   std::shared_ptr<const std::string> group_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  bool settling_ = false;        // the outcome is known (the future is being settled)
+  bool settling_ = false;  // the outcome is known (the future is being settled)
   std::exception_ptr outcome_;
-  // the group progressed while waiting (a ProcessGroupACCL); may be gone: a Work can outlive its group
+  // the group progressed while waiting; may be gone: a Work can outlive its group
   c10::weak_intrusive_ptr<c10d::Backend> p2pOwner_;
-  void progressOwner();
   bool isP2P_;
   std::atomic<int> source_{-1};
 };
 
 // ------------------------------------------------------------------------------------------ calls
-// One collective as the group runs it: its header words, whether its data ride in the slot, its engine calls
-// segment by segment and its copy-back.  Made by a ProcessGroupACCL method, run by run() inline or queued.
+// One collective as the group runs it: its header words, its data in the header slots when small, its engine
+// calls segment by segment and its copy-back.  Made by a ProcessGroupACCL method, run inline or queued.
 struct Call {
-  wire::Header head;                       // kind, dtype, op, root, nbytes, numel, extra (seq set when run)
-  bool header = true;                      // exchanges the header first
+  wire::Header head;                                    // kind, dtype, op, root, nbytes, numel, extra
+  bool header = true;                                   // exchanges the header first
   int compare = wire::kCompareAll;
-  std::function<void()> stage;             // staging when the call's turn comes (may be empty)
-  std::function<void(unsigned char*)> pack;                       // this rank's payload into its slot
-  std::function<bool(const unsigned char* all)> fused;            // take results from every slot: done?
-  std::function<void(Mode, const std::function<void(MPI_Request)>& wait)> data;  // engine calls
-  std::function<void()> finish;            // copy back, AVG's division (may be empty)
-  std::optional<c10::Stream> stream;       // device tensors: the caller's current stream at issue (staging runs on it)
+  std::function<void()> stage;                          // staging when the call's turn comes (may be empty)
+  std::function<void(unsigned char*)> pack;             // this rank's payload into its slot
+  std::function<bool(const unsigned char* all)> fused;  // take results from every slot: done?
+  std::function<void()> data;                           // engine calls
+  std::function<void()> finish;                         // copy back, AVG's division (may be empty)
+  std::optional<c10::Stream> stream;  // device tensors: the caller's current stream at issue (staging runs on it)
   c10::intrusive_ptr<WorkACCL> work;
 };
 
-// A point-to-point op in flight: an envelope request, then (large payloads) a data request.
+// A point-to-point op in flight: an envelope request, then (large payloads) the payload's requests.
 struct P2P {
+  enum Stage { kEnvelope, kPayload, kDrain };
   bool send = false;
   int peer = -1, tag = 0;
-  at::Tensor tensor, host;                 // the caller's tensor and the contiguous host buffer used
-  std::vector<unsigned char> envelope;     // slot-sized: envelope + small payload
-  std::vector<MPI_Request> reqs;           // the envelope's, then the payload's segments
-  int stage = 0;                           // 0 envelope, 1 payload, 2 drain of a bad payload
+  at::Tensor tensor, host;              // the caller's tensor and the contiguous host buffer used
+  std::vector<unsigned char> envelope;  // slot-sized: envelope + small payload
+  std::vector<MPI_Request> reqs;        // the envelope's, then the payload's segments
+  Stage stage = kEnvelope;
   int source = -1;
   std::exception_ptr error;
-  std::vector<unsigned char> drain;
+  std::vector<unsigned char> drain;     // a mismatched payload, received so that no later receive matches it
   Clock::time_point deadline;
-  Engine* eng = nullptr;                   // the payload's engine (null: MPI); the envelope is always MPI's
-  std::optional<c10::Stream> stream;       // a device tensor: the caller's current stream at issue
+  Engine* eng = nullptr;                // the payload's engine (null: MPI); the envelope is always MPI's
+  std::optional<c10::Stream> stream;    // a device tensor: the caller's current stream at issue
   c10::intrusive_ptr<WorkACCL> work;
 };
 
@@ -255,10 +294,10 @@ struct P2P {
 struct Config {
   int64_t maxSegmentBytes = 4 << 20;
   bool check = true;
-  int64_t thresholdBytes = 64 << 10;       // threaded_min_bytes: unchecked calls above it exchange the header
+  int64_t blockingMinBytes = 64 << 10;  // unchecked calls from this size exchange the header, then block
   std::chrono::milliseconds timeout{1800 * 1000};
   std::string groupName;
-  std::vector<std::string> sidestep;       // collectives an engine lacks that may fall back to MPI
+  std::vector<std::string> sidestep;    // collectives an engine lacks that may fall back to MPI
 };
 
 class ProcessGroupACCL : public c10d::Backend {
@@ -268,6 +307,7 @@ class ProcessGroupACCL : public c10d::Backend {
   ~ProcessGroupACCL() override;
 
   const std::string getBackendName() const override { return "accl"; }
+  std::string engineName() const { return engine_ ? engine_->name() : mpi_->name(); }
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
@@ -322,7 +362,6 @@ class ProcessGroupACCL : public c10d::Backend {
   void abort() override { shutdown(); }
 
   Stats& stats() { return stats_; }
-  const Config& config() const { return opts_; }
   // one round of point-to-point progress (Work::wait and the worker call it)
   void progressP2P();
 
@@ -335,65 +374,82 @@ class ProcessGroupACCL : public c10d::Backend {
   void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* what) const;
   void checkList(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* what,
                  const char* name) const;
+  void checkPairs(size_t outputs, size_t inputs, const char* what) const;
   void checkOpen() const;
-  void checkPairs(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& inputs,
-                  const char* what) const;
   // gather/scatter's list: the root's one list, checked against `ref`; {} on the others, which must pass none
   std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
                                    int64_t root, const char* what, const char* name) const;
-  const Reduction& reduction(const at::Tensor& t, const c10d::ReduceOp& op, const char* what) const;
+  // all_to_all_single's split sizes: checked against `t` (ours names the values; c10d's computes the lengths)
+  void checkSplits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
 
-  // the engine for `coll` on (dcode, ocode): the group's engine where it does it, else null (MPI) where
-  // AcclOptions.sidestep allows, else NotImplementedError
-  Engine* engineFor(const std::string& coll, int64_t dcode = 0, int64_t ocode = 0);
+  // the engine for `coll`: the group's engine where it does it, else MPI where AcclOptions.sidestep allows,
+  // else NotImplementedError.  Collectives no engine has (all_to_all, barrier, sparse) ask with no dtype.
+  Engine* engineFor(Coll coll, std::optional<at::ScalarType> dtype = std::nullopt,
+                    std::optional<RedOpType> op = std::nullopt);
+  bool onMpi(const Engine* eng) const { return eng == mpi_.get(); }
 
   // ---- the one rule: whether a call moving `bytes` exchanges the header
   bool needsHeader(int64_t bytes) const;
-  int64_t perSegment(size_t esz, int parts = 1) const;
+  // the one segment loop: `step(offset, count)` over [0, n) in pieces whose largest buffer (`unitBytes` per
+  // element) stays within max_segment_bytes; each piece is one engine call, counted in stats_
+  template <typename F>
+  void forSegments(int64_t n, int64_t unitBytes, F step);
+  // small calls: `bytes` of `src` ride in this rank's header slot, and `take` reads the results from every slot
+  void inSlot(Call& c, const Engine* eng, std::shared_ptr<at::Tensor> src, int64_t bytes,
+              std::function<void(const unsigned char* all)> take);
 
   // ---- running calls
+  std::unique_ptr<Call> newCall(wire::Kind kind, at::ScalarType dtype, const Reduction* red, int64_t root,
+                                int64_t nbytes, int64_t numel, std::vector<at::Tensor> outputs, c10d::OpType type);
   c10::intrusive_ptr<c10d::Work> enqueue(std::unique_ptr<Call> call, bool asyncOp);
-  void run(Call& call);                    // header, data, finish; throws
-  void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
-  void exchangeHeader(Call& call);
-  void waitRequest(MPI_Request& req, const Call& call);  // polled against deadline_; `call` names it in errors
   void workerLoop();
+  void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
+  void run(Call& call);                      // stage, header, data, finish; throws
+  bool exchangeHeader(Call& call);           // true when the data rode in the slots (the call is done)
+  // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
+  bool testUntil(MPI_Request* reqs, int n, Clock::time_point deadline);
+  void waitRequest(MPI_Request& req);        // the running call's request, against its deadline
   [[noreturn]] void expire(const std::string& what);
-  std::string describe(const Call& c) const;
-  std::unique_ptr<Call> newCall(wire::Kind kind, int64_t dcode, int64_t ocode, int64_t root, int64_t nbytes,
-                                int64_t numel, std::vector<at::Tensor> outputs, c10d::OpType type);
-  c10::intrusive_ptr<c10d::Work> startP2P(std::unique_ptr<P2P> op);
-  c10::intrusive_ptr<c10d::Work> recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
-  std::string envelopeMismatch(const wire::Envelope& env, int peer, const P2P& op) const;
-  bool advanceP2P(P2P& op);  // true when done
-  void ensureWorker();        // (caller holds mu_)
-  std::string groupName() const;
-  std::shared_ptr<const std::string> groupNameShared();  // for Works (made again only when torch renames the group)
-  // the pieces the collectives share
-  std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,
-                                      c10d::OpType type);
-  std::unique_ptr<Call> allgatherCall(const at::Tensor& input, const at::Tensor& output,
-                                      std::function<void(const at::Tensor&)> deliver,
-                                      std::vector<at::Tensor> outputs, c10d::OpType type);
-  std::unique_ptr<Call> reduceScatterCall(std::function<at::Tensor()> rows, const at::Tensor& output,
-                                          const Reduction& red, c10d::OpType type);
-  std::unique_ptr<Call> alltoallCall(const at::Tensor& input, const at::Tensor& output, std::vector<int64_t> sb,
-                                     std::vector<int64_t> rb, c10d::OpType type,
-                                     std::vector<at::Tensor> outputs = {},
-                                     std::function<void(const at::Tensor&)> deliverRows = nullptr);
-  std::unique_ptr<Call> sparseCall(const at::Tensor& t, const c10d::ReduceOp& op);
-  std::vector<int64_t> splits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
-  void reduceRows(const Reduction& red, int64_t count, int64_t nbytes, int64_t offset, void* dst);
-  // the error for MPI's return code `rc` during `what`: a dead peer (ULFM) revokes the group's communicators,
-  // names the dead ranks and aborts the group (PeerFailedError); anything else is a DistBackendError
-  std::exception_ptr mpiFailure(int rc, const std::string& what);
-  [[noreturn]] void raiseMpi(int rc, const std::string& what) { std::rethrow_exception(mpiFailure(rc, what)); }
+  // the error for a failed MPI call during `what`: a dead peer (ULFM) revokes the group's communicators, names
+  // the dead ranks and aborts the group (PeerFailedError); anything else is a DistBackendError
+  std::exception_ptr mpiFailure(const MpiCallError& e, const std::string& what);
   std::vector<int> failedRanks();
   void abortWith(const std::string& why, std::exception_ptr error);
+  std::string groupName() const;
+  std::shared_ptr<const std::string> groupNameShared();  // for Works (made again only when torch renames the group)
+
+  // ---- the collectives' shared shapes
+  std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,
+                                      c10d::OpType type);
+  std::unique_ptr<Call> allgatherCall(const at::Tensor& input, at::Tensor output, std::vector<at::Tensor> outputs,
+                                      c10d::OpType type);
+  std::unique_ptr<Call> reduceScatterCall(std::vector<at::Tensor> inputs, const at::Tensor& output,
+                                          const Reduction& red, c10d::OpType type);
+  // gather (rows to the root) and scatter (rows from the root): `mine` everywhere, `rows` on the root
+  std::unique_ptr<Call> rootedCall(wire::Kind kind, const at::Tensor& mine, std::vector<at::Tensor> rows, int root);
+  std::unique_ptr<Call> alltoallCall(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                                     std::vector<int64_t> sb, std::vector<int64_t> rb, c10d::OpType type);
+  std::unique_ptr<Call> sparseCall(const at::Tensor& t, const c10d::ReduceOp& op);
+  void reduceSlots(const Reduction& red, int64_t count, int64_t offset, void* dst);
+  template <typename F>
+  c10::intrusive_ptr<c10d::Work> inOrder(size_t n, F one);
+
+  // ---- point-to-point
+  // posts the op's first requests (`post`), then hands it to progress
+  c10::intrusive_ptr<c10d::Work> startP2P(std::unique_ptr<P2P> op, const std::function<void(P2P&)>& post);
+  c10::intrusive_ptr<c10d::Work> recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
+  bool advanceP2P(P2P& op);                              // true when done
+  bool openEnvelope(P2P& op);                            // the envelope arrived: true when the op is done
+  void postPayload(P2P& op, char* into, const wire::Envelope& env);  // the payload's segments, as the sender's
+  void recvOnEngine(P2P& op, const wire::Envelope& env, const std::string& bad);
+  // ---- the monitored barrier's two sides
+  void awaitRelease(std::chrono::milliseconds timeout, Clock::time_point deadline);
+  std::vector<int> collectTokens(Clock::time_point deadline);  // rank 0: the ranks that did not arrive
 
   // ---- state
   Config opts_;
   Stats stats_;
+  // collectives' data; headers and the monitored barrier (no user message travels there); p2p envelopes; payloads
   MPI_Comm coll_ = MPI_COMM_NULL, ctl_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
   std::unique_ptr<MpiEngine> mpi_;
   std::shared_ptr<Engine> engine_;         // null: MPI
@@ -402,7 +458,7 @@ class ProcessGroupACCL : public c10d::Backend {
   bool persistent_ = false;
   int tagUb_ = 32767;
 
-  std::mutex mu_;                          // queue, running_, aborted_, seq_
+  std::mutex mu_;                          // queue_, running_, aborted_, seq_
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Call>> queue_;
   bool running_ = false;                   // a collective is running (inline or on the worker)
@@ -412,12 +468,23 @@ class ProcessGroupACCL : public c10d::Backend {
   std::shared_ptr<const std::string> nameShared_;
   std::exception_ptr abortError_;          // the error that aborted it: queued calls fail with it
   std::thread worker_;
+  const Call* current_ = nullptr;          // the collective running now, and its deadline
+  Clock::time_point deadline_;
 
   std::mutex p2pMu_;
   std::vector<std::unique_ptr<P2P>> p2p_;
   std::atomic<int> p2pPending_{0};
   std::vector<std::unique_ptr<Call>> abandoned_;  // calls given up at a deadline: MPI may still write them
-  Clock::time_point deadline_;                     // of the collective running now
 };
+
+template <typename F>
+void ProcessGroupACCL::forSegments(int64_t n, int64_t unitBytes, F step) {
+  const int64_t per = std::max<int64_t>(1, opts_.maxSegmentBytes / std::max<int64_t>(unitBytes, 1));
+  for (int64_t off = 0; off < n; off += per) {
+    const int64_t cnt = std::min(per, n - off);
+    stats_.count(cnt * unitBytes);
+    step(off, cnt);
+  }
+}
 
 }  // namespace torchhpc::accl

@@ -1,16 +1,28 @@
-// The MPI engine: one MPI call per segment on host buffers (or device buffers where MPI is CUDA-aware),
-// blocking after a header exchange, nonblocking (the request handed back) without one.
+// The MPI engine: one MPI call per segment on host tensors, blocking after a header exchange, nonblocking and
+// waited on against the group deadline without one; and the one MPI error path (MpiCallError).
 #include "accl.hpp"
 
 #include <climits>
+#include <cstdlib>
 
 #if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support
 #endif
 
-#include <cstdlib>
-
 namespace torchhpc::accl {
+
+const char* const kCollNames[11] = {"allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
+                                    "reduce_scatter", "alltoall", "send", "recv", "barrier"};
+
+std::string mpiErrorText(int rc) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) return "error code " + std::to_string(rc);
+  return std::string(text, static_cast<size_t>(len));
+}
+
+MpiCallError::MpiCallError(int code, const char* fn)
+    : c10::DistBackendError(std::string("accl: ") + fn + " failed: " + mpiErrorText(code)), rc(code), call(fn) {}
 
 bool cudaAwareMpi() {
 #if !defined(MPIX_CUDA_AWARE_SUPPORT) && defined(MPICH_VERSION) && defined(MPIX_GPU_SUPPORT_CUDA)
@@ -33,153 +45,110 @@ void Stats::count(int64_t bytes) {
   }
 }
 
-void MpiEngine::check(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING] = {};
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  throw MpiCallError(rc, std::string("accl: MPI error in ") + what + ": " + std::string(text, len));
+void Engine::send(at::Tensor, int, int) {
+  throw c10::NotImplementedError("accl: the " + name() + " engine has no send");
 }
 
-MPI_Request MpiEngine::allreduce(void* buf, int count, const Reduction& r, Mode m) {
-  stats_.count(static_cast<int64_t>(count) * static_cast<int64_t>(r.esz));
+void Engine::recv(at::Tensor, int, int) {
+  throw c10::NotImplementedError("accl: the " + name() + " engine has no recv");
+}
+
+namespace {
+
+int count(const at::Tensor& t) {
+  return static_cast<int>(t.numel());
+}
+
+}  // namespace
+
+MpiEngine::MpiEngine(MPI_Comm comm, Wait wait) : Engine("mpi"), comm_(comm), wait_(std::move(wait)) {
+  ACCL_MPI(MPI_Comm_rank, comm, &rank_);
+  ACCL_MPI(MPI_Comm_size, comm, &size_);
+}
+
+template <typename B, typename N>
+void MpiEngine::call(const char* fn, B blocking, N nonblocking) {
+  if (mode == Mode::kBlocking) return mpiCheck(blocking(), fn);
   MPI_Request req = MPI_REQUEST_NULL;
-  if (m == Mode::kBlocking) check(MPI_Allreduce(MPI_IN_PLACE, buf, count, r.type, r.mpiOp, comm_), "MPI_Allreduce");
-  else check(MPI_Iallreduce(MPI_IN_PLACE, buf, count, r.type, r.mpiOp, comm_, &req), "MPI_Iallreduce");
-  return req;
+  mpiCheck(nonblocking(&req), fn);
+  wait_(req);
 }
 
-MPI_Request MpiEngine::bcast(void* buf, int bytes, int root, Mode m) {
-  stats_.count(bytes);
-  MPI_Request req = MPI_REQUEST_NULL;
-  if (m == Mode::kBlocking) check(MPI_Bcast(buf, bytes, MPI_BYTE, root, comm_), "MPI_Bcast");
-  else check(MPI_Ibcast(buf, bytes, MPI_BYTE, root, comm_, &req), "MPI_Ibcast");
-  return req;
+// both forms of one MPI collective, e.g. ACCL_BOTH(MPI_Allreduce, MPI_Iallreduce, args...)
+#define ACCL_BOTH(fn, ifn, ...) \
+  call(#fn, [&] { return fn(__VA_ARGS__); }, [&](MPI_Request* q) { return ifn(__VA_ARGS__, q); })
+
+void MpiEngine::allreduce(at::Tensor buf, const Reduction& r) {
+  ACCL_BOTH(MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, ptr(buf), count(buf), r.type, r.mpiOp, comm_);
 }
 
-void MpiEngine::blocks(int bytes, int64_t stride) {
-  int size = 1;
-  MPI_Comm_size(comm_, &size);
-  if (stride * (size - 1) > INT_MAX) throw c10::ValueError("accl: a strided block lies beyond MPI's int displacements");
-  counts_.assign(size, bytes);
-  displs_.resize(size);
-  for (int r = 0; r < size; ++r) displs_[r] = static_cast<int>(r * stride);
-}
-
-MPI_Request MpiEngine::allgather(const void* src, void* dst, int bytes, int64_t stride, Mode m) {
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm_, &rank);
-  MPI_Comm_size(comm_, &size);
-  stats_.count(static_cast<int64_t>(bytes) * size);
-  // the input already in place (all_gather_into_tensor of a shard of the output, as FSDP calls it)
-  const void* s = src == static_cast<char*>(dst) + rank * stride ? MPI_IN_PLACE : src;
-  MPI_Request req = MPI_REQUEST_NULL;
-  int rc;
-  if (stride == bytes) {
-    rc = m == Mode::kBlocking ? MPI_Allgather(s, bytes, MPI_BYTE, dst, bytes, MPI_BYTE, comm_)
-                              : MPI_Iallgather(s, bytes, MPI_BYTE, dst, bytes, MPI_BYTE, comm_, &req);
-  } else {  // rank r's block lands at dst + r * stride
-    blocks(bytes, stride);
-    rc = m == Mode::kBlocking
-             ? MPI_Allgatherv(s, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, comm_)
-             : MPI_Iallgatherv(s, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, comm_, &req);
-  }
-  check(rc, "MPI_Allgather");
-  return req;
-}
-
-MPI_Request MpiEngine::reduceScatter(const void* src, void* dst, int count, const Reduction& r, Mode m) {
-  int size = 1;
-  MPI_Comm_size(comm_, &size);
-  stats_.count(static_cast<int64_t>(count) * static_cast<int64_t>(r.esz) * size);
-  MPI_Request req = MPI_REQUEST_NULL;
-  if (m == Mode::kBlocking)
-    check(MPI_Reduce_scatter_block(src, dst, count, r.type, r.mpiOp, comm_), "MPI_Reduce_scatter_block");
-  else
-    check(MPI_Ireduce_scatter_block(src, dst, count, r.type, r.mpiOp, comm_, &req), "MPI_Ireduce_scatter_block");
-  return req;
-}
-
-MPI_Request MpiEngine::alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc,
-                                 const int* rd, Mode m) {
-  int size = 1;
-  MPI_Comm_size(comm_, &size);
-  int64_t sent = 0, got = 0;
-  for (int i = 0; i < size; ++i) {
-    sent += sc[i];
-    got += rc[i];
-  }
-  stats_.count(std::max(sent, got));
-  MPI_Request req = MPI_REQUEST_NULL;
-  if (m == Mode::kBlocking)
-    check(MPI_Alltoallv(src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_), "MPI_Alltoallv");
-  else
-    check(MPI_Ialltoallv(src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_, &req), "MPI_Ialltoallv");
-  return req;
-}
-
-MPI_Request MpiEngine::reduce(void* buf, int count, const Reduction& r, int root, Mode m) {
-  int rank = 0;
-  MPI_Comm_rank(comm_, &rank);
-  stats_.count(static_cast<int64_t>(count) * static_cast<int64_t>(r.esz));
+void MpiEngine::reduce(at::Tensor buf, const Reduction& r, int root) {
   // the root reduces in place; the others' buffers are only read
-  const void* s = rank == root ? MPI_IN_PLACE : buf;
-  void* d = rank == root ? buf : nullptr;
-  MPI_Request req = MPI_REQUEST_NULL;
-  if (m == Mode::kBlocking) check(MPI_Reduce(s, d, count, r.type, r.mpiOp, root, comm_), "MPI_Reduce");
-  else check(MPI_Ireduce(s, d, count, r.type, r.mpiOp, root, comm_, &req), "MPI_Ireduce");
-  return req;
+  const void* s = rank_ == root ? MPI_IN_PLACE : ptr(buf);
+  void* d = rank_ == root ? ptr(buf) : nullptr;
+  ACCL_BOTH(MPI_Reduce, MPI_Ireduce, s, d, count(buf), r.type, r.mpiOp, root, comm_);
 }
 
-void MpiEngine::rooted(int bytes, int64_t stride, int root) {
-  int rank = 0, size = 1;
-  MPI_Comm_rank(comm_, &rank);
-  MPI_Comm_size(comm_, &size);
-  stats_.count(rank == root ? static_cast<int64_t>(bytes) * size : bytes);
-  blocks(bytes, stride);
+void MpiEngine::broadcast(at::Tensor buf, int root) {
+  ACCL_BOTH(MPI_Bcast, MPI_Ibcast, ptr(buf), static_cast<int>(buf.nbytes()), MPI_BYTE, root, comm_);
 }
 
-MPI_Request MpiEngine::gather(const void* src, void* dst, int bytes, int64_t stride, int root, Mode m) {
-  rooted(bytes, stride, root);  // rank r's block at dst + r * stride on the root
-  MPI_Request req = MPI_REQUEST_NULL;
-  int rc = m == Mode::kBlocking
-               ? MPI_Gatherv(src, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, root, comm_)
-               : MPI_Igatherv(src, bytes, MPI_BYTE, dst, counts_.data(), displs_.data(), MPI_BYTE, root, comm_, &req);
-  check(rc, "MPI_Gather");
-  return req;
+void MpiEngine::blocks(const at::Tensor& rows, int bytes) {
+  const int64_t stride = rows.defined() ? rows.stride(0) * rows.element_size() : bytes;
+  if (stride * (size_ - 1) > INT_MAX) valueError("accl: a strided block lies beyond MPI's int displacements");
+  counts_.assign(size_, bytes);
+  displs_.resize(size_);
+  for (int r = 0; r < size_; ++r) displs_[r] = static_cast<int>(r * stride);
 }
 
-MPI_Request MpiEngine::scatter(const void* src, int64_t stride, void* dst, int bytes, int root, Mode m) {
-  rooted(bytes, stride, root);  // rank r's block at src + r * stride on the root
-  MPI_Request req = MPI_REQUEST_NULL;
-  int rc = m == Mode::kBlocking
-               ? MPI_Scatterv(src, counts_.data(), displs_.data(), MPI_BYTE, dst, bytes, MPI_BYTE, root, comm_)
-               : MPI_Iscatterv(src, counts_.data(), displs_.data(), MPI_BYTE, dst, bytes, MPI_BYTE, root, comm_, &req);
-  check(rc, "MPI_Scatter");
-  return req;
+void MpiEngine::allgather(at::Tensor send, at::Tensor rows) {
+  const int bytes = static_cast<int>(send.nbytes());
+  // the input already in place (all_gather_into_tensor of a shard of the output, as FSDP calls it)
+  const void* s = ptr(send) == ptr(rows[rank_]) ? MPI_IN_PLACE : ptr(send);
+  if (rows.is_contiguous()) {
+    ACCL_BOTH(MPI_Allgather, MPI_Iallgather, s, bytes, MPI_BYTE, ptr(rows), bytes, MPI_BYTE, comm_);
+    return;
+  }
+  blocks(rows, bytes);  // rank r's block at rows[r]
+  ACCL_BOTH(MPI_Allgatherv, MPI_Iallgatherv, s, bytes, MPI_BYTE, ptr(rows), counts_.data(), displs_.data(), MPI_BYTE,
+            comm_);
 }
 
-MPI_Request MpiEngine::allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs,
-                                  Mode m) {
-  int size = 1;
-  MPI_Comm_size(comm_, &size);
-  int64_t total = 0;
-  for (int r = 0; r < size; ++r) total += counts[r];
-  stats_.count(total);
-  MPI_Request req = MPI_REQUEST_NULL;
-  if (m == Mode::kBlocking)
-    check(MPI_Allgatherv(src, bytes, MPI_BYTE, dst, counts, displs, MPI_BYTE, comm_), "MPI_Allgatherv");
-  else
-    check(MPI_Iallgatherv(src, bytes, MPI_BYTE, dst, counts, displs, MPI_BYTE, comm_, &req), "MPI_Iallgatherv");
-  return req;
+void MpiEngine::gather(at::Tensor send, at::Tensor rows, int root) {
+  const int bytes = static_cast<int>(send.nbytes());
+  blocks(rows, bytes);
+  ACCL_BOTH(MPI_Gatherv, MPI_Igatherv, ptr(send), bytes, MPI_BYTE, ptr(rows), counts_.data(), displs_.data(),
+            MPI_BYTE, root, comm_);
 }
 
-MPI_Request MpiEngine::barrier(Mode m) {
-  stats_.count(0);
-  MPI_Request req = MPI_REQUEST_NULL;
-  if (m == Mode::kBlocking) check(MPI_Barrier(comm_), "MPI_Barrier");
-  else check(MPI_Ibarrier(comm_, &req), "MPI_Ibarrier");
-  return req;
+void MpiEngine::scatter(at::Tensor rows, at::Tensor recv, int root) {
+  const int bytes = static_cast<int>(recv.nbytes());
+  blocks(rows, bytes);
+  ACCL_BOTH(MPI_Scatterv, MPI_Iscatterv, ptr(rows), counts_.data(), displs_.data(), MPI_BYTE, ptr(recv), bytes,
+            MPI_BYTE, root, comm_);
+}
+
+void MpiEngine::reduceScatter(at::Tensor rows, at::Tensor recv, const Reduction& r) {
+  if (!rows.is_contiguous()) {  // a segment of every rank's block: its rows copied together, into a kept buffer
+    if (!scratch_.defined() || scratch_.nbytes() < rows.nbytes())
+      scratch_ = at::empty({static_cast<int64_t>(rows.nbytes())}, at::TensorOptions().dtype(at::kByte));
+    rows = scratch_.narrow(0, 0, static_cast<int64_t>(rows.nbytes())).view(rows.scalar_type()).view(rows.sizes())
+               .copy_(rows);
+  }
+  ACCL_BOTH(MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, ptr(rows), ptr(recv), count(recv), r.type, r.mpiOp,
+            comm_);
+}
+
+void MpiEngine::alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd) {
+  ACCL_BOTH(MPI_Alltoallv, MPI_Ialltoallv, src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_);
+}
+
+void MpiEngine::allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs) {
+  ACCL_BOTH(MPI_Allgatherv, MPI_Iallgatherv, src, bytes, MPI_BYTE, dst, counts, displs, MPI_BYTE, comm_);
+}
+
+void MpiEngine::barrier() {
+  call("MPI_Barrier", [&] { return MPI_Barrier(comm_); }, [&](MPI_Request* q) { return MPI_Ibarrier(comm_, q); });
 }
 
 }  // namespace torchhpc::accl

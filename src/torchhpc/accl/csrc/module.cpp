@@ -12,7 +12,8 @@
 #endif
 
 namespace py = pybind11;
-using torchhpc::accl::ProcessGroupACCL;
+namespace accl = torchhpc::accl;
+using accl::ProcessGroupACCL;
 
 namespace {
 
@@ -30,61 +31,108 @@ H handleOf(uintptr_t v) {
   else return static_cast<H>(v);
 }
 
-// the engine interface as Python implements it (torchhpc.accl.accl_engine.AcclEngine); its `name` is a plain
-// attribute, as `ProcessGroupACCL.engine.name` always was
-class PyEngine : public torchhpc::accl::Engine {
+// the engine interface as Python implements it (torchhpc.accl.accl_engine.AcclEngine): dtypes as torch dtypes, ops
+// by name ("SUM")
+class PyEngine : public accl::Engine {
  public:
   using Engine::Engine;
-  std::string name() const override {
-    py::gil_scoped_acquire gil;
-    py::handle self = py::detail::get_object_handle(this, py::detail::get_type_info(typeid(torchhpc::accl::Engine)));
-    return self ? py::str(self.attr("name")).cast<std::string>() : std::string("engine");
+  bool supports(accl::Coll coll, at::ScalarType dtype, std::optional<accl::RedOpType> op) const override {
+    const std::optional<std::string> opName = op ? std::optional(accl::opName(*op)) : std::nullopt;
+    PYBIND11_OVERRIDE_PURE(bool, Engine, supports, accl::kCollNames[static_cast<int>(coll)], dtype, opName);
   }
-  bool supports(const std::string& coll, int64_t dcode, int64_t ocode) const override {
-    PYBIND11_OVERRIDE_PURE(bool, Engine, supports, coll, dcode, ocode);
+  void allreduce(at::Tensor buf, const accl::Reduction& r) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, allreduce, buf, accl::opName(r.op));
   }
-  void allreduce(at::Tensor buf, int64_t ocode) override { PYBIND11_OVERRIDE_PURE(void, Engine, allreduce, buf, ocode); }
-  void reduce(at::Tensor buf, int64_t ocode, int64_t root) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, reduce, buf, ocode, root);
+  void reduce(at::Tensor buf, const accl::Reduction& r, int root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, reduce, buf, accl::opName(r.op), root);
   }
-  void broadcast(at::Tensor buf, int64_t root) override { PYBIND11_OVERRIDE_PURE(void, Engine, broadcast, buf, root); }
-  void allgather(at::Tensor send, at::Tensor recv) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, allgather, send, recv);
+  void broadcast(at::Tensor buf, int root) override { PYBIND11_OVERRIDE_PURE(void, Engine, broadcast, buf, root); }
+  void allgather(at::Tensor send, at::Tensor rows) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, allgather, send, rows);
   }
-  void gather(at::Tensor send, at::Tensor recv, int64_t root) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, gather, send, recv, root);
+  void gather(at::Tensor send, at::Tensor rows, int root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, gather, send, rows, root);
   }
-  void scatter(at::Tensor send, at::Tensor recv, int64_t root) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, scatter, send, recv, root);
+  void scatter(at::Tensor rows, at::Tensor recv, int root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, scatter, rows, recv, root);
   }
-  void reduceScatter(at::Tensor send, at::Tensor recv, int64_t ocode) override {
-    PYBIND11_OVERRIDE_PURE_NAME(void, Engine, "reduce_scatter", reduceScatter, send, recv, ocode);
+  void reduceScatter(at::Tensor rows, at::Tensor recv, const accl::Reduction& r) override {
+    PYBIND11_OVERRIDE_PURE_NAME(void, Engine, "reduce_scatter", reduceScatter, rows, recv, accl::opName(r.op));
   }
-  void send(at::Tensor buf, int64_t dst, int64_t tag) override { PYBIND11_OVERRIDE_PURE(void, Engine, send, buf, dst, tag); }
-  void recv(at::Tensor buf, int64_t src, int64_t tag) override { PYBIND11_OVERRIDE_PURE(void, Engine, recv, buf, src, tag); }
+  void send(at::Tensor buf, int dst, int tag) override { PYBIND11_OVERRIDE(void, Engine, send, buf, dst, tag); }
+  void recv(at::Tensor buf, int src, int tag) override { PYBIND11_OVERRIDE(void, Engine, recv, buf, src, tag); }
 };
 
 c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, int64_t maxSegmentBytes, bool check,
-                                            int64_t thresholdBytes, double timeoutS, std::string name,
-                                            std::shared_ptr<torchhpc::accl::Engine> engine,
-                                            std::vector<std::string> sidestep) {
-  torchhpc::accl::Config o;
+                                            int64_t blockingMinBytes, double timeoutS, std::string name,
+                                            std::shared_ptr<accl::Engine> engine, std::vector<std::string> sidestep) {
+  accl::Config o;
   o.maxSegmentBytes = maxSegmentBytes;
   o.check = check;
-  o.thresholdBytes = thresholdBytes;
+  o.blockingMinBytes = blockingMinBytes;
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0));
   o.groupName = std::move(name);
   o.sidestep = std::move(sidestep);
   return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(o), std::move(engine));
 }
 
-std::atomic<int64_t>& counter(ProcessGroupACCL& pg, const std::string& name) {
-  auto& s = pg.stats();
-  if (name == "engine_calls") return s.engineCalls;
-  if (name == "sidestep_calls") return s.sidestepCalls;
-  if (name == "max_call_bytes") return s.maxCallBytes;
-  if (name == "queued_calls") return s.queuedCalls;
+// the group's counters by name, as a mapping (ProcessGroupACCL.stats)
+const std::vector<std::pair<const char*, std::atomic<int64_t> accl::Stats::*>> kCounters = {
+    {"engine_calls", &accl::Stats::engineCalls}, {"sidestep_calls", &accl::Stats::sidestepCalls},
+    {"max_call_bytes", &accl::Stats::maxCallBytes}, {"queued_calls", &accl::Stats::queuedCalls}};
+
+std::atomic<int64_t>& counter(accl::Stats& s, const std::string& name) {
+  for (const auto& [key, field] : kCounters)
+    if (name == key) return s.*field;
   throw py::key_error(name);
+}
+
+template <size_t N>
+py::tuple names(const char* const (&table)[N]) {
+  py::tuple out(N);
+  for (size_t i = 0; i < N; ++i) out[i] = table[i];
+  return out;
+}
+
+accl::wire::Header headerOf(const std::array<int64_t, accl::wire::kFields>& f) {
+  return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]};
+}
+
+// the wire protocol as Python sees it: sizes, tables and texts, from the one definition (accl.hpp, wire.cpp)
+void defineWire(py::module_ m) {
+  namespace wire = accl::wire;
+  auto w = m.def_submodule("wire", "accl's wire protocol: the collective header and the p2p envelope");
+  w.attr("MAGIC") = wire::kMagic;
+  w.attr("HEADER_BYTES") = wire::kHeaderBytes;
+  w.attr("PAYLOAD_BYTES") = wire::kPayloadBytes;
+  w.attr("SLOT_BYTES") = wire::kSlotBytes;
+  w.attr("HEADER_SIZE") = sizeof(wire::Header);
+  w.attr("ENVELOPE_SIZE") = sizeof(wire::Envelope);
+  w.attr("COMPARE_ALL") = wire::kCompareAll;
+  w.attr("COMPARE_CALL") = wire::kCompareCall;
+  w.attr("FIELDS") = names(wire::kFieldNames);
+  w.attr("KINDS") = names(wire::kKindNames);
+  w.attr("DTYPES") = names(wire::kDtypeNames);
+  w.attr("OPS") = names(wire::kOpNames);
+  w.def("dtype_code", &wire::dtypeCode, "a dtype's code (99: not in DTYPES)");
+  w.def("op_code", [](const std::string& op) {
+    for (int i = 0; i < 8; ++i)
+      if (op == wire::kOpNames[i]) return wire::opCode(static_cast<accl::RedOpType>(i));
+    return int64_t{0};
+  }, "a reduce op's code by name (0: none)");
+  w.def("describe", [](const std::array<int64_t, wire::kFields>& f) { return wire::describe(headerOf(f)); },
+        "one rank's call in words, from its header's nine fields");
+  w.def("describe_mismatch", [](const std::vector<std::array<int64_t, wire::kFields>>& rows, int compare,
+                                const std::string& group) {
+    std::vector<wire::Header> heads;
+    for (const auto& f : rows) heads.push_back(headerOf(f));
+    return wire::describeMismatch(heads, compare, group);
+  }, py::arg("headers"), py::arg("compare") = wire::kCompareAll, py::arg("group") = "",
+        "the error text for every rank's header when their first `compare` fields differ");
+  w.def("envelope_mismatch", [](const std::array<int64_t, 4>& e, int peer, const at::Tensor& t,
+                                const std::string& from, int tag) {
+    return wire::envelopeMismatch({e[0], e[1], e[2], e[3]}, peer, t, from, tag);
+  }, "the receiver's error text when an envelope from `peer` does not fit `t` ('' when it fits)");
 }
 
 // accl's C++ errors as torchhpc.errors' classes (the suites and users catch those)
@@ -98,13 +146,13 @@ void translate(std::exception_ptr p) {
   }
   try {
     if (p) std::rethrow_exception(p);
-  } catch (const torchhpc::accl::PeerTimeoutError& e) {
+  } catch (const accl::PeerTimeoutError& e) {
     PyErr_SetObject(timeout.ptr(), timeout(e.msg()).ptr());
-  } catch (const torchhpc::accl::PeerFailedError& e) {
+  } catch (const accl::PeerFailedError& e) {
     // MPI_Finalize would wait for the dead rank forever: this process ends with MPI_Abort at exit instead
     py::module_::import("mpi4py.run").attr("set_abort_status")(1);
     PyErr_SetObject(failed.ptr(), failed(e.msg(), e.failedRanks).ptr());
-  } catch (const torchhpc::accl::MismatchError& e) {
+  } catch (const accl::MismatchError& e) {
     PyErr_SetObject(mismatch.ptr(), mismatch(e.msg()).ptr());
   }
 }
@@ -117,14 +165,27 @@ void translate(std::exception_ptr p) {
 PYBIND11_MODULE(ACCL_MODULE, m) {
   m.doc() = "torchhpc.accl's C++ backend (c10d::Backend over MPI), built for one MPI family and one torch";
   py::module_::import("torch.distributed");  // c10d::Backend's Python type
-  py::class_<torchhpc::accl::Engine, PyEngine, std::shared_ptr<torchhpc::accl::Engine>>(
-      m, "Engine", "an engine other than MPI, implemented in Python: blocking calls on contiguous host tensors")
-      .def(py::init<>());
+  py::class_<accl::Engine, PyEngine, std::shared_ptr<accl::Engine>>(
+      m, "Engine", "an engine other than MPI, implemented in Python: blocking calls on host tensors")
+      .def(py::init<std::string>(), py::arg("name"));
+  py::class_<accl::Stats>(m, "Stats", "the group's counters, as a mapping of name to count (settable)")
+      .def("__getitem__", [](accl::Stats& s, const std::string& k) { return counter(s, k).load(); })
+      .def("__setitem__", [](accl::Stats& s, const std::string& k, int64_t v) { counter(s, k).store(v); })
+      .def("__iter__", [](accl::Stats&) {
+        py::list keys;
+        for (const auto& c : kCounters) keys.append(c.first);
+        return py::iter(keys);
+      })
+      .def("__len__", [](accl::Stats&) { return kCounters.size(); })
+      .def("keys", [](accl::Stats&) {
+        py::list keys;
+        for (const auto& c : kCounters) keys.append(c.first);
+        return keys;
+      });
   py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
       .def(py::init(&create), py::arg("comm"), py::arg("max_segment_bytes"), py::arg("check"),
-           py::arg("threshold_bytes"), py::arg("timeout_s"), py::arg("group_name"), py::arg("engine") = nullptr,
-           py::arg("sidestep") = std::vector<std::string>{},
-           py::call_guard<py::gil_scoped_release>(),
+           py::arg("blocking_min_bytes"), py::arg("timeout_s"), py::arg("group_name"), py::arg("engine") = nullptr,
+           py::arg("sidestep") = std::vector<std::string>{}, py::call_guard<py::gil_scoped_release>(),
            "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
            "of the communicator constructs it")
       .def(
@@ -135,20 +196,23 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
             pg.monitoredBarrier(o, waitAllRanks);
           },
           py::arg("timeout_s"), py::arg("wait_all_ranks") = false, py::call_guard<py::gil_scoped_release>())
-      .def("stat", [](ProcessGroupACCL& pg, const std::string& name) { return counter(pg, name).load(); })
-      .def("set_stat", [](ProcessGroupACCL& pg, const std::string& name, int64_t v) { counter(pg, name).store(v); });
+      .def_property_readonly("engine_name", &ProcessGroupACCL::engineName)
+      .def_property_readonly("stats", &ProcessGroupACCL::stats, py::return_value_policy::reference_internal);
   // the Work of every call (torch's pybind11 bindings return the most derived registered type)
-  py::class_<torchhpc::accl::WorkACCL, c10d::Work, c10::intrusive_ptr<torchhpc::accl::WorkACCL>>(m, "AcclWork")
+  py::class_<accl::WorkACCL, c10d::Work, c10::intrusive_ptr<accl::WorkACCL>>(m, "AcclWork")
       // torch binds Work.result without releasing the GIL; ours waits, and a worker thread completing a future
       // may need the GIL for the Python callbacks chained on it (Future.then)
-      .def("result", &torchhpc::accl::WorkACCL::result, py::call_guard<py::gil_scoped_release>())
-      .def("__repr__", [](torchhpc::accl::WorkACCL& w) {
+      .def("result", &accl::WorkACCL::result, py::call_guard<py::gil_scoped_release>())
+      .def("__repr__", [](accl::WorkACCL& w) {
         return "AcclWork(" + w.what() + ", " + (w.isCompleted() ? "done" : "pending") + ")";
       });
   py::register_exception_translator(&translate);
+  defineWire(m);
+  m.attr("COLLECTIVES") = names(accl::kCollNames);
   m.def("library_version", &libraryVersion, "MPI_Get_library_version");
-  m.def("cuda_aware", &torchhpc::accl::cudaAwareMpi,
-        "whether this MPI library takes CUDA device buffers (the query of our PyTorch patch)");
+  m.def("cuda_aware", &accl::cudaAwareMpi,
+        "whether this MPI library takes CUDA device buffers (the query of our PyTorch patch; reported only: accl "
+        "stages device tensors through pinned host memory whatever it answers)");
   m.attr("torch_version") = TORCH_BUILT_FOR;
   m.attr("module") = ACCL_STR(ACCL_MODULE);
 }

@@ -26,10 +26,6 @@ bool isReducible(at::ScalarType t) {
   }
 }
 
-std::string torchName(at::ScalarType t) {
-  return "torch." + wire::dtypeName(wire::dtypeCode(t));
-}
-
 template <typename T, RedOpType OP>
 void halfOp(void* in, void* inout, int* len, MPI_Datatype* /*type*/) {
   const T* a = static_cast<const T*>(in);
@@ -73,24 +69,10 @@ MPI_Datatype mpiType(at::ScalarType t) {
 MPI_Op mpiOp(at::ScalarType t, RedOpType op) {
   if (t == at::kHalf) return halfMpiOp<c10::Half>(op);
   if (t == at::kBFloat16) return halfMpiOp<c10::BFloat16>(op);
-  if (t == at::kBool) {
-    switch (op) {
-      case RedOpType::SUM: case RedOpType::MAX: return MPI_MAX;
-      case RedOpType::PRODUCT: case RedOpType::MIN: return MPI_MIN;
-      case RedOpType::BAND: return MPI_BAND;
-      case RedOpType::BOR: return MPI_BOR;
-      default: return MPI_BXOR;
-    }
-  }
-  switch (op) {
-    case RedOpType::SUM: case RedOpType::AVG: return MPI_SUM;
-    case RedOpType::PRODUCT: return MPI_PROD;
-    case RedOpType::MIN: return MPI_MIN;
-    case RedOpType::MAX: return MPI_MAX;
-    case RedOpType::BAND: return MPI_BAND;
-    case RedOpType::BOR: return MPI_BOR;
-    default: return MPI_BXOR;
-  }
+  // by RedOpType: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR; bool's SUM/MAX are OR, PRODUCT/MIN are AND
+  const MPI_Op numeric[] = {MPI_SUM, MPI_SUM, MPI_PROD, MPI_MIN, MPI_MAX, MPI_BAND, MPI_BOR, MPI_BXOR};
+  const MPI_Op logical[] = {MPI_MAX, MPI_MAX, MPI_MIN, MPI_MIN, MPI_MAX, MPI_BAND, MPI_BOR, MPI_BXOR};
+  return (t == at::kBool ? logical : numeric)[static_cast<int>(op)];
 }
 
 void checkPair(at::ScalarType t, RedOpType op, const char* what) {
@@ -99,15 +81,15 @@ void checkPair(at::ScalarType t, RedOpType op, const char* what) {
     valueError("accl: " + w + " does not support ReduceOp." + opName(op) +
                " (supported: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR)");
   if (!isReducible(t))
-    typeError("accl: " + w + " cannot reduce dtype " + torchName(t) +
+    typeError("accl: " + w + " cannot reduce dtype " + wire::torchName(t) +
               "; supported: float16, bfloat16, float32, float64, int8, int16, int32, int64, uint8, bool");
   bool bitwise = op == RedOpType::BAND || op == RedOpType::BOR || op == RedOpType::BXOR;
   if (bitwise && isFloat(t))
     typeError("accl: " + w + ": ReduceOp." + opName(op) + " is only defined for integer and bool tensors, got " +
-              torchName(t));
+              wire::torchName(t));
   if (op == RedOpType::AVG && !isFloat(t))
-    typeError("accl: " + w + ": ReduceOp.AVG needs a floating-point tensor (the average of " + torchName(t) +
-              " values is not a " + torchName(t) + "); got " + torchName(t));
+    typeError("accl: " + w + ": ReduceOp.AVG needs a floating-point tensor (the average of " + wire::torchName(t) +
+              " values is not a " + wire::torchName(t) + "); got " + wire::torchName(t));
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// The wire protocol's C++ side: dtype/op codes, a call in words, and the mismatch text (the same words as
-// torchhpc/accl/wire.py's describe / describe_mismatch, so the errors users see do not change).
+// The wire protocol, defined once: dtype/op/kind codes and names, a call in words, and the mismatch texts.
+// Python reads the tables and texts from the built module (module.cpp's `wire`).
 #include "accl.hpp"
 
 #include <map>
@@ -16,27 +16,29 @@ namespace torchhpc::accl {
 }
 
 namespace wire {
+
+const char* const kFieldNames[kFields] = {"magic", "kind", "seq", "dtype", "op", "root", "nbytes", "numel", "extra"};
+const char* const kKindNames[10] = {"all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
+                                    "reduce_scatter", "all_to_all", "barrier", "all_reduce_coalesced"};
+const char* const kDtypeNames[15] = {"float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
+                                     "int64", "uint8", "bool", "complex64", "complex128", "uint16", "uint32",
+                                     "uint64"};
+const char* const kOpNames[8] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"};
+
 namespace {
 
-// wire.DTYPES, numbered from 1 in this order
+// numbered from 1 in this order (kDtypeNames names them)
 const at::ScalarType kDtypes[] = {
     at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kShort, at::kInt, at::kLong, at::kByte,
     at::kBool, at::kComplexFloat, at::kComplexDouble, at::kUInt16, at::kUInt32, at::kUInt64};
-const char* const kDtypeNames[] = {"float32", "float64", "float16", "bfloat16", "int8",   "int16",
-                                   "int32",   "int64",   "uint8",   "bool",     "complex64", "complex128",
-                                   "uint16",  "uint32",  "uint64"};
-const char* const kKinds[] = {"all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-                              "reduce_scatter", "all_to_all", "barrier", "all_reduce_coalesced"};
-const char* const kOps[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"};
-const char* const kFields[] = {"magic", "kind", "seq", "dtype", "op", "root", "nbytes", "numel", "extra"};
 
 std::string kindName(int64_t code) {
-  if (code > 0 && code <= 10) return kKinds[code - 1];
+  if (code > 0 && code <= 10) return kKindNames[code - 1];
   return "kind#" + std::to_string(code);
 }
 
 std::string opNameOf(int64_t code) {
-  if (code > 0 && code <= 8) return kOps[code - 1];
+  if (code > 0 && code <= 8) return kOpNames[code - 1];
   return code == 0 ? "none" : "op#" + std::to_string(code);
 }
 
@@ -87,6 +89,10 @@ std::string dtypeName(int64_t code) {
   return code == 0 ? "none" : "dtype#" + std::to_string(code);
 }
 
+std::string torchName(at::ScalarType t) {
+  return "torch." + dtypeName(dtypeCode(t));
+}
+
 std::string describe(const Header& h) {
   std::string kind = kindName(h.kind);
   std::string parts = dtypeName(h.dtype) + ", " + std::to_string(h.numel) + " elements";
@@ -107,7 +113,7 @@ std::string describeMismatch(const std::vector<Header>& heads, int compare, cons
       else it->second.push_back(static_cast<int>(r));
     }
     if (values.size() > 1) {
-      std::string f = std::string(kFields[i]) + ": ";
+      std::string f = std::string(kFieldNames[i]) + ": ";
       for (size_t k = 0; k < values.size(); ++k)
         f += (k ? ", " : "") + ranksText(values[k].second) + " " + values[k].first;
       fields.push_back(f);
@@ -128,6 +134,25 @@ std::string describeMismatch(const std::vector<Header>& heads, int compare, cons
   out += " (";
   for (size_t k = 0; k < calls.size(); ++k) out += (k ? "; " : "") + ranksText(calls[k].second) + ": " + calls[k].first;
   return out + ")";
+}
+
+std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t, const std::string& from, int tag) {
+  const std::string head = "accl: recv " + from + " tag " + std::to_string(tag);
+  if (env.magic != kMagic) {
+    std::ostringstream s;
+    s << head << ": garbled message envelope from rank " << peer << " (magic 0x" << std::hex << env.magic << ")";
+    return s.str();
+  }
+  const int64_t want = static_cast<int64_t>(t.nbytes()), dcode = dtypeCode(t.scalar_type());
+  if (env.nbytes == want && env.dtype == dcode) return "";
+  std::string diffs;
+  if (env.dtype != dcode) diffs = "dtype: sent " + dtypeName(env.dtype) + ", expected " + dtypeName(dcode);
+  if (env.nbytes != want)
+    diffs += (diffs.empty() ? "" : "; ") + std::string("nbytes: sent ") + std::to_string(env.nbytes) + ", expected " +
+             std::to_string(want);
+  return head + " expects " + std::to_string(t.numel()) + " x " + torchName(t.scalar_type()) + " (" +
+         std::to_string(want) + " bytes) but rank " + std::to_string(peer) + " sent " + std::to_string(env.numel) +
+         " x " + dtypeName(env.dtype) + " (" + std::to_string(env.nbytes) + " bytes): " + diffs;
 }
 
 }  // namespace wire

@@ -1,0 +1,556 @@
+// The collectives of ProcessGroupACCL.  Each entry point is one shape: its argument checks (helpers written once),
+// one Call (header words; staging; small data in the header slots; the engine calls, segment by segment through
+// forSegments; the copy-back), then enqueue.
+#include "accl.hpp"
+
+#include <torch/csrc/distributed/c10d/Utils.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+
+namespace torchhpc::accl {
+namespace {
+
+constexpr size_t kHdr = wire::kHeaderBytes;
+constexpr size_t kSlot = wire::kSlotBytes;
+constexpr int64_t kPay = wire::kPayloadBytes;
+
+// rank r's payload in the gathered slots
+const unsigned char* payloadOf(const unsigned char* all, int r) {
+  return all + r * kSlot + kHdr;
+}
+
+std::string shape(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s += std::to_string(t.size(i)) + (t.dim() == 1 ? "," : i + 1 < t.dim() ? ", " : "");
+  return s + ")";
+}
+
+}  // namespace
+
+void ProcessGroupACCL::inSlot(Call& c, const Engine* eng, std::shared_ptr<at::Tensor> src, int64_t bytes,
+                              std::function<void(const unsigned char* all)> take) {
+  if (!onMpi(eng) || !c.header || bytes > kPay) return;
+  c.pack = [src, bytes](unsigned char* slot) {
+    if (bytes) std::memcpy(slot, src->data_ptr(), bytes);
+  };
+  c.fused = [take = std::move(take)](const unsigned char* all) {
+    take(all);
+    return true;
+  };
+}
+
+void ProcessGroupACCL::reduceSlots(const Reduction& red, int64_t count, int64_t offset, void* dst) {
+  // every rank's payload from byte `offset`, reduced in rank order with MPI's own op (as the large path)
+  if (!count) return;
+  auto* acc = const_cast<unsigned char*>(payloadOf(all_.data(), 0)) + offset;
+  for (int r = 1; r < size_; ++r)
+    ACCL_MPI(MPI_Reduce_local, payloadOf(all_.data(), r) + offset, acc, static_cast<int>(count), red.type, red.mpiOp);
+  std::memcpy(dst, acc, static_cast<size_t>(count) * red.esz);
+}
+
+template <typename F>
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::inOrder(size_t n, F one) {
+  c10::intrusive_ptr<c10d::Work> last;
+  for (size_t i = 0; i < n; ++i) last = one(i);
+  return last;
+}
+
+// ============================================================================================== all_reduce
+
+std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts, const Reduction& red,
+                                                      wire::Kind kind, c10d::OpType type) {
+  int64_t numel = 0;
+  for (const auto& x : ts) numel += x.numel();
+  auto c = newCall(kind, red.dtype, &red, 0, numel * static_cast<int64_t>(red.esz), numel, ts, type);
+  Engine* eng = engineFor(Coll::kAllreduce, red.dtype, red.op);
+  auto buf = std::make_shared<at::Tensor>();
+  c->stage = [ts, buf] { *buf = flatHost(ts); };
+  inSlot(*c, eng, buf, c->head.nbytes, [this, buf, &red, numel](const unsigned char*) {
+    reduceSlots(red, numel, 0, buf->data_ptr());
+  });
+  c->data = [this, buf, numel, &red, eng] {
+    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->allreduce(buf->narrow(0, off, cnt), red); });
+  };
+  c->finish = [ts, buf, &red, p = size_] {
+    if (red.avg) buf->div_(p);
+    deliverEach(*buf, ts);
+  };
+  return c;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce(std::vector<at::Tensor>& tensors,
+                                                           const c10d::AllreduceOptions& opts) {
+  if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
+  const at::Tensor& t = one(tensors, "all_reduce");
+  const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "all_reduce");
+  checkOpen();
+  return enqueue(allreduceCall(tensors, red, wire::kAllReduce, c10d::OpType::ALLREDUCE), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                                     const c10d::AllreduceCoalescedOptions& opts) {
+  if (tensors.empty()) valueError("accl: all_reduce_coalesced needs at least one tensor");
+  for (const auto& t : tensors) {
+    if (t.scalar_type() != tensors[0].scalar_type())
+      typeError("accl: all_reduce_coalesced needs tensors of one dtype, got " +
+                wire::torchName(tensors[0].scalar_type()) + " and " + wire::torchName(t.scalar_type()));
+    if (t.device() != tensors[0].device()) valueError("accl: all_reduce_coalesced needs tensors on one device");
+  }
+  const Reduction& red = reductionFor(tensors[0].scalar_type(), opts.reduceOp.op_, "all_reduce_coalesced");
+  checkOpen();
+  return enqueue(allreduceCall(tensors, red, wire::kAllReduceCoalesced, c10d::OpType::ALLREDUCE_COALESCED),
+                 opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                                  const c10d::AllreduceOptions& opts) {
+  if (tensors.size() != 1)
+    valueError("accl: all_reduce takes exactly one tensor per call, got " + std::to_string(tensors.size()));
+  const at::Tensor& t = tensors[0];
+  if (t.layout() != at::kSparse) typeError("accl: sparse all_reduce needs a sparse COO tensor");
+  if (opts.reduceOp.op_ != RedOpType::SUM)
+    valueError("accl: sparse all_reduce supports ReduceOp.SUM only (as gloo), got ReduceOp." +
+               opName(opts.reduceOp.op_));
+  checkOpen();
+  return enqueue(sparseCall(t, opts.reduceOp), opts.asyncOp);
+}
+
+std::unique_ptr<Call> ProcessGroupACCL::sparseCall(const at::Tensor& t, const c10d::ReduceOp& op) {
+  // every rank's (indices, values) all-gathered, then summed by coalescing (gloo's algorithm): the header checks
+  // dtype and dense size; the nnz counts travel first
+  const int p = size_;
+  engineFor(Coll::kAllreduce);  // MPI's, where the engine may sidestep
+  auto c = newCall(wire::kAllReduce, t.scalar_type(), nullptr, 0, 0, t.numel(), {t}, c10d::OpType::_ALLREDUCE_SPARSE);
+  c->head.op = wire::opCode(op.op_);
+  c->head.extra = t.sparse_dim();
+  c->header = true;
+  auto result = std::make_shared<at::Tensor>();
+  c->data = [this, t, result, p] {
+    at::Tensor mine = t.cpu().coalesce();
+    at::Tensor indices = mine.indices().t().contiguous(), values = mine.values().contiguous();
+    at::Tensor nnz = at::empty({p, 1}, at::kLong);
+    mpi_->allgather(at::full({1}, indices.size(0), at::kLong), nnz);
+    const std::vector<int64_t> counts(nnz.data_ptr<int64_t>(), nnz.data_ptr<int64_t>() + p);
+    const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+    std::vector<int64_t> valueShape = values.sizes().vec();
+    valueShape[0] = total;
+    at::Tensor allIndices = at::empty({total, t.sparse_dim()}, indices.options());
+    at::Tensor allValues = at::empty(valueShape, values.options());
+    for (auto [part, all] : {std::pair{indices, allIndices}, std::pair{values, allValues}}) {
+      const int64_t rowBytes = total ? static_cast<int64_t>(all.nbytes()) / total : 0;
+      std::vector<int> bytes(p), displs(p);
+      for (int r = 0; r < p; ++r) {
+        bytes[r] = static_cast<int>(counts[r] * rowBytes);
+        displs[r] = r ? displs[r - 1] + bytes[r - 1] : 0;
+      }
+      stats_.count(static_cast<int64_t>(all.nbytes()));
+      mpi_->allgatherv(ptr(part), bytes[rank_], ptr(all), bytes.data(), displs.data());
+    }
+    *result = at::sparse_coo_tensor(allIndices.t(), allValues, t.sizes()).coalesce();
+  };
+  c->finish = [t, result] { at::Tensor(t).copy_(result->to(t.device())); };
+  return c;
+}
+
+// ============================================================================================== broadcast, reduce
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tensor>& tensors,
+                                                           const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = one(tensors, "broadcast");
+  if (opts.rootTensor != 0) valueError("accl: broadcast rootTensor must be 0, got " + std::to_string(opts.rootTensor));
+  checkRoot(opts.rootRank, "broadcast");
+  checkOpen();
+  const int root = static_cast<int>(opts.rootRank);
+  const bool isRoot = rank_ == root;
+  auto c = newCall(wire::kBroadcast, t.scalar_type(), nullptr, root, t.nbytes(), t.numel(), {t},
+                   c10d::OpType::BROADCAST);
+  Engine* eng = engineFor(Coll::kBroadcast, t.scalar_type());
+  auto buf = std::make_shared<at::Tensor>();
+  c->stage = [t, buf, isRoot] { *buf = host(t, isRoot); };
+  inSlot(*c, eng, buf, c->head.nbytes, [buf, root, isRoot](const unsigned char* all) {
+    if (!isRoot && buf->numel()) std::memcpy(buf->data_ptr(), payloadOf(all, root), buf->nbytes());
+  });
+  c->data = [this, buf, root, eng] {
+    forSegments(buf->numel(), buf->element_size(),
+                [&](int64_t off, int64_t cnt) { eng->broadcast(buf->narrow(0, off, cnt), root); });
+  };
+  c->finish = [t, buf, isRoot] {
+    if (!isRoot) deliver(*buf, t);
+  };
+  return enqueue(std::move(c), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>& tensors,
+                                                        const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = one(tensors, "reduce");
+  checkRoot(opts.rootRank, "reduce");
+  const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "reduce");
+  checkOpen();
+  const int root = static_cast<int>(opts.rootRank);
+  const int64_t numel = t.numel();
+  auto c = newCall(wire::kReduce, red.dtype, &red, root, numel * static_cast<int64_t>(red.esz), numel, {t},
+                   c10d::OpType::REDUCE);
+  Engine* eng = engineFor(Coll::kReduce, red.dtype, red.op);
+  auto buf = std::make_shared<at::Tensor>();
+  c->stage = [t, buf] { *buf = host(t, true); };
+  c->data = [this, buf, numel, &red, root, eng] {
+    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->reduce(buf->narrow(0, off, cnt), red, root); });
+  };
+  c->finish = [t, buf, &red, isRoot = rank_ == root, p = size_] {
+    if (!isRoot) return;  // the others' tensors are left as they were
+    if (red.avg) buf->div_(p);
+    deliver(*buf, t);
+  };
+  return enqueue(std::move(c), opts.asyncOp);
+}
+
+// ============================================================================================== all_gather
+
+std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, at::Tensor output,
+                                                      std::vector<at::Tensor> outputs, c10d::OpType type) {
+  // `output`: the p x n tensor (all_gather_into_tensor), or undefined: the rows go to `outputs` in order
+  const int p = size_;
+  const int64_t n = input.numel(), esz = input.element_size();
+  auto c = newCall(wire::kAllGather, input.scalar_type(), nullptr, 0, n * esz, n, outputs, type);
+  c->header = needsHeader(n * esz * p);
+  Engine* eng = engineFor(Coll::kAllgather, input.scalar_type());
+  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
+  c->stage = [input, output, src, dst, p] {
+    *src = host(input, true);
+    *dst = output.defined() ? host(output, false) : at::empty({p * input.numel()}, src->options());
+  };
+  inSlot(*c, eng, src, n * esz, [dst, n, esz, p](const unsigned char* all) {
+    for (int r = 0; r < p && n; ++r) std::memmove(ptr(*dst) + r * n * esz, payloadOf(all, r), n * esz);
+  });
+  c->data = [this, src, dst, n, esz, p, eng] {
+    forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
+      eng->allgather(src->narrow(0, off, cnt), dst->view({p, n}).narrow(1, off, cnt));
+    });
+  };
+  c->finish = [output, outputs, dst] {
+    if (output.defined()) deliver(*dst, output);
+    else deliverEach(*dst, outputs);
+  };
+  return c;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                                 const c10d::AllgatherOptions& opts) {
+  checkSameDtype(output, input, "all_gather_into_tensor");
+  const int64_t p = size_, n = input.numel();
+  if (output.numel() != p * n)
+    valueError("accl: all_gather_into_tensor output has " + std::to_string(output.numel()) +
+               " elements, needs world_size * input = " + std::to_string(p) + " * " + std::to_string(n) + " = " +
+               std::to_string(p * n));
+  checkOpen();
+  return enqueue(allgatherCall(input, output, {output}, c10d::OpType::_ALLGATHER_BASE), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                           std::vector<at::Tensor>& inputs,
+                                                           const c10d::AllgatherOptions& opts) {
+  const at::Tensor& input = one(inputs, "all_gather");
+  if (outputs.size() != 1)
+    valueError("accl: all_gather takes one output list, got " + std::to_string(outputs.size()));
+  checkList(outputs[0], input, "all_gather", "output_tensor_list");
+  checkOpen();
+  return enqueue(allgatherCall(input, at::Tensor(), outputs[0], c10d::OpType::ALLGATHER), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                                 std::vector<at::Tensor>& inputs,
+                                                                                 const c10d::AllgatherOptions& opts) {
+  checkPairs(outputs.size(), inputs.size(), "all_gather_into_tensor");
+  return inOrder(inputs.size(), [&](size_t i) { return _allgather_base(outputs[i], inputs[i], opts); });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
+                                                                     std::vector<at::Tensor>& inputs,
+                                                                     const c10d::AllgatherOptions& opts) {
+  // outputLists[r][j] receives rank r's inputs[j] (torch's layout: one list per rank)
+  bool shaped = !inputs.empty() && static_cast<int>(outputLists.size()) == size_;
+  for (const auto& l : outputLists) shaped = shaped && l.size() == inputs.size();
+  if (!shaped)
+    valueError("accl: all_gather_coalesced needs at least one input tensor and " + std::to_string(size_) +
+               " output lists (one per rank), each with one tensor per input tensor (" +
+               std::to_string(inputs.size()) + ")");
+  return inOrder(inputs.size(), [&](size_t j) {
+    std::vector<std::vector<at::Tensor>> outs(1);
+    for (const auto& l : outputLists) outs[0].push_back(l[j]);
+    std::vector<at::Tensor> in{inputs[j]};
+    return allgather(outs, in, opts);
+  });
+}
+
+// ============================================================================================== reduce_scatter
+
+std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor> inputs, const at::Tensor& output,
+                                                          const Reduction& red, c10d::OpType type) {
+  const int p = size_;
+  const int64_t n = output.numel(), esz = static_cast<int64_t>(red.esz);
+  auto c = newCall(wire::kReduceScatter, red.dtype, &red, 0, n * esz, n, {output}, type);
+  c->header = needsHeader(n * esz * p);
+  Engine* eng = engineFor(Coll::kReduceScatter, red.dtype, red.op);
+  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
+  c->stage = [inputs, output, src, dst] {
+    *src = flatHost(inputs);
+    *dst = host(output, false);
+  };
+  inSlot(*c, eng, src, n * esz * p, [this, dst, n, esz, &red](const unsigned char*) {
+    reduceSlots(red, n, rank_ * n * esz, dst->data_ptr());
+  });
+  c->data = [this, src, dst, n, esz, p, &red, eng] {
+    forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
+      eng->reduceScatter(src->view({p, n}).narrow(1, off, cnt), dst->narrow(0, off, cnt), red);
+    });
+  };
+  c->finish = [output, dst, &red, p] {
+    if (red.avg) dst->div_(p);
+    deliver(*dst, output);
+  };
+  return c;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                      const c10d::ReduceScatterOptions& opts) {
+  checkSameDtype(output, input, "reduce_scatter_tensor");
+  const int64_t p = size_, n = output.numel();
+  if (input.numel() != p * n)
+    valueError("accl: reduce_scatter_tensor input has " + std::to_string(input.numel()) +
+               " elements, needs world_size * output = " + std::to_string(p) + " * " + std::to_string(n) + " = " +
+               std::to_string(p * n));
+  const Reduction& red = reductionFor(output.scalar_type(), opts.reduceOp.op_, "reduce_scatter");
+  checkOpen();
+  return enqueue(reduceScatterCall({input}, output, red, c10d::OpType::_REDUCE_SCATTER_BASE), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                                const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& output = one(outputs, "reduce_scatter");
+  if (inputs.size() != 1) valueError("accl: reduce_scatter takes one input list");
+  checkList(inputs[0], output, "reduce_scatter", "input_list");
+  const Reduction& red = reductionFor(output.scalar_type(), opts.reduceOp.op_, "reduce_scatter");
+  checkOpen();
+  return enqueue(reduceScatterCall(inputs[0], output, red, c10d::OpType::REDUCE_SCATTER), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+  checkPairs(outputs.size(), inputs.size(), "reduce_scatter_tensor");
+  return inOrder(inputs.size(), [&](size_t i) { return _reduce_scatter_base(outputs[i], inputs[i], opts); });
+}
+
+// ============================================================================================== gather, scatter
+
+std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const at::Tensor& mine,
+                                                   std::vector<at::Tensor> rows, int root) {
+  const bool toRoot = kind == wire::kGather, isRoot = rank_ == root;
+  const int p = size_;
+  const int64_t n = mine.numel(), esz = mine.element_size();
+  auto c = newCall(kind, mine.scalar_type(), nullptr, root, n * esz, n, toRoot ? rows : std::vector{mine},
+                   toRoot ? c10d::OpType::GATHER : c10d::OpType::SCATTER);
+  if (!c->stream) c->stream = callerStream({mine});  // a gather's input off the root
+  c->header = needsHeader(n * esz * p);
+  Engine* eng = engineFor(toRoot ? Coll::kGather : Coll::kScatter, mine.scalar_type());
+  auto one = std::make_shared<at::Tensor>(), all = std::make_shared<at::Tensor>();
+  c->stage = [mine, rows, one, all, toRoot, isRoot, n, p] {
+    *one = host(mine, toRoot);
+    if (isRoot) *all = toRoot ? at::empty({p * n}, one->options()) : flatHost(rows);
+  };
+  c->data = [this, one, all, n, esz, p, root, toRoot, eng] {
+    forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {  // the same pieces on every rank
+      at::Tensor part = one->narrow(0, off, cnt);
+      at::Tensor block = all->defined() ? all->view({p, n}).narrow(1, off, cnt) : at::Tensor();
+      if (toRoot) eng->gather(part, block, root);
+      else eng->scatter(block, part, root);
+    });
+  };
+  c->finish = [mine, rows, one, all, toRoot] {
+    if (!toRoot) deliver(*one, mine);
+    else if (all->defined()) deliverEach(*all, rows);
+  };
+  return c;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                        std::vector<at::Tensor>& inputs,
+                                                        const c10d::GatherOptions& opts) {
+  const at::Tensor& input = one(inputs, "gather");
+  checkRoot(opts.rootRank, "gather");
+  std::vector<at::Tensor> outs = rootList(outputs, input, opts.rootRank, "gather", "gather_list");
+  checkOpen();
+  return enqueue(rootedCall(wire::kGather, input, outs, static_cast<int>(opts.rootRank)), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>& outputs,
+                                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                                         const c10d::ScatterOptions& opts) {
+  const at::Tensor& output = one(outputs, "scatter");
+  checkRoot(opts.rootRank, "scatter");
+  std::vector<at::Tensor> ins = rootList(inputs, output, opts.rootRank, "scatter", "scatter_list");
+  checkOpen();
+  return enqueue(rootedCall(wire::kScatter, output, ins, static_cast<int>(opts.rootRank)), opts.asyncOp);
+}
+
+// ============================================================================================== all_to_all
+
+void ProcessGroupACCL::checkSplits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const {
+  const int64_t p = size_, rows = t.dim() ? t.size(0) : 1;
+  const std::string w = std::string("accl: all_to_all_single ") + name;
+  if (sizes.empty() && (t.dim() == 0 || t.size(0) % p))
+    valueError(w + " dim 0 (" + shape(t) + ") is not divisible by world_size " + std::to_string(p) +
+               "; pass split sizes");
+  if (sizes.empty()) return;
+  if (static_cast<int64_t>(sizes.size()) != p)
+    valueError(w + "_split_sizes has " + std::to_string(sizes.size()) + " entries, world_size is " + std::to_string(p));
+  if (std::any_of(sizes.begin(), sizes.end(), [](int64_t s) { return s < 0; }))
+    valueError(w + "_split_sizes must be >= 0");
+  const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  if (sum != rows)
+    valueError(w + "_split_sizes sum to " + std::to_string(sum) + " but " + name + " has " + std::to_string(rows) +
+               " rows");
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                               std::vector<int64_t>& outputSplits,
+                                                               std::vector<int64_t>& inputSplits,
+                                                               const c10d::AllToAllOptions& opts) {
+  checkSameDtype(output, input, "all_to_all_single");
+  checkSplits(inputSplits, input, "input");
+  checkSplits(outputSplits, output, "output");
+  checkOpen();
+  std::vector<int64_t> sb(size_), rb(size_), offsets(size_);
+  c10d::computeLengthsAndOffsets(inputSplits, input, &sb, &offsets);  // elements, to bytes below
+  c10d::computeLengthsAndOffsets(outputSplits, output, &rb, &offsets);
+  for (auto* v : {&sb, &rb})
+    for (auto& x : *v) x *= input.element_size();
+  return enqueue(alltoallCall({input}, {output}, sb, rb, c10d::OpType::ALLTOALL_BASE), opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllToAllOptions& opts) {
+  const size_t p = static_cast<size_t>(size_);
+  if (outputs.size() != p || inputs.size() != p)
+    valueError("accl: all_to_all needs " + std::to_string(p) + " input and " + std::to_string(p) +
+               " output tensors, got " + std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  for (const auto* list : {&inputs, &outputs})
+    for (const auto& t : *list)
+      if (t.scalar_type() != inputs[0].scalar_type()) typeError("accl: all_to_all needs every tensor of one dtype");
+  checkOpen();
+  std::vector<int64_t> sb, rb;
+  for (const auto& t : inputs) sb.push_back(static_cast<int64_t>(t.nbytes()));
+  for (const auto& t : outputs) rb.push_back(static_cast<int64_t>(t.nbytes()));
+  return enqueue(alltoallCall(inputs, outputs, sb, rb, c10d::OpType::ALLTOALL), opts.asyncOp);
+}
+
+namespace {
+
+// the agreed byte matrix: rows[i * stride + j] is what rank i sends to rank j, rows[j * stride + p + i] what j
+// expects from i; a mismatch names the first pair. Returns the largest send, which fixes the segment rounds.
+int64_t checkAlltoallMatrix(const int64_t* rows, int64_t stride, int p) {
+  int64_t bad = 0, bi = 0, bj = 0, most = 0;
+  for (int i = 0; i < p; ++i)
+    for (int j = 0; j < p; ++j) {
+      const int64_t s = rows[i * stride + j], r = rows[j * stride + p + i];
+      if (s != r && bad++ == 0) std::tie(bi, bj) = std::pair{i, j};
+      most = std::max(most, s);
+    }
+  if (bad)
+    throw MismatchError("accl: all_to_all split sizes do not match across ranks: rank " + std::to_string(bi) +
+                        " sends " + std::to_string(rows[bi * stride + bj]) + " bytes to rank " + std::to_string(bj) +
+                        ", which expects " + std::to_string(rows[bj * stride + p + bi]) + " bytes from it (" +
+                        std::to_string(bad) + " mismatched pairs)");
+  return most;
+}
+
+// the sends that rode in the header slots after every rank's matrix row, into `dst` in rank order; false (nothing
+// taken) unless every rank's sends fit its slot
+bool alltoallFromSlots(const unsigned char* all, int p, int me, char* dst) {
+  const int64_t stride = kSlot / 8;
+  const auto* rows = reinterpret_cast<const int64_t*>(payloadOf(all, 0));
+  for (int i = 0; i < p; ++i)
+    if (std::accumulate(rows + i * stride, rows + i * stride + p, int64_t{0}) > kPay - 16 * p) return false;
+  for (int r = 0; r < p; ++r) {
+    const int64_t* row = rows + r * stride;
+    const int64_t off = 16 * p + std::accumulate(row, row + me, int64_t{0});
+    std::memcpy(dst, payloadOf(all, r) + off, row[me]);
+    dst += row[me];
+  }
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                                                     std::vector<int64_t> sb, std::vector<int64_t> rb,
+                                                     c10d::OpType type) {
+  const int p = size_;
+  engineFor(Coll::kAlltoall);  // no engine has it: MPI's, if the engine may sidestep
+  auto c = newCall(wire::kAllToAll, inputs[0].scalar_type(), nullptr, 0, 0, 0, outputs, type);
+  c->head.extra = p;
+  c->compare = wire::kCompareCall;  // sizes are checked on the byte matrix
+  c->header = true;                 // always: the matrix fixes the rounds and checks sends against receives
+  const int64_t sent = std::accumulate(sb.begin(), sb.end(), int64_t{0});
+  int64_t received = 0;
+  for (const auto& t : outputs) received += t.numel();
+  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
+  auto most = std::make_shared<int64_t>(0);  // the largest send of any rank, from the agreed matrix
+  c->stage = [inputs, outputs, src, dst, received] {
+    *src = flatHost(inputs);
+    *dst = outputs.size() == 1 ? host(outputs[0], false) : at::empty({received}, src->options());
+  };
+  if (16 * p <= kPay) {  // the matrix row rides in the slot, followed by the sends when they fit
+    c->pack = [src, sb, rb, p, sent](unsigned char* slot) {
+      std::memcpy(slot, sb.data(), 8 * p);
+      std::memcpy(slot + 8 * p, rb.data(), 8 * p);
+      if (sent <= kPay - 16 * p) std::memcpy(slot + 16 * p, ptr(*src), sent);
+    };
+    c->fused = [this, dst, most, p](const unsigned char* all) {
+      *most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(payloadOf(all, 0)), kSlot / 8, p);
+      return alltoallFromSlots(all, p, rank_, ptr(*dst));
+    };
+  }
+  c->data = [this, src, dst, sb, rb, most, p] {
+    if (16 * p > kPay) {  // many ranks: the byte matrix by a second all-gather, then its check
+      at::Tensor matrix = at::empty({p, 2 * p}, at::kLong);
+      stats_.count(static_cast<int64_t>(matrix.nbytes()));
+      mpi_->allgather(at::cat({at::tensor(sb), at::tensor(rb)}), matrix);
+      *most = checkAlltoallMatrix(matrix.data_ptr<int64_t>(), 2 * p, p);
+    }
+    std::vector<int> sc(p), sd(p), rc(p), rd(p);
+    forSegments(*most, p, [&](int64_t done, int64_t per) {  // a round: up to `per` bytes to and from each rank
+      for (int64_t j = 0, so = 0, ro = 0; j < p; so += sb[j], ro += rb[j], ++j) {
+        sc[j] = static_cast<int>(std::clamp<int64_t>(sb[j] - done, 0, per));
+        sd[j] = static_cast<int>(so + std::min(done, sb[j]));
+        rc[j] = static_cast<int>(std::clamp<int64_t>(rb[j] - done, 0, per));
+        rd[j] = static_cast<int>(ro + std::min(done, rb[j]));
+      }
+      mpi_->alltoallv(ptr(*src), sc.data(), sd.data(), ptr(*dst), rc.data(), rd.data());
+    });
+  };
+  c->finish = [outputs, dst] {
+    if (outputs.size() == 1 && outputs[0].numel()) deliver(*dst, outputs[0]);
+    else if (outputs.size() > 1) deliverEach(*dst, outputs);
+  };
+  return c;
+}
+
+// ============================================================================================== barrier
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::barrier(const c10d::BarrierOptions& opts) {
+  checkOpen();
+  engineFor(Coll::kBarrier);
+  auto c = newCall(wire::kBarrier, at::kByte, nullptr, 0, 0, 0, {}, c10d::OpType::BARRIER);
+  c->head.dtype = 0;
+  c->header = opts_.check;  // checked: the header exchange is itself a full synchronisation
+  c->data = [this, header = c->header] {
+    if (!header) mpi_->barrier();
+  };
+  return enqueue(std::move(c), opts.asyncOp);
+}
+
+}  // namespace torchhpc::accl

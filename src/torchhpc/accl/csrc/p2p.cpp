@@ -1,0 +1,289 @@
+// Point-to-point and the monitored barrier of ProcessGroupACCL.
+//
+// A send is an envelope (wire::Envelope, then the payload up to kPayloadBytes) on the envelope communicator; a
+// larger payload follows in segments on the payload communicator, received only after the envelope checked out
+// (a mismatched payload is drained, never matched by a later receive).  Ops in flight are progressed by whoever
+// waits on them and by the group's worker; each has the group deadline.
+#include "accl.hpp"
+
+#include <c10/core/StreamGuard.h>
+
+#include <cstring>
+
+namespace torchhpc::accl {
+namespace {
+
+constexpr size_t kHdr = wire::kHeaderBytes;
+constexpr int64_t kPay = wire::kPayloadBytes;
+// the monitored barrier's tags, on the control communicator (which carries no user message)
+constexpr int kToken = 1, kRelease = 2;
+const int64_t kTokenValue = 0;
+
+std::string fromText(int src) {
+  return src < 0 ? "from any source" : "from rank " + std::to_string(src);
+}
+
+// the element size a sender segmented its payload by (the envelope carries bytes and elements)
+int64_t unitOf(const wire::Envelope& env) {
+  return env.numel > 0 ? env.nbytes / env.numel : 1;
+}
+
+// rank 0's report of the ranks that did not arrive, in gloo's words
+std::string monitoredText(const std::vector<int>& missing, std::chrono::milliseconds timeout, bool waitAll) {
+  std::string list;
+  for (size_t i = 0; i < missing.size(); ++i) list += (i ? ", " : "") + std::to_string(missing[i]);
+  const std::string ms = std::to_string(timeout.count()), first = std::to_string(missing[0]);
+  std::string words = "[Rank 0]: Rank " + first + " failed to pass monitoredBarrier in " + ms + " ms";
+  if (waitAll) words = "[Rank 0]: Ranks " + list + " failed to pass monitoredBarrier in " + ms + " ms";
+  else if (timeout.count() == 0)  // gloo checks the time left before each rank's wait: none was left for any
+    words = "Rank 0 timed out in monitoredBarrier after 0 ms. No ranks successfully processed in monitoredBarrier. "
+            "Failing rank: " + first;
+  return "accl: " + words + " (missing: ranks [" + list + "])";
+}
+
+}  // namespace
+
+// ============================================================================================== starting ops
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  const at::Tensor& t = one(tensors, "send");
+  checkPeer(dst, "send", "dst");
+  checkTag(tag);
+  checkOpen();
+  auto op = std::make_unique<P2P>();
+  op->send = true;
+  op->peer = dst;
+  op->tag = tag;
+  op->tensor = t;
+  op->host = host(t, true);
+  op->eng = engineFor(Coll::kSend, t.scalar_type());
+  op->work = c10::make_intrusive<WorkACCL>(rank_, c10d::OpType::SEND, "send(to rank " + std::to_string(dst) +
+                                           ", tag " + std::to_string(tag) + ")", std::vector<at::Tensor>{t}, this);
+  return startP2P(std::move(op), [this](P2P& op) {
+    const wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
+                             static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
+    const bool small = env.nbytes <= kPay;
+    op.envelope.assign(wire::kSlotBytes, 0);
+    std::memcpy(op.envelope.data(), &env, sizeof env);
+    if (small && env.nbytes) std::memcpy(op.envelope.data() + kHdr, op.host.data_ptr(), env.nbytes);
+    op.reqs.push_back(MPI_REQUEST_NULL);
+    ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(kHdr + (small ? env.nbytes : 0)), MPI_BYTE, op.peer,
+             op.tag, p2pHead_, &op.reqs.back());
+    if (small) return;
+    forSegments(env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
+      at::Tensor part = op.host.narrow(0, off, cnt);
+      if (!onMpi(op.eng)) return op.eng->send(part, op.peer, op.tag);  // the engine's calls block: made in order
+      op.reqs.push_back(MPI_REQUEST_NULL);
+      ACCL_MPI(MPI_Isend, ptr(part), static_cast<int>(part.nbytes()), MPI_BYTE, op.peer, op.tag, p2pData_,
+               &op.reqs.back());
+    });
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  const at::Tensor& t = one(tensors, "recv");
+  checkPeer(src, "recv", "src");
+  return recvFrom(t, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return recvFrom(one(tensors, "recv"), -1, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvFrom(const at::Tensor& t, int src, int tag) {
+  checkTag(tag);
+  checkOpen();
+  auto op = std::make_unique<P2P>();
+  op->peer = src;
+  op->tag = tag;
+  op->tensor = t;
+  op->stream = callerStream({t});
+  op->eng = engineFor(Coll::kRecv, t.scalar_type());
+  op->work = c10::make_intrusive<WorkACCL>(rank_, src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+                                           "recv(" + fromText(src) + ", tag " + std::to_string(tag) + ")",
+                                           std::vector<at::Tensor>{t}, this);
+  return startP2P(std::move(op), [this](P2P& op) {
+    op.envelope.assign(wire::kSlotBytes, 0);
+    op.reqs.push_back(MPI_REQUEST_NULL);
+    ACCL_MPI(MPI_Irecv, op.envelope.data(), static_cast<int>(wire::kSlotBytes), MPI_BYTE,
+             op.peer < 0 ? MPI_ANY_SOURCE : op.peer, op.tag, p2pHead_, &op.reqs.back());
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op,
+                                                          const std::function<void(P2P&)>& post) {
+  op->deadline = Clock::now() + opts_.timeout;
+  try {
+    post(*op);
+  } catch (const MpiCallError& e) {
+    std::rethrow_exception(mpiFailure(e, op->work->what()));
+  }
+  auto work = op->work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    work->name(groupNameShared());
+    if (!worker_.joinable()) worker_ = std::thread([this] { workerLoop(); });
+  }
+  {
+    std::lock_guard<std::mutex> lock(p2pMu_);
+    p2p_.push_back(std::move(op));
+    p2pPending_.fetch_add(1);
+  }
+  cv_.notify_all();
+  progressP2P();
+  return work;
+}
+
+// ============================================================================================== progress
+
+void ProcessGroupACCL::progressP2P() {
+  std::vector<std::unique_ptr<P2P>> done;
+  {
+    std::unique_lock<std::mutex> lock(p2pMu_, std::try_to_lock);
+    if (!lock.owns_lock()) return;  // someone else is progressing them
+    for (auto& op : p2p_)
+      if (advanceP2P(*op)) done.push_back(std::move(op));
+    p2p_.erase(std::remove(p2p_.begin(), p2p_.end(), nullptr), p2p_.end());
+    p2pPending_.fetch_sub(static_cast<int>(done.size()));
+  }
+  for (auto& op : done) op->work->complete(op->error, op->source);
+}
+
+bool ProcessGroupACCL::advanceP2P(P2P& op) {
+  c10::OptionalStreamGuard onCallerStream(op.stream);  // a received device tensor is copied back on it
+  try {
+    if (op.stage == P2P::kEnvelope && !op.send) {
+      MPI_Status st;
+      int arrived = 0;
+      ACCL_MPI(MPI_Test, &op.reqs[0], &arrived, &st);
+      if (arrived) op.source = st.MPI_SOURCE;
+      if (arrived && openEnvelope(op)) return true;
+    }
+    const bool posted = op.send || op.stage != P2P::kEnvelope;
+    if (posted && testUntil(op.reqs.data(), static_cast<int>(op.reqs.size()), Clock::time_point::min())) {
+      if (op.stage == P2P::kPayload) deliver(op.host, op.tensor);
+      return true;
+    }
+  } catch (const MpiCallError& e) {
+    op.error = mpiFailure(e, op.work->what());
+    return true;
+  } catch (...) {  // an engine's or a copy's error ends this op alone
+    op.error = std::current_exception();
+    return true;
+  }
+  if (Clock::now() <= op.deadline) return false;
+  try {
+    expire(op.work->what());
+  } catch (...) {
+    op.error = std::current_exception();
+  }
+  return true;
+}
+
+bool ProcessGroupACCL::openEnvelope(P2P& op) {
+  wire::Envelope env;
+  std::memcpy(&env, op.envelope.data(), sizeof env);
+  const std::string bad = wire::envelopeMismatch(env, op.source, op.tensor, fromText(op.peer), op.tag);
+  if (!bad.empty()) op.error = std::make_exception_ptr(MismatchError(bad));
+  if (env.magic != wire::kMagic) return true;  // garbled: nothing more can be trusted to follow
+  if (env.nbytes <= kPay) {                    // the payload came with the envelope
+    if (bad.empty()) {
+      op.host = host(op.tensor, false);
+      if (env.nbytes) std::memcpy(op.host.data_ptr(), op.envelope.data() + kHdr, env.nbytes);
+      deliver(op.host, op.tensor);
+    }
+    return true;
+  }
+  if (!onMpi(op.eng)) {
+    recvOnEngine(op, env, bad);
+    return true;
+  }
+  char* into = nullptr;
+  if (bad.empty()) {
+    op.host = host(op.tensor, false);
+    into = ptr(op.host);
+    op.stage = P2P::kPayload;
+  } else {
+    op.drain.resize(static_cast<size_t>(env.nbytes));
+    into = reinterpret_cast<char*>(op.drain.data());
+    op.stage = P2P::kDrain;
+  }
+  postPayload(op, into, env);
+  return false;
+}
+
+void ProcessGroupACCL::postPayload(P2P& op, char* into, const wire::Envelope& env) {
+  op.reqs.clear();
+  const int64_t unit = unitOf(env);
+  forSegments(env.numel, unit, [&](int64_t off, int64_t cnt) {  // the sender's segments
+    op.reqs.push_back(MPI_REQUEST_NULL);
+    ACCL_MPI(MPI_Irecv, into + off * unit, static_cast<int>(cnt * unit), MPI_BYTE, op.source, op.tag, p2pData_,
+             &op.reqs.back());
+  });
+}
+
+void ProcessGroupACCL::recvOnEngine(P2P& op, const wire::Envelope& env, const std::string& bad) {
+  // the engine's calls block; a mismatched payload is received into a buffer of what was sent, then dropped
+  const auto sent = op.tensor.options().device(at::kCPU).dtype(wire::scalarTypeOf(env.dtype));
+  at::Tensor buf = bad.empty() ? (op.host = host(op.tensor, false)) : at::empty({env.numel}, sent);
+  forSegments(env.numel, unitOf(env),
+              [&](int64_t off, int64_t cnt) { op.eng->recv(buf.narrow(0, off, cnt), op.source, op.tag); });
+  if (bad.empty()) deliver(op.host, op.tensor);
+}
+
+// ============================================================================================== monitored barrier
+
+void ProcessGroupACCL::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  // every other rank sends a token to rank 0 and waits for its release; rank 0 waits for every token until the
+  // deadline, then releases everyone or names the ranks that did not arrive
+  checkOpen();
+  const auto timeout = opts.timeout.count() >= 0 ? opts.timeout : opts_.timeout;  // unset (-1): the group's
+  const auto deadline = Clock::now() + timeout;
+  try {
+    if (rank_ != 0) return awaitRelease(timeout, deadline);
+    const std::vector<int> missing = collectTokens(deadline);
+    if (!missing.empty()) throw PeerTimeoutError(monitoredText(missing, timeout, waitAllRanks));
+    std::vector<MPI_Request> releases(size_ - 1);
+    for (int r = 1; r < size_; ++r)
+      ACCL_MPI(MPI_Isend, &kTokenValue, 1, MPI_INT64_T, r, kRelease, ctl_, &releases[r - 1]);
+    if (!testUntil(releases.data(), size_ - 1, Clock::now() + opts_.timeout)) expire("monitored_barrier's release");
+  } catch (const MpiCallError& e) {
+    std::rethrow_exception(mpiFailure(e, "monitored_barrier"));
+  }
+}
+
+void ProcessGroupACCL::awaitRelease(std::chrono::milliseconds timeout, Clock::time_point deadline) {
+  int64_t ack = 0;
+  MPI_Request token = MPI_REQUEST_NULL, release = MPI_REQUEST_NULL;
+  ACCL_MPI(MPI_Isend, &kTokenValue, 1, MPI_INT64_T, 0, kToken, ctl_, &token);
+  ACCL_MPI(MPI_Irecv, &ack, 1, MPI_INT64_T, 0, kRelease, ctl_, &release);
+  if (testUntil(&release, 1, deadline)) {
+    ACCL_MPI(MPI_Wait, &token, MPI_STATUS_IGNORE);  // rank 0 took it before releasing anyone
+    return;
+  }
+  ACCL_MPI(MPI_Cancel, &release);  // withdrawn, so that no later release matches it
+  ACCL_MPI(MPI_Wait, &release, MPI_STATUS_IGNORE);
+  ACCL_MPI(MPI_Request_free, &token);  // its buffer is static: it may complete whenever rank 0 looks
+  throw PeerTimeoutError("accl: Rank " + std::to_string(rank_) +
+                         " successfully reached monitoredBarrier, but got no release from rank 0 within " +
+                         seconds(timeout) + " s. Please check rank 0's error for the faulty ranks.");
+}
+
+std::vector<int> ProcessGroupACCL::collectTokens(Clock::time_point deadline) {
+  std::vector<int64_t> tokens(size_);
+  std::vector<MPI_Request> reqs(size_ - 1, MPI_REQUEST_NULL);
+  for (int r = 1; r < size_; ++r) ACCL_MPI(MPI_Irecv, &tokens[r], 1, MPI_INT64_T, r, kToken, ctl_, &reqs[r - 1]);
+  std::vector<int> missing;
+  if (testUntil(reqs.data(), size_ - 1, deadline)) return missing;
+  for (int r = 1; r < size_; ++r) {
+    int done = 0;
+    ACCL_MPI(MPI_Test, &reqs[r - 1], &done, MPI_STATUS_IGNORE);
+    if (done) continue;
+    missing.push_back(r);
+    ACCL_MPI(MPI_Cancel, &reqs[r - 1]);  // withdrawn, so that no later token matches it
+    ACCL_MPI(MPI_Wait, &reqs[r - 1], MPI_STATUS_IGNORE);
+  }
+  return missing;
+}
+
+}  // namespace torchhpc::accl
