@@ -82,6 +82,7 @@ void deliver(const at::Tensor& buf, const at::Tensor& t) {
 }
 
 void deliverEach(const at::Tensor& buf, const std::vector<at::Tensor>& ts) {
+  if (ts.size() == 1) return deliver(buf, ts[0]);
   int64_t off = 0;
   for (const auto& t : ts) {
     deliver(buf.narrow(0, off, t.numel()), t);
@@ -98,6 +99,12 @@ std::optional<c10::Stream> callerStream(const std::vector<at::Tensor>& ts) {
 
 char* ptr(const at::Tensor& t) {
   return t.defined() ? static_cast<char*>(t.data_ptr()) : nullptr;
+}
+
+Seg seg(const at::Tensor& t, int64_t off, int64_t cnt, int64_t rows, int64_t n) {
+  if (!t.defined()) return {nullptr, cnt, at::kByte, rows, 0};
+  const int64_t esz = t.element_size();
+  return {ptr(t) + off * esz, cnt, t.scalar_type(), rows, n * esz};
 }
 
 std::string seconds(std::chrono::milliseconds ms) {

@@ -133,9 +133,19 @@ struct Stats {
   void count(int64_t bytes);
 };
 
-// What moves a collective's data, one segment per call, on host tensors (the group stages and segments).
-// `rows` tensors are p x n views whose rows may lie further apart than n (a segment of every rank's block).
-// The ACCL engine implements it in Python (module.cpp's trampoline); MpiEngine is MPI's.
+// One segment of a buffer as an engine sees it: `count` elements of `dtype` per row, `rows` rows `stride` bytes
+// apart (rows > 1: every rank's block of the segment).  Plain pointers: no tensor is made on the MPI path.
+struct Seg {
+  char* data = nullptr;  // null: no buffer on this rank (a gather's or scatter's rows off the root)
+  int64_t count = 0;
+  at::ScalarType dtype = at::kByte;
+  int64_t rows = 1, stride = 0;
+  int64_t bytes() const { return count * static_cast<int64_t>(c10::elementSize(dtype)); }  // one row's
+  char* row(int64_t r) const { return data + r * stride; }
+};
+
+// What moves a collective's data, one segment per call (the group stages and segments).  The ACCL engine
+// implements it in Python (module.cpp's trampoline); MpiEngine is MPI's.
 class Engine {
  public:
   explicit Engine(std::string name) : name_(std::move(name)) {}
@@ -143,16 +153,16 @@ class Engine {
   const std::string& name() const { return name_; }
   // whether it does `coll` for this dtype and op (none: a data move)
   virtual bool supports(Coll coll, at::ScalarType dtype, std::optional<RedOpType> op) const = 0;
-  virtual void allreduce(at::Tensor buf, const Reduction& r) = 0;
-  virtual void reduce(at::Tensor buf, const Reduction& r, int root) = 0;
-  virtual void broadcast(at::Tensor buf, int root) = 0;
-  virtual void allgather(at::Tensor send, at::Tensor rows) = 0;
-  virtual void gather(at::Tensor send, at::Tensor rows, int root) = 0;  // rows: undefined off the root
-  virtual void scatter(at::Tensor rows, at::Tensor recv, int root) = 0;  // rows: undefined off the root
-  virtual void reduceScatter(at::Tensor rows, at::Tensor recv, const Reduction& r) = 0;
+  virtual void allreduce(const Seg& buf, const Reduction& r) = 0;
+  virtual void reduce(const Seg& buf, const Reduction& r, int root) = 0;
+  virtual void broadcast(const Seg& buf, int root) = 0;
+  virtual void allgather(const Seg& send, const Seg& rows) = 0;
+  virtual void gather(const Seg& send, const Seg& rows, int root) = 0;
+  virtual void scatter(const Seg& rows, const Seg& recv, int root) = 0;
+  virtual void reduceScatter(const Seg& rows, const Seg& recv, const Reduction& r) = 0;
   // blocking point-to-point (MPI's are the group's own nonblocking messages, not an engine call)
-  virtual void send(at::Tensor buf, int dst, int tag);
-  virtual void recv(at::Tensor buf, int src, int tag);
+  virtual void send(const Seg& buf, int dst, int tag);
+  virtual void recv(const Seg& buf, int src, int tag);
 
  private:
   std::string name_;
@@ -168,13 +178,13 @@ class MpiEngine final : public Engine {
   MpiEngine(MPI_Comm comm, Wait wait);
   Mode mode = Mode::kBlocking;  // set by the group for each call
   bool supports(Coll, at::ScalarType, std::optional<RedOpType>) const override { return true; }
-  void allreduce(at::Tensor buf, const Reduction& r) override;
-  void reduce(at::Tensor buf, const Reduction& r, int root) override;
-  void broadcast(at::Tensor buf, int root) override;
-  void allgather(at::Tensor send, at::Tensor rows) override;
-  void gather(at::Tensor send, at::Tensor rows, int root) override;
-  void scatter(at::Tensor rows, at::Tensor recv, int root) override;
-  void reduceScatter(at::Tensor rows, at::Tensor recv, const Reduction& r) override;
+  void allreduce(const Seg& buf, const Reduction& r) override;
+  void reduce(const Seg& buf, const Reduction& r, int root) override;
+  void broadcast(const Seg& buf, int root) override;
+  void allgather(const Seg& send, const Seg& rows) override;
+  void gather(const Seg& send, const Seg& rows, int root) override;
+  void scatter(const Seg& rows, const Seg& recv, int root) override;
+  void reduceScatter(const Seg& rows, const Seg& recv, const Reduction& r) override;
   // MPI only: byte counts and displacements
   void alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd);
   void allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs);
@@ -186,12 +196,12 @@ class MpiEngine final : public Engine {
   void call(const char* fn, B blocking, N nonblocking);
   // rank r's row of `rows` as byte counts and displacements for the v-variant calls (not a resized datatype:
   // Open MPI 5.0's hierarchical all_gather across nodes mis-delivered the last blocks of one)
-  void blocks(const at::Tensor& rows, int bytes);
+  void blocks(const Seg& rows, int bytes);
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
   Wait wait_;
   std::vector<int> counts_, displs_;
-  at::Tensor scratch_;  // reduce_scatter's rows, made contiguous (one segment, kept)
+  at::Tensor scratch_;  // reduce_scatter's rows, copied together (one segment, kept)
 };
 
 // Whether the MPI library takes CUDA device buffers: the same query as our PyTorch patch
@@ -210,6 +220,8 @@ void deliver(const at::Tensor& buf, const at::Tensor& t);                    // 
 void deliverEach(const at::Tensor& buf, const std::vector<at::Tensor>& ts);  // buf's elements in order into each
 std::optional<c10::Stream> callerStream(const std::vector<at::Tensor>& ts);  // of the first device tensor
 char* ptr(const at::Tensor& t);                                             // (nullptr when undefined)
+// elements [off, off + cnt) of a 1-D host buffer; of each of `rows` rows of `n` elements (rows > 1)
+Seg seg(const at::Tensor& t, int64_t off, int64_t cnt, int64_t rows = 1, int64_t n = 0);
 std::string seconds(std::chrono::milliseconds ms);
 
 // ------------------------------------------------------------------------------------------ work

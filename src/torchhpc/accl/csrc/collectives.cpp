@@ -71,7 +71,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
     reduceSlots(red, numel, 0, buf->data_ptr());
   });
   c->data = [this, buf, numel, &red, eng] {
-    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->allreduce(buf->narrow(0, off, cnt), red); });
+    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->allreduce(seg(*buf, off, cnt), red); });
   };
   c->finish = [ts, buf, &red, p = size_] {
     if (red.avg) buf->div_(p);
@@ -130,8 +130,8 @@ std::unique_ptr<Call> ProcessGroupACCL::sparseCall(const at::Tensor& t, const c1
   c->data = [this, t, result, p] {
     at::Tensor mine = t.cpu().coalesce();
     at::Tensor indices = mine.indices().t().contiguous(), values = mine.values().contiguous();
-    at::Tensor nnz = at::empty({p, 1}, at::kLong);
-    mpi_->allgather(at::full({1}, indices.size(0), at::kLong), nnz);
+    at::Tensor mineNnz = at::full({1}, indices.size(0), at::kLong), nnz = at::empty({p}, at::kLong);
+    mpi_->allgather(seg(mineNnz, 0, 1), seg(nnz, 0, 1, p, 1));
     const std::vector<int64_t> counts(nnz.data_ptr<int64_t>(), nnz.data_ptr<int64_t>() + p);
     const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
     std::vector<int64_t> valueShape = values.sizes().vec();
@@ -174,7 +174,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tenso
   });
   c->data = [this, buf, root, eng] {
     forSegments(buf->numel(), buf->element_size(),
-                [&](int64_t off, int64_t cnt) { eng->broadcast(buf->narrow(0, off, cnt), root); });
+                [&](int64_t off, int64_t cnt) { eng->broadcast(seg(*buf, off, cnt), root); });
   };
   c->finish = [t, buf, isRoot] {
     if (!isRoot) deliver(*buf, t);
@@ -196,7 +196,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>&
   auto buf = std::make_shared<at::Tensor>();
   c->stage = [t, buf] { *buf = host(t, true); };
   c->data = [this, buf, numel, &red, root, eng] {
-    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->reduce(buf->narrow(0, off, cnt), red, root); });
+    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->reduce(seg(*buf, off, cnt), red, root); });
   };
   c->finish = [t, buf, &red, isRoot = rank_ == root, p = size_] {
     if (!isRoot) return;  // the others' tensors are left as they were
@@ -226,7 +226,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, a
   });
   c->data = [this, src, dst, n, esz, p, eng] {
     forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
-      eng->allgather(src->narrow(0, off, cnt), dst->view({p, n}).narrow(1, off, cnt));
+      eng->allgather(seg(*src, off, cnt), seg(*dst, off, cnt, p, n));
     });
   };
   c->finish = [output, outputs, dst] {
@@ -303,7 +303,7 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
   });
   c->data = [this, src, dst, n, esz, p, &red, eng] {
     forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
-      eng->reduceScatter(src->view({p, n}).narrow(1, off, cnt), dst->narrow(0, off, cnt), red);
+      eng->reduceScatter(seg(*src, off, cnt, p, n), seg(*dst, off, cnt), red);
     });
   };
   c->finish = [output, dst, &red, p] {
@@ -362,8 +362,7 @@ std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const at::Te
   };
   c->data = [this, one, all, n, esz, p, root, toRoot, eng] {
     forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {  // the same pieces on every rank
-      at::Tensor part = one->narrow(0, off, cnt);
-      at::Tensor block = all->defined() ? all->view({p, n}).narrow(1, off, cnt) : at::Tensor();
+      const Seg part = seg(*one, off, cnt), block = seg(*all, off, cnt, p, n);
       if (toRoot) eng->gather(part, block, root);
       else eng->scatter(block, part, root);
     });
@@ -516,9 +515,9 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
   }
   c->data = [this, src, dst, sb, rb, most, p] {
     if (16 * p > kPay) {  // many ranks: the byte matrix by a second all-gather, then its check
-      at::Tensor matrix = at::empty({p, 2 * p}, at::kLong);
+      at::Tensor mine = at::cat({at::tensor(sb), at::tensor(rb)}), matrix = at::empty({p * 2 * p}, at::kLong);
       stats_.count(static_cast<int64_t>(matrix.nbytes()));
-      mpi_->allgather(at::cat({at::tensor(sb), at::tensor(rb)}), matrix);
+      mpi_->allgather(seg(mine, 0, 2 * p), seg(matrix, 0, 2 * p, p, 2 * p));
       *most = checkAlltoallMatrix(matrix.data_ptr<int64_t>(), 2 * p, p);
     }
     std::vector<int> sc(p), sd(p), rc(p), rd(p);

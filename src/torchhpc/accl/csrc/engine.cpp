@@ -3,6 +3,7 @@
 #include "accl.hpp"
 
 #include <climits>
+#include <cstring>
 #include <cstdlib>
 
 #if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
@@ -45,21 +46,13 @@ void Stats::count(int64_t bytes) {
   }
 }
 
-void Engine::send(at::Tensor, int, int) {
+void Engine::send(const Seg&, int, int) {
   throw c10::NotImplementedError("accl: the " + name() + " engine has no send");
 }
 
-void Engine::recv(at::Tensor, int, int) {
+void Engine::recv(const Seg&, int, int) {
   throw c10::NotImplementedError("accl: the " + name() + " engine has no recv");
 }
-
-namespace {
-
-int count(const at::Tensor& t) {
-  return static_cast<int>(t.numel());
-}
-
-}  // namespace
 
 MpiEngine::MpiEngine(MPI_Comm comm, Wait wait) : Engine("mpi"), comm_(comm), wait_(std::move(wait)) {
   ACCL_MPI(MPI_Comm_rank, comm, &rank_);
@@ -78,65 +71,67 @@ void MpiEngine::call(const char* fn, B blocking, N nonblocking) {
 #define ACCL_BOTH(fn, ifn, ...) \
   call(#fn, [&] { return fn(__VA_ARGS__); }, [&](MPI_Request* q) { return ifn(__VA_ARGS__, q); })
 
-void MpiEngine::allreduce(at::Tensor buf, const Reduction& r) {
-  ACCL_BOTH(MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, ptr(buf), count(buf), r.type, r.mpiOp, comm_);
+void MpiEngine::allreduce(const Seg& b, const Reduction& r) {
+  ACCL_BOTH(MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data, static_cast<int>(b.count), r.type, r.mpiOp, comm_);
 }
 
-void MpiEngine::reduce(at::Tensor buf, const Reduction& r, int root) {
+void MpiEngine::reduce(const Seg& b, const Reduction& r, int root) {
   // the root reduces in place; the others' buffers are only read
-  const void* s = rank_ == root ? MPI_IN_PLACE : ptr(buf);
-  void* d = rank_ == root ? ptr(buf) : nullptr;
-  ACCL_BOTH(MPI_Reduce, MPI_Ireduce, s, d, count(buf), r.type, r.mpiOp, root, comm_);
+  const void* s = rank_ == root ? MPI_IN_PLACE : b.data;
+  void* d = rank_ == root ? b.data : nullptr;
+  ACCL_BOTH(MPI_Reduce, MPI_Ireduce, s, d, static_cast<int>(b.count), r.type, r.mpiOp, root, comm_);
 }
 
-void MpiEngine::broadcast(at::Tensor buf, int root) {
-  ACCL_BOTH(MPI_Bcast, MPI_Ibcast, ptr(buf), static_cast<int>(buf.nbytes()), MPI_BYTE, root, comm_);
+void MpiEngine::broadcast(const Seg& b, int root) {
+  ACCL_BOTH(MPI_Bcast, MPI_Ibcast, b.data, static_cast<int>(b.bytes()), MPI_BYTE, root, comm_);
 }
 
-void MpiEngine::blocks(const at::Tensor& rows, int bytes) {
-  const int64_t stride = rows.defined() ? rows.stride(0) * rows.element_size() : bytes;
+void MpiEngine::blocks(const Seg& rows, int bytes) {
+  const int64_t stride = rows.data ? rows.stride : bytes;
   if (stride * (size_ - 1) > INT_MAX) valueError("accl: a strided block lies beyond MPI's int displacements");
   counts_.assign(size_, bytes);
   displs_.resize(size_);
   for (int r = 0; r < size_; ++r) displs_[r] = static_cast<int>(r * stride);
 }
 
-void MpiEngine::allgather(at::Tensor send, at::Tensor rows) {
-  const int bytes = static_cast<int>(send.nbytes());
+void MpiEngine::allgather(const Seg& send, const Seg& rows) {
+  const int bytes = static_cast<int>(send.bytes());
   // the input already in place (all_gather_into_tensor of a shard of the output, as FSDP calls it)
-  const void* s = ptr(send) == ptr(rows[rank_]) ? MPI_IN_PLACE : ptr(send);
-  if (rows.is_contiguous()) {
-    ACCL_BOTH(MPI_Allgather, MPI_Iallgather, s, bytes, MPI_BYTE, ptr(rows), bytes, MPI_BYTE, comm_);
+  const void* s = send.data == rows.row(rank_) ? MPI_IN_PLACE : send.data;
+  if (rows.stride == bytes) {
+    ACCL_BOTH(MPI_Allgather, MPI_Iallgather, s, bytes, MPI_BYTE, rows.data, bytes, MPI_BYTE, comm_);
     return;
   }
-  blocks(rows, bytes);  // rank r's block at rows[r]
-  ACCL_BOTH(MPI_Allgatherv, MPI_Iallgatherv, s, bytes, MPI_BYTE, ptr(rows), counts_.data(), displs_.data(), MPI_BYTE,
+  blocks(rows, bytes);  // rank r's block at rows.row(r)
+  ACCL_BOTH(MPI_Allgatherv, MPI_Iallgatherv, s, bytes, MPI_BYTE, rows.data, counts_.data(), displs_.data(), MPI_BYTE,
             comm_);
 }
 
-void MpiEngine::gather(at::Tensor send, at::Tensor rows, int root) {
-  const int bytes = static_cast<int>(send.nbytes());
+void MpiEngine::gather(const Seg& send, const Seg& rows, int root) {
+  const int bytes = static_cast<int>(send.bytes());
   blocks(rows, bytes);
-  ACCL_BOTH(MPI_Gatherv, MPI_Igatherv, ptr(send), bytes, MPI_BYTE, ptr(rows), counts_.data(), displs_.data(),
+  ACCL_BOTH(MPI_Gatherv, MPI_Igatherv, send.data, bytes, MPI_BYTE, rows.data, counts_.data(), displs_.data(),
             MPI_BYTE, root, comm_);
 }
 
-void MpiEngine::scatter(at::Tensor rows, at::Tensor recv, int root) {
-  const int bytes = static_cast<int>(recv.nbytes());
+void MpiEngine::scatter(const Seg& rows, const Seg& recv, int root) {
+  const int bytes = static_cast<int>(recv.bytes());
   blocks(rows, bytes);
-  ACCL_BOTH(MPI_Scatterv, MPI_Iscatterv, ptr(rows), counts_.data(), displs_.data(), MPI_BYTE, ptr(recv), bytes,
+  ACCL_BOTH(MPI_Scatterv, MPI_Iscatterv, rows.data, counts_.data(), displs_.data(), MPI_BYTE, recv.data, bytes,
             MPI_BYTE, root, comm_);
 }
 
-void MpiEngine::reduceScatter(at::Tensor rows, at::Tensor recv, const Reduction& r) {
-  if (!rows.is_contiguous()) {  // a segment of every rank's block: its rows copied together, into a kept buffer
-    if (!scratch_.defined() || scratch_.nbytes() < rows.nbytes())
-      scratch_ = at::empty({static_cast<int64_t>(rows.nbytes())}, at::TensorOptions().dtype(at::kByte));
-    rows = scratch_.narrow(0, 0, static_cast<int64_t>(rows.nbytes())).view(rows.scalar_type()).view(rows.sizes())
-               .copy_(rows);
+void MpiEngine::reduceScatter(const Seg& rows, const Seg& recv, const Reduction& r) {
+  const int64_t bytes = recv.bytes();
+  char* src = rows.data;
+  if (rows.stride != bytes) {  // a segment of every rank's block: its rows copied together, into a kept buffer
+    if (!scratch_.defined() || static_cast<int64_t>(scratch_.nbytes()) < bytes * size_)
+      scratch_ = at::empty({bytes * size_}, at::TensorOptions().dtype(at::kByte));
+    src = ptr(scratch_);
+    for (int k = 0; k < size_; ++k) std::memcpy(src + k * bytes, rows.row(k), bytes);
   }
-  ACCL_BOTH(MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, ptr(rows), ptr(recv), count(recv), r.type, r.mpiOp,
-            comm_);
+  ACCL_BOTH(MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, src, recv.data, static_cast<int>(recv.count), r.type,
+            r.mpiOp, comm_);
 }
 
 void MpiEngine::alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd) {

@@ -40,27 +40,40 @@ class PyEngine : public accl::Engine {
     const std::optional<std::string> opName = op ? std::optional(accl::opName(*op)) : std::nullopt;
     PYBIND11_OVERRIDE_PURE(bool, Engine, supports, accl::kCollNames[static_cast<int>(coll)], dtype, opName);
   }
-  void allreduce(at::Tensor buf, const accl::Reduction& r) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, allreduce, buf, accl::opName(r.op));
+  void allreduce(const accl::Seg& b, const accl::Reduction& r) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, allreduce, tensorOf(b), accl::opName(r.op));
   }
-  void reduce(at::Tensor buf, const accl::Reduction& r, int root) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, reduce, buf, accl::opName(r.op), root);
+  void reduce(const accl::Seg& b, const accl::Reduction& r, int root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, reduce, tensorOf(b), accl::opName(r.op), root);
   }
-  void broadcast(at::Tensor buf, int root) override { PYBIND11_OVERRIDE_PURE(void, Engine, broadcast, buf, root); }
-  void allgather(at::Tensor send, at::Tensor rows) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, allgather, send, rows);
+  void broadcast(const accl::Seg& b, int root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, broadcast, tensorOf(b), root);
   }
-  void gather(at::Tensor send, at::Tensor rows, int root) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, gather, send, rows, root);
+  void allgather(const accl::Seg& send, const accl::Seg& rows) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, allgather, tensorOf(send), tensorOf(rows));
   }
-  void scatter(at::Tensor rows, at::Tensor recv, int root) override {
-    PYBIND11_OVERRIDE_PURE(void, Engine, scatter, rows, recv, root);
+  void gather(const accl::Seg& send, const accl::Seg& rows, int root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, gather, tensorOf(send), tensorOf(rows), root);
   }
-  void reduceScatter(at::Tensor rows, at::Tensor recv, const accl::Reduction& r) override {
-    PYBIND11_OVERRIDE_PURE_NAME(void, Engine, "reduce_scatter", reduceScatter, rows, recv, accl::opName(r.op));
+  void scatter(const accl::Seg& rows, const accl::Seg& recv, int root) override {
+    PYBIND11_OVERRIDE_PURE(void, Engine, scatter, tensorOf(rows), tensorOf(recv), root);
   }
-  void send(at::Tensor buf, int dst, int tag) override { PYBIND11_OVERRIDE(void, Engine, send, buf, dst, tag); }
-  void recv(at::Tensor buf, int src, int tag) override { PYBIND11_OVERRIDE(void, Engine, recv, buf, src, tag); }
+  void reduceScatter(const accl::Seg& rows, const accl::Seg& recv, const accl::Reduction& r) override {
+    PYBIND11_OVERRIDE_PURE_NAME(void, Engine, "reduce_scatter", reduceScatter, tensorOf(rows), tensorOf(recv),
+                                accl::opName(r.op));
+  }
+  void send(const accl::Seg& b, int dst, int tag) override { PYBIND11_OVERRIDE_PURE(void, Engine, send, tensorOf(b), dst, tag); }
+  void recv(const accl::Seg& b, int src, int tag) override { PYBIND11_OVERRIDE_PURE(void, Engine, recv, tensorOf(b), src, tag); }
+
+ private:
+  // a segment as a tensor over the same memory (rows: p x count, strided); None where this rank has no buffer
+  static at::Tensor tensorOf(const accl::Seg& s) {
+    if (!s.data) return at::Tensor();
+    const auto options = at::TensorOptions().dtype(s.dtype);
+    if (s.rows == 1) return at::from_blob(s.data, {s.count}, options);
+    return at::from_blob(s.data, {s.rows, s.count}, {s.stride / static_cast<int64_t>(c10::elementSize(s.dtype)), 1},
+                         options);
+  }
 };
 
 c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, int64_t maxSegmentBytes, bool check,

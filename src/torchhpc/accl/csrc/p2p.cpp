@@ -71,10 +71,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
              op.tag, p2pHead_, &op.reqs.back());
     if (small) return;
     forSegments(env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
-      at::Tensor part = op.host.narrow(0, off, cnt);
+      const Seg part = seg(op.host, off, cnt);
       if (!onMpi(op.eng)) return op.eng->send(part, op.peer, op.tag);  // the engine's calls block: made in order
       op.reqs.push_back(MPI_REQUEST_NULL);
-      ACCL_MPI(MPI_Isend, ptr(part), static_cast<int>(part.nbytes()), MPI_BYTE, op.peer, op.tag, p2pData_,
+      ACCL_MPI(MPI_Isend, part.data, static_cast<int>(part.bytes()), MPI_BYTE, op.peer, op.tag, p2pData_,
                &op.reqs.back());
     });
   });
@@ -227,7 +227,7 @@ void ProcessGroupACCL::recvOnEngine(P2P& op, const wire::Envelope& env, const st
   const auto sent = op.tensor.options().device(at::kCPU).dtype(wire::scalarTypeOf(env.dtype));
   at::Tensor buf = bad.empty() ? (op.host = host(op.tensor, false)) : at::empty({env.numel}, sent);
   forSegments(env.numel, unitOf(env),
-              [&](int64_t off, int64_t cnt) { op.eng->recv(buf.narrow(0, off, cnt), op.source, op.tag); });
+              [&](int64_t off, int64_t cnt) { op.eng->recv(seg(buf, off, cnt), op.source, op.tag); });
   if (bad.empty()) deliver(op.host, op.tensor);
 }
 
