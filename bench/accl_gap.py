@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if "torchhpc" not in sys.modules:
@@ -42,6 +40,7 @@ def main(argv: list[str]) -> int:
 
     import torchhpc.accl  # noqa: F401  (registers "accl")
     from torchhpc.accl import core
+    from torchhpc.bench.timing import interleaved, per_call_s, slowest, summary
 
     wire = core.load_backend().wire  # the wire protocol as the backend defines it
 
@@ -83,28 +82,21 @@ def main(argv: list[str]) -> int:
                   "all_reduce": lambda: dist.all_reduce(ti)}[coll]
 
     def timed(fn) -> float:  # noqa: ANN001
-        for _ in range(20):
-            fn()
+        per_call_s(fn, 20)
         comm.Barrier()
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            fn()
-        return comm.allreduce((time.perf_counter() - t0) / args.iters * 1e6, op=MPI.MAX)
+        return slowest(comm, per_call_s(fn, args.iters)) * 1e6
 
     steps = {"raw": raw_call, "raw+header": with_header, "backend": backend_call, "group": group_call,
              "torch": torch_call}
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.repeats):
-        for name, fn in steps.items():
-            times[name].append(timed(fn))
+    times = interleaved(steps, args.repeats, timed)
     if comm.Get_rank() == 0:
         print(f"# {coll}, {n * 4} bytes, {p} ranks: us per call, median [min-max] of {args.repeats} "
               f"interleaved rounds of {args.iters} calls")
         prev = None
         for name, ts in times.items():
-            med = statistics.median(ts)
+            med, lo, hi = summary(ts)
             step = "" if prev is None else f"  (+{med - prev:.1f})"
-            print(f"{name:>12} {med:8.1f} [{min(ts):.1f}-{max(ts):.1f}]{step}")
+            print(f"{name:>12} {med:8.1f} [{lo:.1f}-{hi:.1f}]{step}")
             prev = med
     header.Free()
     dist.destroy_process_group()

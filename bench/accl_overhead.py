@@ -22,9 +22,7 @@ import argparse
 import cProfile
 import os
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if "torchhpc" not in sys.modules:
@@ -113,13 +111,6 @@ def _evictor():
     return lambda: dst.copy_(src)
 
 
-def _time(fn, iters: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
@@ -133,6 +124,7 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
 
     import torchhpc.accl  # noqa: F401  (registers "accl")
+    from torchhpc.bench.timing import interleaved, per_call_s, summary
 
     dist.init_process_group("accl", rank=0, world_size=1)
     cases = _cases()
@@ -140,10 +132,10 @@ def main(argv: list[str]) -> int:
         cases = {k: v for k, v in cases.items() if k in args.cases.split(",")}
     if args.profile:
         fn = cases[args.profile][0]
-        _time(fn, 1000)
+        per_call_s(fn, 1000)
         prof = cProfile.Profile()
         prof.enable()
-        _time(fn, args.iters)
+        per_call_s(fn, args.iters)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         return 0
@@ -159,20 +151,17 @@ def main(argv: list[str]) -> int:
             if "1MiB" in name:
                 continue  # a 1 MiB call evicts the caches itself
             iters = max(500, iters // 4)
-        fns = [accl, raw, floor or empty, gloo, evict]
+        fns = {"accl": accl, "raw": raw, "floor": floor or empty, "gloo": gloo, "evict": evict}
         if args.cold:  # each call after the eviction; the eviction's own time is taken off below
-            fns[:4] = [lambda f=f: (evict(), f()) for f in fns[:4]]
-        for fn in fns:
-            _time(fn, max(10, iters // 20))
-        times: list[list[float]] = [[], [], [], [], []]
-        for _ in range(args.repeats):
-            for ts, fn in zip(times, fns, strict=True):
-                ts.append(_time(fn, iters))
+            fns.update({k: lambda f=f: (evict(), f()) for k, f in fns.items() if k != "evict"})
+        for fn in fns.values():
+            per_call_s(fn, max(10, iters // 20))
+        times = interleaved(fns, args.repeats, lambda fn, n=iters: per_call_s(fn, n) * 1e6)
+        evicted = times.pop("evict")
         if args.cold:  # paired by round
-            times = [[t - e for t, e in zip(ts, times[4], strict=True)] for ts in times[:4]]
-        times = times[:4]
-        ma, mr, mf, _ = (statistics.median(ts) for ts in times)
-        cells = [f"{statistics.median(ts):8.2f} [{min(ts):5.2f}-{max(ts):5.2f}]" for ts in times]
+            times = {k: [t - e for t, e in zip(ts, evicted, strict=True)] for k, ts in times.items()}
+        (ma, *_), (mr, *_), (mf, *_) = (summary(times[k]) for k in ("accl", "raw", "floor"))
+        cells = [f"{m:8.2f} [{lo:5.2f}-{hi:5.2f}]" for m, lo, hi in map(summary, times.values())]
         if floor is None:
             cells[2], gap = f"{'-':>20}", f"{'-':>12}"
         else:

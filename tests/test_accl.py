@@ -1,9 +1,8 @@
 """Single-process tests of torchhpc.accl: options, dtype/op rules, the MPI user ops for float16 and
-bfloat16, rendezvous fall-back, a one-rank group, engine errors, and the benchmark CLI."""
+bfloat16, rendezvous fall-back, a one-rank group and engine errors (the benchmark: tests/test_accl_bench.py)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torchhpc.accl as accl
-from torchhpc.accl import bench, rendezvous
+from torchhpc.accl import rendezvous
 from torchhpc.launcher import MPI_LAUNCHER_VARS
 
 R = dist.ReduceOp
@@ -174,26 +173,3 @@ def test_environment_report_for_doctor() -> None:
     assert "pyaccl" in items["accl ACCL engine"]
 
 
-def test_bus_factors() -> None:
-    assert bench.bus_factor("allreduce", 2) == 1.0
-    assert bench.bus_factor("allreduce", 4) == 1.5
-    assert bench.bus_factor("allgather", 4) == 0.75
-    assert bench.bus_factor("broadcast", 8) == 1.0
-
-
-def test_bench_rejects_bad_np() -> None:
-    assert bench.main(["allreduce", "--np", "0"]) == 2
-    assert bench.main(["allreduce", "--repeats", "0"]) == 2
-
-
-def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
-    """Open MPI's yield-when-idle slows large blocking calls; the benchmark sets it only for more ranks than cores."""
-    seen: list[dict] = []
-    monkeypatch.setattr(subprocess, "call", lambda cmd, env: seen.append(env) or 0)
-    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
-    from torchhpc.mpirun import available_cores
-
-    bench._relaunch(["allreduce"], 1)
-    bench._relaunch(["allreduce"], available_cores() + 1)
-    assert "OMPI_MCA_mpi_yield_when_idle" not in seen[0]
-    assert seen[1]["OMPI_MCA_mpi_yield_when_idle"] == "1"

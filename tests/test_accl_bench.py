@@ -1,6 +1,6 @@
-"""``torchhpc bench`` (torchhpc.accl.bench): a quick two-rank run of every default implementation and collective
-with its JSON and SVG, the tables printed again from the JSON, and the ratio and target columns on made-up
-times.  (tests/test_accl.py has the bus factors and the launch environment.)"""
+"""``torchhpc bench`` (torchhpc.bench): a quick two-rank run of every default implementation and collective with
+its JSON and plot, the tables printed and drawn again from the JSON, the ratio and target columns on made-up
+times, the plot's panels, the timing rounds, the launch environment and argument checks."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 from xml.etree import ElementTree
 
-from torchhpc.accl import bench
+import pytest
+
+from torchhpc.bench import cli, plot, report, results, runners, timing
 from torchhpc.launcher import MPI_LAUNCHER_VARS
 
 ROOT = Path(__file__).resolve().parents[1]
-SVG = "{http://www.w3.org/2000/svg}"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _env() -> dict[str, str]:
@@ -26,75 +28,119 @@ def _env() -> dict[str, str]:
 
 
 def test_quick_run_measures_every_impl_and_collective(tmp_path: Path) -> None:
-    """``torchhpc bench all --np 2 --quick --json --plot``: every default implementation (mpi-upstream where
+    """``torchhpc bench all --np 2 --quick --json --plot x.png``: every default implementation (mpi-upstream where
     `make mpi-backend` built it, else skipped with its reason) on every collective and size, positive times,
-    a table per collective, one SVG line per collective and implementation; ``--from-json`` prints the same
-    rows again without MPI."""
-    out, svg = tmp_path / "bench.json", tmp_path / "busbw.svg"
+    a table per collective, a PNG; ``--from-json`` prints the same rows again without MPI and draws an SVG."""
+    out, png, svg = tmp_path / "bench.json", tmp_path / "busbw.png", tmp_path / "busbw.svg"
     res = subprocess.run(
         [sys.executable, "-m", "torchhpc", "bench", "all", "--np", "2", "--quick", "--time-per-point", "0.02",
-         "--json", str(out), "--plot", str(svg)],
+         "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=150, env=_env(), check=False)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(out.read_text())
     meta, points = data["meta"], data["points"]
-    assert meta["ranks"] == 2 and set(meta["impls"]) | set(meta["skipped"]) == set(bench.DEFAULT_IMPLS)
+    assert meta["ranks"] == 2 and set(meta["impls"]) | set(meta["skipped"]) == set(results.DEFAULT_IMPLS)
     if any((ROOT / "src" / "torchhpc" / "mpi_upstream").glob("_pg_mpi_openmpi*.so")):
         assert "mpi-upstream" in meta["impls"], meta["skipped"]
     else:
         assert "skipping mpi-upstream" in res.stdout
     got = sorted((p["collective"], p["size"], p["impl"]) for p in points)
-    assert got == sorted((c, s, i) for c in bench.COLLECTIVES for s in bench.QUICK_SIZES for i in meta["impls"])
+    assert got == sorted((c, s, i) for c in results.COLLECTIVES for s in cli.QUICK_SIZES for i in meta["impls"])
     assert all(p["ranks"] == 2 and len(p["rounds_s"]) == 1 and p["median_s"] > 0 and p["busbw_GBps"] > 0
                for p in points)
     assert {p["label"] for p in points if p["impl"] == "mpi4py"} == {"mpi(torch mem)"}
-    for coll in bench.COLLECTIVES:
+    for coll in results.COLLECTIVES:
         assert f"# {coll}, float32, 2 ranks" in res.stdout
     rows = [ln for ln in res.stdout.splitlines() if ln.strip().startswith(("8 B", "4 KiB", "1 MiB"))]
     assert len(rows) == 15 and all(ln.count("|") == len(meta["impls"]) + 1 for ln in rows), res.stdout
-    assert len(ElementTree.fromstring(svg.read_text()).findall(f"{SVG}polyline")) == 5 * len(meta["impls"])
-    again = subprocess.run([sys.executable, "-m", "torchhpc", "bench", "--from-json", str(out)],
+    assert png.read_bytes().startswith(PNG_MAGIC)
+    again = subprocess.run([sys.executable, "-m", "torchhpc", "bench", "--from-json", str(out), "--plot", str(svg)],
                            capture_output=True, text=True, timeout=60, env=_env(), check=False)
     assert again.returncode == 0, again.stderr[-3000:]
     assert [ln for ln in again.stdout.splitlines() if ln in rows] == rows
+    ElementTree.fromstring(svg.read_text())  # a well-formed SVG
 
 
 def test_table_ratios_and_targets(capsys) -> None:
     """The ratio columns (accl - raw, bw x with its rounds, upstream/accl, gloo/accl) and the targets."""
     us = 1e-6
     times = {"accl": (3.0, 1000.0), "mpi-upstream": (9.0, 900.0), "gloo": (60.0, 5000.0), "mpi4py": (2.0, 1000.0)}
-    rows = [bench.Point("allreduce", 2, size, impl, [t[k] * us] * 3)
+    rows = [results.Point("allreduce", 2, size, impl, [t[k] * us] * 3)
             for k, size in enumerate((8, 1 << 20)) for impl, t in times.items()]
-    bench.print_table(rows, list(times), 3)
+    report.print_table(rows, list(times), 3)
     out = capsys.readouterr().out
     small = next(ln for ln in out.splitlines() if ln.strip().startswith("8 B"))
     big = next(ln for ln in out.splitlines() if ln.strip().startswith("1 MiB"))
     assert small.split("|")[-1].split() == ["1.0", "0.67", "0.67-0.67", "3.00x", "20.00x", "ok"]
     assert big.split("|")[-1].split() == ["0.0", "1.00", "1.00-1.00", "0.90x", "5.00x", "up"]
     assert "# targets met at 1 of 2 sizes; missed: 1 MiB (up)" in out
-    assert bench._targets(8, {"accl": 5 * us, "mpi4py": 2 * us}) == "+us"
-    assert bench._targets(1 << 20, {"accl": 1.1, "mpi4py": 1.0}) == "bw"
+    assert report.targets(8, {"accl": 5 * us, "mpi4py": 2 * us}) == "+us"
+    assert report.targets(1 << 20, {"accl": 1.1, "mpi4py": 1.0}) == "bw"
 
 
-def test_svg_has_a_panel_per_collective_and_rank_count(tmp_path: Path) -> None:
-    points = [bench.Point(c, n, s, i, [1e-6 + s / 1e9 * (2 if i == "gloo" else 1)])
+def test_plot_has_a_panel_per_collective_and_rank_count(tmp_path: Path) -> None:
+    points = [results.Point(c, n, s, i, [1e-6 + s / 1e9 * (2 if i == "gloo" else 1)])
               for n in (2, 4) for c in ("allreduce", "alltoall") for s in (8, 4096, 1 << 20) for i in ("accl", "gloo")]
-    path = tmp_path / "p.svg"
-    bench.write_svg(str(path), points, ["accl", "gloo", "mpi4py"])
-    root = ElementTree.fromstring(path.read_text())
-    titles = [t.text for t in root.iter(f"{SVG}text") if t.text and "ranks" in t.text]
-    assert titles == ["allreduce, 2 ranks", "alltoall, 2 ranks", "allreduce, 4 ranks", "alltoall, 4 ranks"]
-    assert len(root.findall(f"{SVG}polyline")) == 8  # mpi4py has no points: no line, no legend entry
-    assert "mpi(torch mem)" not in path.read_text()
+    fig = plot.figure(points, ["accl", "gloo", "mpi4py"])
+    assert [ax.get_title() for ax in fig.axes] == ["allreduce, 2 ranks", "alltoall, 2 ranks", "allreduce, 4 ranks",
+                                                  "alltoall, 4 ranks"]
+    assert all(len(ax.get_lines()) == 2 for ax in fig.axes)  # mpi4py has no points: no line, no legend entry
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["accl", "gloo"]
+    line = fig.axes[0].get_lines()[0]
+    assert list(line.get_xdata()) == [8, 4096, 1 << 20] and line.get_ydata()[0] == pytest.approx(
+        points[0].busbw())
+    for name in ("p.png", "p.svg"):
+        plot.write_plot(str(tmp_path / name), points, ["accl", "gloo"])
+    assert (tmp_path / "p.png").read_bytes().startswith(PNG_MAGIC)
+    assert "allreduce, 4 ranks" in (tmp_path / "p.svg").read_text()
 
 
-def test_bad_arguments_are_refused() -> None:
-    assert bench.main(["--plot", "busbw.png"]) == 2
-    assert bench.main(["--impls", "accl,nccl"]) == 2
+def test_plot_without_matplotlib_says_what_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(plot.PlotUnavailableError, match=r"pip install 'torchhpc\[plot\]'"):
+        plot.figure([results.Point("allreduce", 2, 8, "accl", [1e-6])], ["accl"])
+
+
+def test_bad_arguments_are_refused(capsys) -> None:
+    assert cli.main(["--plot", "busbw.jpg"]) == 2
+    assert cli.main(["--impls", "accl,nccl"]) == 2
+    assert cli.main(["allreduce", "--np", "0"]) == 2
+    assert cli.main(["allreduce", "--repeats", "0"]) == 2
+    assert "--plot writes .png, .svg, .pdf" in capsys.readouterr().err
 
 
 def test_sizes_are_the_bytes_really_moved() -> None:
-    assert bench.measured_bytes("allreduce", 8, 4) == 8
-    assert bench.measured_bytes("allgather", 8, 4) == 16  # one float32 per rank at least
-    assert bench.measured_bytes("alltoall", 1 << 20, 3) == (1 << 20) // 12 * 12
-    assert all(bench.measured_bytes(c, s, 2) == s for c in bench.COLLECTIVES for s in bench.FULL_SIZES)
+    assert runners.measured_bytes("allreduce", 8, 4) == 8
+    assert runners.measured_bytes("allgather", 8, 4) == 16  # one float32 per rank at least
+    assert runners.measured_bytes("alltoall", 1 << 20, 3) == (1 << 20) // 12 * 12
+    assert all(runners.measured_bytes(c, s, 2) == s for c in results.COLLECTIVES for s in cli.FULL_SIZES)
+
+
+def test_bus_factors() -> None:
+    assert results.bus_factor("allreduce", 2) == 1.0
+    assert results.bus_factor("allreduce", 4) == 1.5
+    assert results.bus_factor("allgather", 4) == 0.75
+    assert results.bus_factor("broadcast", 8) == 1.0
+
+
+def test_rounds_rotate_so_that_no_entry_is_always_first() -> None:
+    order: list[str] = []
+    fns = {k: (lambda k=k: order.append(k)) for k in "abc"}
+    got = timing.interleaved(fns, 4, lambda fn: (fn(), float(len(order)))[1])
+    assert order == list("abc" "bca" "cab" "abc")
+    assert got == {"a": [1.0, 6.0, 8.0, 10.0], "b": [2.0, 4.0, 9.0, 11.0], "c": [3.0, 5.0, 7.0, 12.0]}
+    assert timing.summary([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+
+
+def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
+    """Open MPI's yield-when-idle slows large blocking calls; the benchmark sets it only for more ranks than cores."""
+    seen: list[dict] = []
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: seen.append((cmd, env)) or 0)
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
+    from torchhpc.mpirun import available_cores
+
+    cli._relaunch(["allreduce"], 1)
+    cli._relaunch(["allreduce"], available_cores() + 1)
+    assert "OMPI_MCA_mpi_yield_when_idle" not in seen[0][1]
+    assert seen[1][1]["OMPI_MCA_mpi_yield_when_idle"] == "1"
+    assert seen[0][0][-3:] == ["-m", "torchhpc.bench", "allreduce"]

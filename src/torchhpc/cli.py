@@ -9,7 +9,7 @@ from collections.abc import Sequence
 # subcommand -> (module with a ``main(argv) -> int``, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("torchhpc.doctor", "check this environment for distributed training"),
-    "bench": ("torchhpc.accl.bench", "collective benchmarks: accl vs upstream MPI backend vs gloo vs raw MPI"),
+    "bench": ("torchhpc.bench", "collective benchmarks: accl vs upstream MPI backend vs gloo vs raw MPI"),
 }
 
 

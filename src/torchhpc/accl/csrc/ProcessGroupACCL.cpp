@@ -313,16 +313,28 @@ void ProcessGroupACCL::checkList(const std::vector<at::Tensor>& list, const at::
   }
 }
 
+void ProcessGroupACCL::checkWhole(const at::Tensor& whole, const at::Tensor& part, const char* what,
+                                  const char* wholeName, const char* partName) const {
+  const int64_t p = size_, n = part.numel();
+  if (whole.numel() != p * n)
+    valueError(std::string("accl: ") + what + " " + wholeName + " has " + std::to_string(whole.numel()) +
+               " elements, needs world_size * " + partName + " = " + std::to_string(p) + " * " + std::to_string(n) +
+               " = " + std::to_string(p * n));
+}
+
 void ProcessGroupACCL::checkPairs(size_t outputs, size_t inputs, const char* what) const {
   if (outputs != inputs || inputs == 0)
     valueError(std::string("accl: ") + what + "_coalesced needs matching, non-empty lists");
 }
 
 void ProcessGroupACCL::checkOpen() const {
-  std::lock_guard<std::mutex> lock(const_cast<std::mutex&>(mu_));
-  if (!aborted_.empty())
-    throw AbortedError("accl: process group is aborted (" + aborted_ +
-                       "); create a new one (or restart) to communicate again");
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!aborted_.empty()) throwAborted();
+}
+
+void ProcessGroupACCL::throwAborted() const {
+  throw AbortedError("accl: process group is aborted (" + aborted_ +
+                     "); create a new one (or restart) to communicate again");
 }
 
 std::vector<at::Tensor> ProcessGroupACCL::rootList(const std::vector<std::vector<at::Tensor>>& lists,
@@ -376,19 +388,11 @@ std::unique_ptr<Call> ProcessGroupACCL::newCall(wire::Kind kind, at::ScalarType 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::enqueue(std::unique_ptr<Call> call, bool asyncOp) {
   auto work = call->work;
   std::unique_lock<std::mutex> lock(mu_);
-  if (!aborted_.empty())
-    throw AbortedError("accl: process group is aborted (" + aborted_ +
-                       "); create a new one (or restart) to communicate again");
+  if (!aborted_.empty()) throwAborted();
   call->head.seq = seq_++;
   work->name(call->head, groupNameShared());
   if (!asyncOp && queue_.empty() && !running_) {  // idle group, synchronous call: the caller's thread runs it
-    running_ = true;
-    lock.unlock();
-    execute(std::move(call));
-    lock.lock();
-    running_ = false;
-    lock.unlock();
-    cv_.notify_all();
+    runNow(lock, std::move(call));
     return work;
   }
   queue_.push_back(std::move(call));
@@ -410,12 +414,7 @@ void ProcessGroupACCL::workerLoop() {
     if (!queue_.empty() && !running_) {
       auto call = std::move(queue_.front());
       queue_.pop_front();
-      running_ = true;
-      lock.unlock();
-      execute(std::move(call));
-      lock.lock();
-      running_ = false;
-      cv_.notify_all();
+      runNow(lock, std::move(call));
     }
     if (p2pPending_.load() > 0) {
       lock.unlock();
@@ -423,6 +422,15 @@ void ProcessGroupACCL::workerLoop() {
       lock.lock();
     }
   }
+}
+
+void ProcessGroupACCL::runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call) {
+  running_ = true;
+  lock.unlock();
+  execute(std::move(call));
+  lock.lock();
+  running_ = false;
+  cv_.notify_all();
 }
 
 void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {

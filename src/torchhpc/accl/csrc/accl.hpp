@@ -386,8 +386,12 @@ class ProcessGroupACCL : public c10d::Backend {
   void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* what) const;
   void checkList(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* what,
                  const char* name) const;
+  // `whole` has world_size times `part`'s elements (all_gather_into_tensor's output, reduce_scatter_tensor's input)
+  void checkWhole(const at::Tensor& whole, const at::Tensor& part, const char* what, const char* wholeName,
+                  const char* partName) const;
   void checkPairs(size_t outputs, size_t inputs, const char* what) const;
   void checkOpen() const;
+  [[noreturn]] void throwAborted() const;  // (caller holds mu_)
   // gather/scatter's list: the root's one list, checked against `ref`; {} on the others, which must pass none
   std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
                                    int64_t root, const char* what, const char* name) const;
@@ -415,6 +419,7 @@ class ProcessGroupACCL : public c10d::Backend {
                                 int64_t nbytes, int64_t numel, std::vector<at::Tensor> outputs, c10d::OpType type);
   c10::intrusive_ptr<c10d::Work> enqueue(std::unique_ptr<Call> call, bool asyncOp);
   void workerLoop();
+  void runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);  // marks the group busy meanwhile
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
   void run(Call& call);                      // stage, header, data, finish; throws
   bool exchangeHeader(Call& call);           // true when the data rode in the slots (the call is done)
@@ -437,8 +442,10 @@ class ProcessGroupACCL : public c10d::Backend {
                                       c10d::OpType type);
   std::unique_ptr<Call> reduceScatterCall(std::vector<at::Tensor> inputs, const at::Tensor& output,
                                           const Reduction& red, c10d::OpType type);
-  // gather (rows to the root) and scatter (rows from the root): `mine` everywhere, `rows` on the root
-  std::unique_ptr<Call> rootedCall(wire::Kind kind, const at::Tensor& mine, std::vector<at::Tensor> rows, int root);
+  // gather (rows to the root) and scatter (rows from the root): checks, then the call; `mineList` is every rank's
+  // one tensor, `lists` the root's list of rows (none elsewhere)
+  std::unique_ptr<Call> rootedCall(wire::Kind kind, const std::vector<at::Tensor>& mineList,
+                                   const std::vector<std::vector<at::Tensor>>& lists, int64_t rootRank);
   std::unique_ptr<Call> alltoallCall(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                                      std::vector<int64_t> sb, std::vector<int64_t> rb, c10d::OpType type);
   std::unique_ptr<Call> sparseCall(const at::Tensor& t, const c10d::ReduceOp& op);
@@ -447,6 +454,7 @@ class ProcessGroupACCL : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> inOrder(size_t n, F one);
 
   // ---- point-to-point
+  std::unique_ptr<P2P> newP2P(const at::Tensor& t, int peer, int tag, c10d::OpType type, std::string what);
   // posts the op's first requests (`post`), then hands it to progress
   c10::intrusive_ptr<c10d::Work> startP2P(std::unique_ptr<P2P> op, const std::function<void(P2P&)>& post);
   c10::intrusive_ptr<c10d::Work> recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
@@ -470,7 +478,7 @@ class ProcessGroupACCL : public c10d::Backend {
   bool persistent_ = false;
   int tagUb_ = 32767;
 
-  std::mutex mu_;                          // queue_, running_, aborted_, seq_
+  mutable std::mutex mu_;                  // queue_, running_, aborted_, seq_
   std::condition_variable cv_;
   std::deque<std::unique_ptr<Call>> queue_;
   bool running_ = false;                   // a collective is running (inline or on the worker)

@@ -239,11 +239,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, a
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::AllgatherOptions& opts) {
   checkSameDtype(output, input, "all_gather_into_tensor");
-  const int64_t p = size_, n = input.numel();
-  if (output.numel() != p * n)
-    valueError("accl: all_gather_into_tensor output has " + std::to_string(output.numel()) +
-               " elements, needs world_size * input = " + std::to_string(p) + " * " + std::to_string(n) + " = " +
-               std::to_string(p * n));
+  checkWhole(output, input, "all_gather_into_tensor", "output", "input");
   checkOpen();
   return enqueue(allgatherCall(input, output, {output}, c10d::OpType::_ALLGATHER_BASE), opts.asyncOp);
 }
@@ -316,11 +312,7 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                       const c10d::ReduceScatterOptions& opts) {
   checkSameDtype(output, input, "reduce_scatter_tensor");
-  const int64_t p = size_, n = output.numel();
-  if (input.numel() != p * n)
-    valueError("accl: reduce_scatter_tensor input has " + std::to_string(input.numel()) +
-               " elements, needs world_size * output = " + std::to_string(p) + " * " + std::to_string(n) + " = " +
-               std::to_string(p * n));
+  checkWhole(input, output, "reduce_scatter_tensor", "input", "output");
   const Reduction& red = reductionFor(output.scalar_type(), opts.reduceOp.op_, "reduce_scatter");
   checkOpen();
   return enqueue(reduceScatterCall({input}, output, red, c10d::OpType::_REDUCE_SCATTER_BASE), opts.asyncOp);
@@ -345,9 +337,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter_tensor_coalesced
 
 // ============================================================================================== gather, scatter
 
-std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const at::Tensor& mine,
-                                                   std::vector<at::Tensor> rows, int root) {
-  const bool toRoot = kind == wire::kGather, isRoot = rank_ == root;
+std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const std::vector<at::Tensor>& mineList,
+                                                   const std::vector<std::vector<at::Tensor>>& lists, int64_t rootRank) {
+  const bool toRoot = kind == wire::kGather;
+  const char* what = toRoot ? "gather" : "scatter";
+  const at::Tensor& mine = one(mineList, what);
+  checkRoot(rootRank, what);
+  std::vector<at::Tensor> rows = rootList(lists, mine, rootRank, what, toRoot ? "gather_list" : "scatter_list");
+  checkOpen();
+  const int root = static_cast<int>(rootRank);
+  const bool isRoot = rank_ == root;
   const int p = size_;
   const int64_t n = mine.numel(), esz = mine.element_size();
   auto c = newCall(kind, mine.scalar_type(), nullptr, root, n * esz, n, toRoot ? rows : std::vector{mine},
@@ -377,21 +376,13 @@ std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const at::Te
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                         std::vector<at::Tensor>& inputs,
                                                         const c10d::GatherOptions& opts) {
-  const at::Tensor& input = one(inputs, "gather");
-  checkRoot(opts.rootRank, "gather");
-  std::vector<at::Tensor> outs = rootList(outputs, input, opts.rootRank, "gather", "gather_list");
-  checkOpen();
-  return enqueue(rootedCall(wire::kGather, input, outs, static_cast<int>(opts.rootRank)), opts.asyncOp);
+  return enqueue(rootedCall(wire::kGather, inputs, outputs, opts.rootRank), opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>& outputs,
                                                          std::vector<std::vector<at::Tensor>>& inputs,
                                                          const c10d::ScatterOptions& opts) {
-  const at::Tensor& output = one(outputs, "scatter");
-  checkRoot(opts.rootRank, "scatter");
-  std::vector<at::Tensor> ins = rootList(inputs, output, opts.rootRank, "scatter", "scatter_list");
-  checkOpen();
-  return enqueue(rootedCall(wire::kScatter, output, ins, static_cast<int>(opts.rootRank)), opts.asyncOp);
+  return enqueue(rootedCall(wire::kScatter, outputs, inputs, opts.rootRank), opts.asyncOp);
 }
 
 // ============================================================================================== all_to_all

@@ -100,6 +100,12 @@ std::atomic<int64_t>& counter(accl::Stats& s, const std::string& name) {
   throw py::key_error(name);
 }
 
+py::list counterNames() {
+  py::list keys;
+  for (const auto& c : kCounters) keys.append(c.first);
+  return keys;
+}
+
 template <size_t N>
 py::tuple names(const char* const (&table)[N]) {
   py::tuple out(N);
@@ -184,17 +190,9 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   py::class_<accl::Stats>(m, "Stats", "the group's counters, as a mapping of name to count (settable)")
       .def("__getitem__", [](accl::Stats& s, const std::string& k) { return counter(s, k).load(); })
       .def("__setitem__", [](accl::Stats& s, const std::string& k, int64_t v) { counter(s, k).store(v); })
-      .def("__iter__", [](accl::Stats&) {
-        py::list keys;
-        for (const auto& c : kCounters) keys.append(c.first);
-        return py::iter(keys);
-      })
+      .def("__iter__", [](accl::Stats&) { return py::iter(counterNames()); })
       .def("__len__", [](accl::Stats&) { return kCounters.size(); })
-      .def("keys", [](accl::Stats&) {
-        py::list keys;
-        for (const auto& c : kCounters) keys.append(c.first);
-        return keys;
-      });
+      .def("keys", [](accl::Stats&) { return counterNames(); });
   py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
       .def(py::init(&create), py::arg("comm"), py::arg("max_segment_bytes"), py::arg("check"),
            py::arg("blocking_min_bytes"), py::arg("timeout_s"), py::arg("group_name"), py::arg("engine") = nullptr,

@@ -50,15 +50,10 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
   checkPeer(dst, "send", "dst");
   checkTag(tag);
   checkOpen();
-  auto op = std::make_unique<P2P>();
+  auto op = newP2P(t, dst, tag, c10d::OpType::SEND, "send(to rank " + std::to_string(dst) + ", tag " +
+                   std::to_string(tag) + ")");
   op->send = true;
-  op->peer = dst;
-  op->tag = tag;
-  op->tensor = t;
   op->host = host(t, true);
-  op->eng = engineFor(Coll::kSend, t.scalar_type());
-  op->work = c10::make_intrusive<WorkACCL>(rank_, c10d::OpType::SEND, "send(to rank " + std::to_string(dst) +
-                                           ", tag " + std::to_string(tag) + ")", std::vector<at::Tensor>{t}, this);
   return startP2P(std::move(op), [this](P2P& op) {
     const wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
                              static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
@@ -93,21 +88,26 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvAnysource(std::vector<at::T
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvFrom(const at::Tensor& t, int src, int tag) {
   checkTag(tag);
   checkOpen();
-  auto op = std::make_unique<P2P>();
-  op->peer = src;
-  op->tag = tag;
-  op->tensor = t;
+  auto op = newP2P(t, src, tag, src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+                   "recv(" + fromText(src) + ", tag " + std::to_string(tag) + ")");
   op->stream = callerStream({t});
-  op->eng = engineFor(Coll::kRecv, t.scalar_type());
-  op->work = c10::make_intrusive<WorkACCL>(rank_, src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
-                                           "recv(" + fromText(src) + ", tag " + std::to_string(tag) + ")",
-                                           std::vector<at::Tensor>{t}, this);
   return startP2P(std::move(op), [this](P2P& op) {
     op.envelope.assign(wire::kSlotBytes, 0);
     op.reqs.push_back(MPI_REQUEST_NULL);
     ACCL_MPI(MPI_Irecv, op.envelope.data(), static_cast<int>(wire::kSlotBytes), MPI_BYTE,
              op.peer < 0 ? MPI_ANY_SOURCE : op.peer, op.tag, p2pHead_, &op.reqs.back());
   });
+}
+
+std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int tag, c10d::OpType type,
+                                              std::string what) {
+  auto op = std::make_unique<P2P>();
+  op->peer = peer;
+  op->tag = tag;
+  op->tensor = t;
+  op->eng = engineFor(type == c10d::OpType::SEND ? Coll::kSend : Coll::kRecv, t.scalar_type());
+  op->work = c10::make_intrusive<WorkACCL>(rank_, type, std::move(what), std::vector<at::Tensor>{t}, this);
+  return op;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op,

@@ -63,6 +63,27 @@ std::string ranksText(const std::vector<int>& rs) {
   return out;
 }
 
+// each distinct value of `of(header)` with the ranks that have it, in order of first appearance
+using Ranked = std::vector<std::pair<std::string, std::vector<int>>>;
+template <typename F>
+Ranked byValue(const std::vector<Header>& heads, F of) {
+  Ranked out;
+  for (size_t r = 0; r < heads.size(); ++r) {
+    std::string v = of(heads[r]);
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& e) { return e.first == v; });
+    if (it == out.end()) out.push_back({v, {static_cast<int>(r)}});
+    else it->second.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
+// "ranks 0,1 <value><sep>rank 2 <value>" (`mid` between the ranks and their value)
+std::string joined(const Ranked& values, const char* mid, const char* sep) {
+  std::string out;
+  for (size_t k = 0; k < values.size(); ++k) out += (k ? sep : "") + ranksText(values[k].second) + mid + values[k].first;
+  return out;
+}
+
 int64_t fieldOf(const Header& h, int i) {
   const int64_t* f = &h.magic;
   return f[i];
@@ -105,35 +126,13 @@ std::string describe(const Header& h) {
 std::string describeMismatch(const std::vector<Header>& heads, int compare, const std::string& group) {
   std::vector<std::string> fields;
   for (int i = 0; i < compare; ++i) {
-    std::vector<std::pair<std::string, std::vector<int>>> values;  // in order of first appearance
-    for (size_t r = 0; r < heads.size(); ++r) {
-      std::string v = valueOf(i, fieldOf(heads[r], i));
-      auto it = std::find_if(values.begin(), values.end(), [&](auto& e) { return e.first == v; });
-      if (it == values.end()) values.push_back({v, {static_cast<int>(r)}});
-      else it->second.push_back(static_cast<int>(r));
-    }
-    if (values.size() > 1) {
-      std::string f = std::string(kFieldNames[i]) + ": ";
-      for (size_t k = 0; k < values.size(); ++k)
-        f += (k ? ", " : "") + ranksText(values[k].second) + " " + values[k].first;
-      fields.push_back(f);
-    }
+    const Ranked values = byValue(heads, [i](const Header& h) { return valueOf(i, fieldOf(h, i)); });
+    if (values.size() > 1) fields.push_back(std::string(kFieldNames[i]) + ": " + joined(values, " ", ", "));
   }
-  std::vector<std::pair<std::string, std::vector<int>>> calls;
-  for (size_t r = 0; r < heads.size(); ++r) {
-    std::string d = describe(heads[r]);
-    auto it = std::find_if(calls.begin(), calls.end(), [&](auto& e) { return e.first == d; });
-    if (it == calls.end()) calls.push_back({d, {static_cast<int>(r)}});
-    else it->second.push_back(static_cast<int>(r));
-  }
-  std::string out = "accl: ranks disagree on a collective";
-  if (!group.empty()) out += " in group '" + group + "'";
-  out += ": ";
-  if (fields.empty()) out += "(no field differs)";
-  for (size_t k = 0; k < fields.size(); ++k) out += (k ? "; " : "") + fields[k];
-  out += " (";
-  for (size_t k = 0; k < calls.size(); ++k) out += (k ? "; " : "") + ranksText(calls[k].second) + ": " + calls[k].first;
-  return out + ")";
+  std::string out = "accl: ranks disagree on a collective" + (group.empty() ? "" : " in group '" + group + "'");
+  out += ": " + (fields.empty() ? std::string("(no field differs)") : fields[0]);
+  for (size_t k = 1; k < fields.size(); ++k) out += "; " + fields[k];
+  return out + " (" + joined(byValue(heads, describe), ": ", "; ") + ")";
 }
 
 std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t, const std::string& from, int tag) {

@@ -1,0 +1,72 @@
+"""Busbw against message size from ``torchhpc bench`` points, drawn with matplotlib (the ``plot`` extra): one
+panel per collective (columns) and rank count (rows), one line per implementation; PNG, SVG or PDF by the path's
+extension."""
+
+from __future__ import annotations
+
+from .report import human
+from .results import COLLECTIVES, LABELS, Point
+
+__all__ = ["PlotUnavailableError", "figure", "write_plot"]
+
+COLORS = {"accl": "#d62728", "mpi-upstream": "#1f77b4", "gloo": "#2ca02c", "mpi4py": "#222222",
+          "mpi4py-numpy": "#8c8c8c"}
+STYLES = {"mpi4py": "--", "mpi4py-numpy": ":"}  # the raw MPI lines are dashed
+
+
+class PlotUnavailableError(RuntimeError):
+    """matplotlib is not installed (it is an optional extra)."""
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display on a compute or login node
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotUnavailableError(
+            "torchhpc bench --plot needs matplotlib: pip install 'torchhpc[plot]' (or matplotlib); "
+            "the tables and --json need nothing more") from None
+    return plt
+
+
+def figure(points: list[Point], impls: list[str]):
+    """The matplotlib Figure of ``points``: a panel per (rank count, collective), log-log busbw vs size, one
+    line per implementation of ``impls`` that has points there (legend once, above the panels)."""
+    plt = _pyplot()
+    impls = [i for i in impls if any(p.impl == i for p in points)]
+    colls = [c for c in COLLECTIVES if any(p.collective == c for p in points)]
+    ranks = sorted({p.ranks for p in points})
+    fig, axes = plt.subplots(len(ranks), len(colls), figsize=(3.2 * len(colls), 2.6 * len(ranks) + 0.5),
+                             sharex=True, sharey=True, squeeze=False)
+    for row, n in enumerate(ranks):
+        for col, coll in enumerate(colls):
+            ax = axes[row][col]
+            for impl in impls:
+                pts = sorted((p for p in points if (p.ranks, p.collective, p.impl) == (n, coll, impl)
+                              and p.busbw() > 0), key=lambda p: p.size)
+                if pts:
+                    ax.plot([p.size for p in pts], [p.busbw() for p in pts], STYLES.get(impl, "-"), marker=".",
+                            color=COLORS.get(impl), label=LABELS.get(impl, impl), linewidth=1.4)
+            ax.set(xscale="log", yscale="log", title=f"{coll}, {n} ranks")
+            ax.grid(True, which="major", color="#e5e5e5")
+            if row == len(ranks) - 1:
+                ax.set_xlabel("message size")
+            if col == 0:
+                ax.set_ylabel("busbw (GB/s)")
+    sizes = sorted({p.size for p in points})
+    ticks = [s for s in (8, 1 << 10, 1 << 20, 1 << 30) if sizes and sizes[0] <= s <= sizes[-1]]
+    for ax in axes[-1]:
+        ax.set_xticks(ticks, [human(s).replace(" ", "") for s in ticks])
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=max(1, len(labels)), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
+    return fig
+
+
+def write_plot(path: str, points: list[Point], impls: list[str]) -> None:
+    """Draw :func:`figure` into ``path`` (the format from its extension: .png, .svg, .pdf)."""
+    fig = figure(points, impls)
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
