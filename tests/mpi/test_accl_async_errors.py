@@ -191,6 +191,27 @@ def test_monitored_barrier_method() -> None:
     pg.monitored_barrier(timedelta(seconds=30))  # the cancelled receives did not swallow these tokens
 
 
+def test_monitored_barrier_cannot_match_a_users_message() -> None:
+    """User messages are in flight on the tags the barrier uses or once used (0x7FFF0000 % MPI_TAG_UB and the next
+    one, on the envelope communicator; 1 and 2) while every rank passes the barrier: the barrier takes none of
+    them, and each user receive afterwards gets its own data."""
+    pg = dist.group.WORLD
+    rank, p = dist.get_rank(), dist.get_world_size()
+    ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+    tags = [0x7FFF0000 % ub, (0x7FFF0000 % ub + 1) % ub, 1, 2]
+    sends = [dist.isend(torch.full((3,), 10 * rank + k, dtype=torch.int64), dst=0, tag=t)
+             for k, t in enumerate(tags)] if rank else []
+    pg.monitored_barrier(timedelta(seconds=30))
+    for r in range(1, p) if rank == 0 else ():
+        for k, t in enumerate(tags):
+            got = torch.empty(3, dtype=torch.int64)
+            dist.recv(got, src=r, tag=t)
+            assert torch.all(got == 10 * r + k), (r, t, got)
+    for w in sends:
+        w.wait()
+    pg.monitored_barrier(timedelta(seconds=30))
+
+
 @pytest.mark.parametrize("wait_all_ranks", [False, True])
 def test_monitored_barrier_names_missing_ranks_as_gloo(wait_all_ranks: bool) -> None:
     """Odd ranks skip the barrier: rank 0 names the first missing rank, or every one with

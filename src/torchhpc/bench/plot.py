@@ -31,6 +31,18 @@ def _pyplot():
     return plt
 
 
+def _panel(ax, points: list[Point], impls: list[str], n: int, coll: str) -> None:
+    """One panel: ``coll`` at ``n`` ranks, a log-log busbw line per implementation that has points there."""
+    for impl in impls:
+        pts = sorted((p for p in points if (p.ranks, p.collective, p.impl) == (n, coll, impl) and p.busbw() > 0),
+                     key=lambda p: p.size)
+        if pts:
+            ax.plot([p.size for p in pts], [p.busbw() for p in pts], STYLES.get(impl, "-"), marker=".",
+                    color=COLORS.get(impl), label=LABELS.get(impl, impl), linewidth=1.4)
+    ax.set(xscale="log", yscale="log", title=f"{coll}, {n} ranks")
+    ax.grid(True, which="major", color="#e5e5e5")
+
+
 def figure(points: list[Point], impls: list[str]):
     """The matplotlib Figure of ``points``: a panel per (rank count, collective), log-log busbw vs size, one
     line per implementation of ``impls`` that has points there (legend once, above the panels)."""
@@ -42,19 +54,11 @@ def figure(points: list[Point], impls: list[str]):
                              sharex=True, sharey=True, squeeze=False)
     for row, n in enumerate(ranks):
         for col, coll in enumerate(colls):
-            ax = axes[row][col]
-            for impl in impls:
-                pts = sorted((p for p in points if (p.ranks, p.collective, p.impl) == (n, coll, impl)
-                              and p.busbw() > 0), key=lambda p: p.size)
-                if pts:
-                    ax.plot([p.size for p in pts], [p.busbw() for p in pts], STYLES.get(impl, "-"), marker=".",
-                            color=COLORS.get(impl), label=LABELS.get(impl, impl), linewidth=1.4)
-            ax.set(xscale="log", yscale="log", title=f"{coll}, {n} ranks")
-            ax.grid(True, which="major", color="#e5e5e5")
-            if row == len(ranks) - 1:
-                ax.set_xlabel("message size")
-            if col == 0:
-                ax.set_ylabel("busbw (GB/s)")
+            _panel(axes[row][col], points, impls, n, coll)
+    for ax in axes[-1]:
+        ax.set_xlabel("message size")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("busbw (GB/s)")
     sizes = sorted({p.size for p in points})
     ticks = [s for s in (8, 1 << 10, 1 << 20, 1 << 30) if sizes and sizes[0] <= s <= sizes[-1]]
     for ax in axes[-1]:
@@ -67,6 +71,8 @@ def figure(points: list[Point], impls: list[str]):
 
 def write_plot(path: str, points: list[Point], impls: list[str]) -> None:
     """Draw :func:`figure` into ``path`` (the format from its extension: .png, .svg, .pdf)."""
+    plt = _pyplot()
     fig = figure(points, impls)
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
+    with plt.rc_context({"svg.fonttype": "none"}):  # text stays text in an SVG: small, searchable
+        fig.savefig(path, dpi=120)
+    plt.close(fig)
