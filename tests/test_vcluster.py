@@ -33,13 +33,13 @@ RANK_ENV = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
 
 
 def launch(cluster: Cluster, how: str, layout: list[int], argv: list[str], mpi: str = "openmpi",
-           extra_env: dict[str, str] | None = None) -> str:
+           extra_env: dict[str, str] | None = None, rank_env: dict[str, str] = RANK_ENV) -> str:
     """The shell command that starts ``argv`` with ``layout[i]`` ranks on node i+1, as a user types it.
     Host files and job scripts are written to the shared file system, as a user would."""
     n = sum(layout)
     placed = [(f"node{i + 1}", k) for i, k in enumerate(layout) if k]
     cmd = shlex.join(argv)
-    forward = " ".join(f"-x {v}" for v in sorted({*RANK_ENV, *(extra_env or {})}))  # Open MPI forwards only these
+    forward = " ".join(f"-x {v}" for v in sorted({*rank_env, *(extra_env or {})}))  # Open MPI forwards only these
     tag = f"{how}-{os.getpid()}-{time.monotonic_ns()}"
     if how == "mpiexec":
         spec = ",".join(f"{h}:{k}" for h, k in placed)
@@ -169,6 +169,29 @@ def test_launcher_facts_across_nodes(cluster: Cluster, how: str, layout: list[in
         assert len({r["shm_dev"] for r in ranks if r["host"] == host}) == 1
     assert len({r["shm_dev"] for r in ranks}) == len(per_host), "nodes must not share /dev/shm"
     assert {r["mpi"].split()[0] for r in ranks} == {"MPICH" if mpi == "mpich" else "Open"}
+
+
+# what a user's shell has: no OMP_NUM_THREADS, so the launcher's binding and torchhpc's budget decide
+USER_ENV = {"PYTHONPATH": str(ROOT / "tests")}
+
+
+@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES,
+                         ids=[f"{h}-{m}-{'+'.join(map(str, lay))}" for h, lay, m, _ in LAUNCHES])
+def test_one_thread_budget_per_rank_under_every_launcher(cluster: Cluster, how: str, layout: list[int], mpi: str,
+                                                         launcher: str | None) -> None:
+    """Without OMP_NUM_THREADS, whatever the launcher binds: no node runs more torch threads than it has CPUs
+    (one per rank at least), a rank alone with CPUs of its own uses them all, and the ranks say why."""
+    out = cluster.ok(launch(cluster, how, layout, [PYTHON, str(ROOT / "tests/vcluster/whoami.py")], mpi,
+                            rank_env=USER_ENV), env=USER_ENV)
+    ranks = [json.loads(line[len("WHOAMI "):]) for line in out.splitlines() if line.startswith("WHOAMI ")]
+    assert len(ranks) == sum(layout), out
+    for host in {r["host"] for r in ranks}:
+        mine = [r for r in ranks if r["host"] == host]
+        node = mine[0]["node_cpus"]
+        assert sum(r["threads"] for r in mine) <= max(node, len(mine)), mine
+        assert all(1 <= r["threads"] <= r["cpus"] for r in mine), mine
+        assert all(r["threads"] == r["cpus"] for r in mine if r["cpus"] * len(mine) <= node), mine
+        assert all("per rank" in r["budget"] for r in mine), mine
 
 
 # ---- accl across nodes --------------------------------------------------------------------------------------

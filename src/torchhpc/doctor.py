@@ -211,6 +211,21 @@ def _launcher() -> Check:
                  f"local {info.local_rank}/{info.local_size}")
 
 
+def _threads() -> Check:
+    """torch's intra-op threads against this rank's budget (torchhpc.threads): more threads than the budget means
+    the node's ranks run more busy threads than it has CPUs."""
+    import torch
+
+    from torchhpc.threads import thread_budget
+
+    budget, now = thread_budget(), torch.get_num_threads()
+    text = f"torch uses {now}; budget {budget.describe()}"
+    if now > budget.threads:
+        return Check("threads", WARN, text, f"{now} threads x {budget.local_size} ranks on {budget.cpus} CPUs: unset "
+                     f"OMP_NUM_THREADS (torchhpc then sets {budget.threads}), or set it to {budget.threads}")
+    return Check("threads", OK, text)
+
+
 def _runtime_vars() -> Check:
     names = sorted(k for k in os.environ if k.startswith(RUNTIME_PREFIXES))
     value = " ".join(f"{k}={os.environ[k]}" for k in names) if names else "none set"
@@ -297,7 +312,7 @@ def run_checks(probe: bool = True) -> list[Check]:
     checks = _guard("python", _python) + _guard("torch", _torch)
     if checks[-1].status == FAIL:
         return checks
-    checks += _guard("launcher", _launcher)
+    checks += _guard("launcher", _launcher) + _guard("threads", _threads)
     for name, fn in (("gpus", _gpus), ("nccl", _nccl), ("nccl plugin", _nccl_net_plugin),
                      ("mpi", lambda: _mpi(probe)), ("backends", _backends),
                      ("huge pages", _huge_pages), ("libfabric", _libfabric), ("site profile", _site),

@@ -1,4 +1,5 @@
-"""Every rank prints one JSON line: where it runs, what the launcher says and what MPI says about its node.
+"""Every rank prints one JSON line: where it runs, what the launcher says and what MPI says about its node, and
+torch's threads against the CPUs it may use.
 
 Run across the virtual cluster by tests/test_vcluster.py under each launcher; the test compares the
 launcher's facts (torchhpc.launcher.world_info) with the hostnames the ranks really run on."""
@@ -7,10 +8,12 @@ import json
 import os
 import socket
 
+import torch
 from mpi4py import MPI
 
 from torchhpc.chunkstore import node_topology
 from torchhpc.launcher import world_info
+from torchhpc.threads import thread_budget
 
 world = MPI.COMM_WORLD
 info = world_info()
@@ -23,6 +26,8 @@ record = {
     "mpi_local_size": topo.local_size, "mpi_nodes": topo.num_nodes,
     "shm_dev": os.stat("/dev/shm").st_dev, "shm_blocks": shm.f_blocks,
     "mpi": MPI.Get_library_version().split("\n")[0].strip()[:30],
+    "threads": torch.get_num_threads(), "cpus": len(os.sched_getaffinity(0)), "node_cpus": os.cpu_count(),
+    "budget": thread_budget().describe(),
 }
 for r in range(world.Get_size()):  # one rank at a time: lines never interleave
     if r == world.Get_rank():

@@ -1,0 +1,106 @@
+"""One thread budget per rank under every launcher: the cores this rank may use, shared among the ranks of its node.
+
+Launchers disagree about threads, by accident.  torch's CPU wheel sizes its OpenMP pool with MKL, which gives one
+thread to a process it sees started by an MPI launcher (Open MPI's ``OMPI_COMM_WORLD_*`` variables) and one per
+physical core otherwise: under ``mpiexec`` every rank runs one thread, even alone on a 64-core node; under ``srun
+--mpi=pmix`` (no such variables before ``MPI_Init``) every rank runs one per core of the node, so N ranks start N x
+cores busy-waiting threads (the class-incremental rehearsal example ran 14x slower that way on 2 cores).  torchrun
+sets ``OMP_NUM_THREADS=1`` itself when it starts several ranks.  torchhpc gives every rank one rule instead: one
+thread per physical core this rank may use; ranks that share their cores (no binding) split them, at least one
+thread each.  ``OMP_NUM_THREADS`` set by the user (or torchrun) wins, and so does ``torch.set_num_threads`` called
+after ``import torchhpc``.  Without a launcher nothing changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["ThreadBudget", "thread_budget", "set_default"]
+
+MARKER = "TORCHHPC_THREADS"  # the budget torchhpc applied to this process, for doctor and child processes
+
+
+@dataclass(frozen=True)
+class ThreadBudget:
+    """A rank's intra-op thread budget and the facts it comes from."""
+
+    threads: int     # torch's intra-op threads for this rank
+    cpus: int        # physical cores in this process's affinity mask
+    node_cpus: int   # physical cores of the node
+    local_size: int  # ranks on this node as the launcher says (1 when no launcher)
+    launcher: str    # the launcher the facts come from (torchhpc.launcher.world_info), or "single"
+    reason: str      # why this many
+
+    def describe(self) -> str:
+        """One line for ``torchhpc doctor``."""
+        return (f"{self.threads} thread(s) per rank: {self.reason} ({self.cpus} of the node's {self.node_cpus} "
+                f"cores usable, {self.local_size} rank(s) on this node, launcher {self.launcher})")
+
+
+def _core_of(cpu: int) -> tuple[str, str]:
+    """(package, core) of logical CPU ``cpu`` from sysfs' topology; the CPU itself where there is none."""
+    top = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
+    try:
+        with open(top + "physical_package_id") as pkg, open(top + "core_id") as core:
+            return pkg.read().strip(), core.read().strip()
+    except OSError:  # no topology (not Linux, or hidden): a logical CPU is a core
+        return "cpu", str(cpu)
+
+
+def _cores(cpus: set[int] | range) -> int:
+    """Physical cores among logical ``cpus``: the hyperthreads of one core count once."""
+    return max(1, len({_core_of(cpu) for cpu in cpus}))
+
+
+def _cpus() -> int:
+    """Physical cores this process may run on."""
+    try:
+        return _cores(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return _node_cpus()
+
+
+def _node_cpus() -> int:
+    """Physical cores of the node."""
+    return _cores(range(os.cpu_count() or 1))
+
+
+def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
+    """The budget for this process from ``env`` (default: ``os.environ``) and its CPU affinity; MPI-free."""
+    from .errors import LauncherError
+    from .launcher import world_info
+
+    env = os.environ if env is None else env
+    cpus, node = _cpus(), _node_cpus()
+    try:  # a copy: world_info may ask MPI about os.environ itself, and this must not start MPI
+        info = world_info(dict(env), use_mpi=False)
+        local, launcher = max(1, info.local_size), info.launcher
+    except LauncherError:
+        local, launcher = 1, "unreadable"
+    user = env.get("OMP_NUM_THREADS", "").strip()
+    if user and env.get(MARKER) != user:
+        threads = int(user) if user.isdigit() and int(user) > 0 else cpus
+        return ThreadBudget(threads, cpus, node, local, launcher, "OMP_NUM_THREADS set by the user or launcher")
+    if cpus * local <= node:
+        return ThreadBudget(cpus, cpus, node, local, launcher, "one per core this rank may use (no other rank "
+                            "shares them)" if local > 1 else "one per core of the process")
+    threads = max(1, cpus // local)
+    return ThreadBudget(threads, cpus, node, local, launcher, f"{cpus} shared cores split among {local} ranks")
+
+
+def set_default(env: dict[str, str] | None = None) -> ThreadBudget | None:
+    """Apply the budget of a process a launcher started: ``OMP_NUM_THREADS`` (and the marker) in ``env``, which
+    torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already.  Nothing
+    without a launcher or where the user set ``OMP_NUM_THREADS``.  Returns the budget applied, or None."""
+    target = os.environ if env is None else env
+    budget = thread_budget(target)
+    if budget.reason.startswith("OMP_NUM_THREADS") or budget.launcher in ("single", "unreadable"):
+        return None
+    target["OMP_NUM_THREADS"] = target[MARKER] = str(budget.threads)
+    torch = sys.modules.get("torch") if env is None else None
+    if torch is not None and torch.get_num_threads() != budget.threads:
+        torch.set_num_threads(budget.threads)
+    return budget
