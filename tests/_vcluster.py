@@ -98,3 +98,15 @@ def cluster_up(nodes: int, scheduler: str, timeout: float = 180) -> Iterator[Clu
         assert down.returncode == 0, down.stderr
         leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert "torchhpc-" not in leftover, f"cluster-down left namespaces behind: {leftover}"
+
+
+def check_thread_budget(ranks: list[dict]) -> None:
+    """tests/vcluster/whoami.py's records of one job: no node runs more torch threads than it has cores (one per
+    rank at least), and a rank whose cores no other rank shares uses them all (torchhpc.threads)."""
+    for host in {r["host"] for r in ranks}:
+        mine = [r for r in ranks if r["host"] == host]
+        node = mine[0]["node_cpus"]
+        assert sum(r["threads"] for r in mine) <= max(node, len(mine)), mine
+        assert all(1 <= r["threads"] <= r["cpus"] for r in mine), mine
+        assert all(r["threads"] == r["cpus"] for r in mine if r["cpus"] * len(mine) <= node), mine
+        assert all("per rank" in r["budget"] for r in mine), mine

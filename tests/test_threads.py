@@ -32,6 +32,8 @@ def _slurm(local: int, nodes: int = 2) -> dict[str, str]:
     (8, 8, _slurm(1), 8, "one per core"),    # alone on its node
     (8, 8, {}, 8, "one per core"),           # no launcher: a plain process
     (8, 8, {**_slurm(4), "OMP_NUM_THREADS": "3"}, 3, "OMP_NUM_THREADS"),
+    (2, 2, {**_slurm(2), "PBS_JOBID": "7.pbs", "NCPUS": "2", "OMP_NUM_THREADS": "2"}, 1, "shared"),  # PBS's own
+    (2, 2, {**_slurm(2), "PBS_JOBID": "7.pbs", "NCPUS": "2", "OMP_NUM_THREADS": "1"}, 1, "OMP_NUM_THREADS"),
     (8, 8, {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}, 2, "shared"),  # torchrun
     (8, 8, {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
             "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}, 4, "shared"),  # mpiexec without binding (--bind-to none)
@@ -89,3 +91,20 @@ def test_import_torchhpc_applies_it(torch_first: bool) -> None:
                "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
     assert _run("import torch; print(torch.get_num_threads())", mpiexec) == "1"  # MKL's own rule under mpiexec
     assert _run(f"{first}; print(torch.get_num_threads())", mpiexec) == str(threads._cpus())
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_under_torchrun(tmp_path: Path, nproc: int) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 itself when it starts several ranks (kept); one rank gets every core."""
+    script = tmp_path / "threads.py"
+    script.write_text("import torchhpc, torch, os\nprint('THREADS', os.environ['LOCAL_RANK'], torch.get_num_threads())\n")
+    clean = {k: v for k, v in os.environ.items()
+             if k not in MPI_LAUNCHER_VARS and not k.startswith(("SLURM_", "OMP_", "TORCHHPC_THREADS"))}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    res = subprocess.run([str(torchrun), "--standalone", f"--nproc-per-node={nproc}", str(script)],
+                         env={**clean, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True, timeout=180,
+                         check=False)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = sorted(line.split()[1:] for line in res.stdout.splitlines() if line.startswith("THREADS"))
+    want = "1" if nproc > 1 else str(threads._cpus())
+    assert got == [[str(r), want] for r in range(nproc)], res.stdout

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from _upstream import PG_MPI, tagged_upstream
-from _vcluster import ROOT, Cluster, cluster_up
+from _vcluster import ROOT, Cluster, check_thread_budget, cluster_up
 
 from torchhpc.mpirun import side_mpich
 
@@ -164,6 +164,7 @@ def test_mpiexec_in_a_job_places_ranks_from_the_allocation(pbs: Cluster, prefix:
     for r in ranks:
         assert r["info_size"] == 4 and r["local_size"] == 2 and r["mpi_local_size"] == 2, r
         assert r["mpi_nodes"] == 2 and r["info_rank"] == r["rank"], r
+    check_thread_budget(ranks)  # the job script sets no OMP_NUM_THREADS
 
 
 def test_make_test_pbs_prints_the_table_with_ranks_on_both_nodes(pbs: Cluster, prefix: Path) -> None:

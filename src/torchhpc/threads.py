@@ -8,7 +8,8 @@ cores busy-waiting threads (the class-incremental rehearsal example ran 14x slow
 sets ``OMP_NUM_THREADS=1`` itself when it starts several ranks.  torchhpc gives every rank one rule instead: one
 thread per physical core this rank may use; ranks that share their cores (no binding) split them, at least one
 thread each.  ``OMP_NUM_THREADS`` set by the user (or torchrun) wins, and so does ``torch.set_num_threads`` called
-after ``import torchhpc``.  Without a launcher nothing changes.
+after ``import torchhpc``; PBS's default (``OMP_NUM_THREADS`` = the chunk's ``ncpus`` when the job asks for no
+``ompthreads``, inherited by every MPI process of the chunk) does not.  Without a launcher nothing changes.
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def _node_cpus() -> int:
     return _cores(range(os.cpu_count() or 1))
 
 
+def _pbs_default(env: Mapping[str, str], value: str) -> bool:
+    """Whether ``OMP_NUM_THREADS`` is PBS's own default, the chunk's ``ncpus`` (PBS sets it so when the job asks
+    for no ``ompthreads``), which every MPI process of the chunk inherits: 2 ranks of ``select=...:ncpus=2:
+    mpiprocs=2`` would each run 2 threads on 2 cores."""
+    return "PBS_JOBID" in env and env.get("NCPUS", "").strip() == value
+
+
 def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
     """The budget for this process from ``env`` (default: ``os.environ``) and its CPU affinity; MPI-free."""
     from .errors import LauncherError
@@ -81,7 +89,7 @@ def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
     except LauncherError:
         local, launcher = 1, "unreadable"
     user = env.get("OMP_NUM_THREADS", "").strip()
-    if user and env.get(MARKER) != user:
+    if user and env.get(MARKER) != user and not _pbs_default(env, user):
         threads = int(user) if user.isdigit() and int(user) > 0 else cpus
         return ThreadBudget(threads, cpus, node, local, launcher, "OMP_NUM_THREADS set by the user or launcher")
     if cpus * local <= node:
