@@ -97,7 +97,8 @@ def test_import_torchhpc_applies_it(torch_first: bool) -> None:
 def test_under_torchrun(tmp_path: Path, nproc: int) -> None:
     """torchrun sets OMP_NUM_THREADS=1 itself when it starts several ranks (kept); one rank gets every core."""
     script = tmp_path / "threads.py"
-    script.write_text("import torchhpc, torch, os\nprint('THREADS', os.environ['LOCAL_RANK'], torch.get_num_threads())\n")
+    script.write_text("import torchhpc, torch, os\n"
+                      "print('THREADS', os.environ['LOCAL_RANK'], torch.get_num_threads())\n")
     clean = {k: v for k, v in os.environ.items()
              if k not in MPI_LAUNCHER_VARS and not k.startswith(("SLURM_", "OMP_", "TORCHHPC_THREADS"))}
     torchrun = Path(sys.executable).with_name("torchrun")
