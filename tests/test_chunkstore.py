@@ -1,6 +1,8 @@
 """Single-process ChunkTensor tests: layout, shared-memory lifecycle after crashes, limits, CUDA skip."""
 
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from torchhpc.chunkstore import ChunkTensor, SharedMemoryTooSmall, reap_dead_seg
 from torchhpc.chunkstore.layout import plan_layout, positions_from_order
 from torchhpc.chunkstore.shm import Segment, list_segments
 from torchhpc.mpirun import local_job_env, mpiexec_argv
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -244,3 +248,42 @@ def test_options_object_and_keywords_are_one_convention():
         ChunkTensor((10, 4), torch.float32)  # no capacity given at all
     with pytest.raises(TypeError, match="ChunkStoreOptions"):
         ChunkTensor((10, 4), torch.float32, options={"capacity_per_device": 0})
+
+
+_PAGES = """
+import sys
+from pathlib import Path
+from torchhpc.chunkstore import ChunkTensor
+from torchhpc.chunkstore.shm import Segment, shared_page_setting
+import torch
+d = Path(sys.argv[1])
+seg = Segment.create(8 << 20, d)
+ct = ChunkTensor((16384, 128), torch.float32, capacity_per_device=0)
+ct.load_from_tensor(torch.arange(16384 * 128, dtype=torch.float32).view(16384, 128))
+assert torch.equal(ct[torch.tensor([5, 16383])][:, 0], torch.tensor([640.0, 16383 * 128.0]))
+print("PAGES", seg.huge_kib(), ct._segments[0].huge_kib(), ct._segments[0].nbytes >> 10, *shared_page_setting(d))
+ct.close(); seg.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a tmpfs")
+@pytest.mark.parametrize("huge", ["advise", "within_size", "never"])
+def test_host_tier_gets_huge_pages_where_the_tmpfs_gives_them(tmp_path, huge: str) -> None:
+    """A private tmpfs mounted huge=advise or within_size (a cluster admin's /dev/shm option) backs a segment and a
+    ChunkTensor's host tier with 2 MiB pages (smaps' ShmemPmdMapped); huge=never with 4 KiB pages, as before."""
+    mnt = tmp_path / "shm"
+    mnt.mkdir()
+    script = tmp_path / "pages.py"
+    script.write_text(_PAGES)
+    cmd = (f"mount -t tmpfs -o huge={huge},size=64m tmpfs {mnt} && "
+           f"TORCHHPC_SHM_DIR={mnt} {shlex.quote(sys.executable)} {script} {mnt}")
+    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    seg_kib, tier_kib, tier_size_kib, possible, why = res.stdout.split("PAGES", 1)[1].split(maxsplit=4)
+    if huge == "never":
+        assert (seg_kib, tier_kib, possible) == ("0", "0", "False"), res.stdout
+    else:
+        assert seg_kib == str(8 << 10) and possible == "True", res.stdout
+        assert int(tier_kib) >= int(tier_size_kib) // 2048 * 2048, res.stdout  # every whole 2 MiB of it
+    assert f"huge={huge}" in why

@@ -226,6 +226,19 @@ def _threads() -> Check:
     return Check("threads", OK, text)
 
 
+def _shared_pages() -> Check:
+    """The page size chunkstore's node-shared host tier gets: 2 MiB where the shared-memory tmpfs gives advised
+    memory huge pages, else 4 KiB (gathers from it then run at a 4 KiB-page tensor's rate)."""
+    from torchhpc.chunkstore.shm import shared_page_setting
+
+    huge, why = shared_page_setting()
+    if huge:
+        return Check("shared pages", OK, f"2 MiB pages for chunkstore's host tier ({why})")
+    return Check("shared pages", OK, f"4 KiB pages for chunkstore's host tier ({why})",
+                 "2 MiB pages: a tmpfs mounted huge=advise (root: `mount -o remount,huge=advise /dev/shm`, or "
+                 "TORCHHPC_SHM_DIR on such a mount); docs/chunkstore.md")
+
+
 def _runtime_vars() -> Check:
     names = sorted(k for k in os.environ if k.startswith(RUNTIME_PREFIXES))
     value = " ".join(f"{k}={os.environ[k]}" for k in names) if names else "none set"
@@ -315,7 +328,8 @@ def run_checks(probe: bool = True) -> list[Check]:
     checks += _guard("launcher", _launcher) + _guard("threads", _threads)
     for name, fn in (("gpus", _gpus), ("nccl", _nccl), ("nccl plugin", _nccl_net_plugin),
                      ("mpi", lambda: _mpi(probe)), ("backends", _backends),
-                     ("huge pages", _huge_pages), ("libfabric", _libfabric), ("site profile", _site),
+                     ("huge pages", _huge_pages), ("shared pages", _shared_pages), ("libfabric", _libfabric),
+                     ("site profile", _site),
                      ("native engines", _native),
                      ("runtime vars", _runtime_vars)):
         checks += _guard(name, fn)

@@ -57,9 +57,10 @@ def set_default(env: MutableMapping[str, str] | None = None, root: str | None = 
     return True
 
 
-def huge_kib(addr: int, nbytes: int, smaps: str = "/proc/self/smaps") -> int:
-    """KiB of ``AnonHugePages`` in the mappings of this process that overlap ``[addr, addr + nbytes)``
-    (a buffer of its own mapping: its huge pages; 0 where smaps is unreadable)."""
+def huge_kib(addr: int, nbytes: int, smaps: str = "/proc/self/smaps", field: str = "AnonHugePages") -> int:
+    """KiB of huge pages (``field`` of smaps: ``AnonHugePages`` for private memory, ``ShmemPmdMapped`` for
+    shared memory) in the mappings of this process that overlap ``[addr, addr + nbytes)`` (a buffer of its own
+    mapping: its huge pages; 0 where smaps is unreadable)."""
     total, overlap = 0, False
     try:
         with open(smaps, encoding="utf-8", errors="replace") as f:
@@ -71,7 +72,7 @@ def huge_kib(addr: int, nbytes: int, smaps: str = "/proc/self/smaps") -> int:
                         overlap = int(lo, 16) < addr + nbytes and addr < int(hi, 16)
                     except ValueError:
                         overlap = False
-                elif overlap and head == "AnonHugePages:":
+                elif overlap and head == field + ":":
                     total += int(line.split()[1])
     except OSError:
         return 0

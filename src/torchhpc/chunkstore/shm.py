@@ -10,6 +10,12 @@ created) removes those.  Owner liveness is checked by pid *and* process start ti
 so a recycled pid does not protect a stale segment.  Jobs that share ``/dev/shm`` but not a PID
 namespace (some container set-ups) cannot see each other's owners: give them separate
 directories with ``TORCHHPC_SHM_DIR``.
+
+Huge pages: every process advises its mapping of a segment of at least 2 MiB for transparent huge pages
+(``MADV_HUGEPAGE``) and the creator fills it through that mapping (``MADV_POPULATE_WRITE``), so the shared memory
+gets 2 MiB pages wherever the kernel gives them to advised shared memory: a tmpfs mounted ``huge=advise``
+(``huge=always`` / ``within_size`` need no advice), or ``shmem_enabled`` ``advise`` or ``always``.  Elsewhere it
+gets 4 KiB pages, as before (:func:`shared_page_setting` says which, ``torchhpc doctor`` shows it).
 """
 
 from __future__ import annotations
@@ -24,9 +30,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PREFIX", "Segment", "SharedMemoryTooSmall", "shm_dir", "reap_dead_segments", "list_segments"]
+__all__ = ["PREFIX", "Segment", "SharedMemoryTooSmall", "shm_dir", "reap_dead_segments", "list_segments",
+           "shared_page_setting"]
 
 PREFIX = "torchhpc-cs"
+HUGE = 2 << 20  # a PMD-sized transparent huge page
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11's mmap lacks the name
 _NAME_RE = re.compile(rf"^{re.escape(PREFIX)}\.(\d+)\.(\d+)\.[0-9a-f]+$")
 
 
@@ -93,6 +102,35 @@ def reap_dead_segments(directory: Path | None = None) -> list[Path]:
     return removed
 
 
+def _mount_huge(d: Path) -> str | None:
+    """The ``huge=`` option of the tmpfs mount holding ``d`` (None: not a tmpfs, or unreadable)."""
+    best, option = "", None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as f:
+            for line in f:
+                _, where, kind, opts, *_ = line.split()
+                inside = str(d) == where or str(d).startswith(where.rstrip("/") + "/")
+                if kind == "tmpfs" and inside and len(where) >= len(best):
+                    best = where
+                    option = next((o.split("=", 1)[1] for o in opts.split(",") if o.startswith("huge=")), "never")
+    except OSError:
+        return None
+    return option
+
+
+def shared_page_setting(directory: Path | None = None) -> tuple[bool, str]:
+    """Whether segments in ``directory`` (default :func:`shm_dir`) can get 2 MiB pages, and why, from the tmpfs
+    mount's ``huge=`` option and the kernel's ``shmem_enabled`` (``deny`` and ``force`` override the mount)."""
+    from ..hugepages import kernel_setting
+
+    d = directory or shm_dir()
+    mount, shmem = _mount_huge(d), kernel_setting("shmem_enabled")
+    why = f"{d}: tmpfs huge={mount or '?'}, shmem_enabled {shmem or '?'}"
+    if shmem in ("deny", "force"):
+        return shmem == "force", why
+    return mount in ("always", "within_size", "advise"), why
+
+
 def _too_small_message(nbytes: int, free: int, d: Path) -> str:
     return (
         f"shared memory at {d} has {free / 2**30:.2f} GiB free but a chunkstore segment needs "
@@ -100,6 +138,11 @@ def _too_small_message(nbytes: int, free: int, d: Path) -> str:
         f"`docker run --shm-size=<N>g` / a Kubernetes memory-backed emptyDir in containers, "
         f"or place fewer rows in the host tier (larger capacity_per_device, or more nodes)."
     )
+
+
+def _free(d: Path) -> int:
+    vfs = os.statvfs(d)
+    return vfs.f_bavail * vfs.f_frsize
 
 
 class Segment:
@@ -114,8 +157,38 @@ class Segment:
         # mmap refuses length 0; keep one page so empty tiers still have a valid mapping.
         self._mm = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
+        if nbytes >= HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._mm.madvise(mmap.MADV_HUGEPAGE)  # before any fault: pages come huge where the tmpfs allows it
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8, count=max(nbytes, 1))[:nbytes]
         self._unlinked = False
+
+    def huge_kib(self) -> int:
+        """KiB of this process's mapping of the segment that 2 MiB pages back (0: 4 KiB pages)."""
+        from ..hugepages import huge_kib
+
+        return huge_kib(self.tensor.data_ptr(), self.nbytes, field="ShmemPmdMapped") if self.nbytes else 0
+
+    def _reserve(self) -> None:
+        """Allocate every page now, through the advised mapping so that they come huge where they can: a full
+        tmpfs then fails here instead of killing a later write with SIGBUS."""
+        try:
+            self._mm.madvise(MADV_POPULATE_WRITE)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.ENOSYS):  # older kernels: fall back to fallocate below
+                raise SharedMemoryTooSmall(_too_small_message(self.nbytes, _free(self.path.parent),
+                                                              self.path.parent)) from e
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, 0, self.nbytes)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise SharedMemoryTooSmall(_too_small_message(self.nbytes, _free(self.path.parent),
+                                                              self.path.parent)) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+        finally:
+            os.close(fd)
 
     @classmethod
     def create(cls, nbytes: int, directory: Path | None = None) -> Segment:
@@ -126,8 +199,7 @@ class Segment:
         if not d.is_dir():
             raise FileNotFoundError(f"shared-memory directory {d} does not exist (set TORCHHPC_SHM_DIR)")
         reap_dead_segments(d)
-        vfs = os.statvfs(d)
-        free = vfs.f_bavail * vfs.f_frsize
+        free = _free(d)
         if nbytes > free:
             raise SharedMemoryTooSmall(_too_small_message(nbytes, free, d))
         pid = os.getpid()
@@ -136,23 +208,19 @@ class Segment:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, max(nbytes, 1))
-            if nbytes:
-                # Reserve the pages now: a full tmpfs then fails here with ENOSPC instead of
-                # killing a later write with SIGBUS.
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)
-                except OSError as e:
-                    if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                        vfs = os.statvfs(d)
-                        raise SharedMemoryTooSmall(
-                            _too_small_message(nbytes, vfs.f_bavail * vfs.f_frsize, d)) from e
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
+            seg = cls(path, nbytes, fd, owner=True)  # (closes fd once mapped)
         except BaseException:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             path.unlink(missing_ok=True)
             raise
-        return cls(path, nbytes, fd, owner=True)
+        try:
+            if nbytes:
+                seg._reserve()
+        except BaseException:
+            seg.close()
+            raise
+        return seg
 
     @classmethod
     def attach(cls, path: str | Path, nbytes: int) -> Segment:
