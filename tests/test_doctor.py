@@ -37,7 +37,8 @@ def test_console_command_reports_every_check() -> None:
     lines = res.stdout.splitlines()
     assert lines[0] == "torchhpc doctor"
     for name in ("python", "torch", "launcher", "threads", "gpus", "mpi", "mpi threads", "fault tolerance",
-                 "cuda-aware mpi", "backends", "huge pages", "shared pages", "libfabric", "site profile", "runtime vars"):
+                 "cuda-aware mpi", "backends", "huge pages", "shared pages", "libfabric", "site profile",
+                 "runtime vars"):
         assert any(line[7:].startswith(name + " ") for line in lines if line.startswith("[")), name
     for line in lines[1:-1]:
         assert line.startswith(("[ OK ]", "[WARN]", "[FAIL]", " ")), line
