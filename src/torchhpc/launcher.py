@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from .errors import LauncherError
-from .waiting import agreed, wait_requests
 
 __all__ = ["LauncherError", "WorldInfo", "world_info", "mpi_launcher", "MPI_LAUNCHER_VARS",
            "init_distributed", "agree_on_master"]
@@ -295,6 +294,8 @@ def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
     """
     from mpi4py import MPI
 
+    from .waiting import wait_requests  # (imports torch: this module's launch-variable half does not)
+
     world = MPI.COMM_WORLD
     if world.Get_size() != info.world_size:
         raise LauncherError(
@@ -342,6 +343,8 @@ def init_distributed(
     """
     import torch
     import torch.distributed as dist
+
+    from .waiting import agreed
 
     environ = os.environ if env is None else env
     if not isinstance(timeout, datetime.timedelta):

@@ -76,18 +76,23 @@ def _pbs_default(env: Mapping[str, str], value: str) -> bool:
     return "PBS_JOBID" in env and env.get("NCPUS", "").strip() == value
 
 
-def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
-    """The budget for this process from ``env`` (default: ``os.environ``) and its CPU affinity; MPI-free."""
+def _launch(env: Mapping[str, str]) -> tuple[int, str]:
+    """(ranks on this node, launcher) from the launcher's variables; (1, "single") without a launcher."""
     from .errors import LauncherError
     from .launcher import world_info
 
-    env = os.environ if env is None else env
-    cpus, node = _cpus(), _node_cpus()
     try:  # a copy: world_info may ask MPI about os.environ itself, and this must not start MPI
         info = world_info(dict(env), use_mpi=False)
-        local, launcher = max(1, info.local_size), info.launcher
     except LauncherError:
-        local, launcher = 1, "unreadable"
+        return 1, "unreadable"
+    return max(1, info.local_size), info.launcher
+
+
+def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
+    """The budget for this process from ``env`` (default: ``os.environ``) and its CPU affinity; MPI-free."""
+    env = os.environ if env is None else env
+    local, launcher = _launch(env)
+    cpus, node = _cpus(), _node_cpus()
     user = env.get("OMP_NUM_THREADS", "").strip()
     if user and env.get(MARKER) != user and not _pbs_default(env, user):
         threads = int(user) if user.isdigit() and int(user) > 0 else cpus
@@ -104,8 +109,10 @@ def set_default(env: dict[str, str] | None = None) -> ThreadBudget | None:
     torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already.  Nothing
     without a launcher or where the user set ``OMP_NUM_THREADS``.  Returns the budget applied, or None."""
     target = os.environ if env is None else env
+    if _launch(target)[1] in ("single", "unreadable"):  # a plain process: torch's default (and no sysfs reads)
+        return None
     budget = thread_budget(target)
-    if budget.reason.startswith("OMP_NUM_THREADS") or budget.launcher in ("single", "unreadable"):
+    if budget.reason.startswith("OMP_NUM_THREADS"):
         return None
     target["OMP_NUM_THREADS"] = target[MARKER] = str(budget.threads)
     torch = sys.modules.get("torch") if env is None else None
