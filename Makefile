@@ -63,11 +63,12 @@ test-mpi: $(PY) ## Run only the tests launched under mpiexec
 test-torch-suite: $(PY) ## PyTorch's own distributed suite on accl and gloo at 3 ranks (~5 min); torch-suite-results/
 	@$(PY) tests/torch_suite/driver.py --out torch-suite-results $(TORCH_SUITE_ARGS)
 
-lint: $(PY) ## ruff over the Python sources; no Python function above radon grade C; shellcheck (when installed)
+lint: $(PY) ## ruff; no Python function above radon grade C; no accl C++ function over 60 lines or CCN 15; shellcheck
 	@$(VENV)/bin/ruff check src tests bench examples
 	@out=$$($(VENV)/bin/radon cc --min D --show-complexity src/torchhpc); \
 	 if [[ -n "$$out" ]]; then printf 'functions above radon grade C (complexity > 20):\n%s\n' "$$out" >&2; \
 	 exit 1; fi
+	@$(VENV)/bin/lizard -C 15 -L 60 -w src/torchhpc/accl/csrc/*.cpp
 	@if command -v shellcheck >/dev/null; then shellcheck -x $$(ls *.sh utils/*.sh utils/*/*.sh 2>/dev/null) utils/vcluster/ssh .ci/run; \
 	 else echo "shellcheck not installed; skipped"; fi
 
