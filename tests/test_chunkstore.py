@@ -287,3 +287,19 @@ def test_host_tier_gets_huge_pages_where_the_tmpfs_gives_them(tmp_path, huge: st
         assert seg_kib == str(8 << 10) and possible == "True", res.stdout
         assert int(tier_kib) >= int(tier_size_kib) // 2048 * 2048, res.stdout  # every whole 2 MiB of it
     assert f"huge={huge}" in why
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a tmpfs")
+def test_a_segment_the_tmpfs_cannot_fill_is_refused_not_a_later_sigbus(tmp_path) -> None:
+    """Filling a segment larger than its tmpfs (another job took the space after the size check) raises
+    SharedMemoryTooSmall from the fill (MADV_POPULATE_WRITE's EFAULT), instead of a SIGBUS at some later write."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    code = ("import os, sys\nfrom pathlib import Path\nfrom torchhpc.chunkstore.shm import Segment, "
+            "SharedMemoryTooSmall\np = Path(sys.argv[1]) / 'seg'\nfd = os.open(p, os.O_RDWR | os.O_CREAT)\n"
+            "os.ftruncate(fd, 32 << 20)\nseg = Segment(p, 32 << 20, fd, owner=True)\ntry:\n    seg._reserve()\n"
+            "except SharedMemoryTooSmall as e:\n    print('REFUSED', e)\n")
+    cmd = (f"mount -t tmpfs -o size=16m tmpfs {mnt} && {shlex.quote(sys.executable)} -c {shlex.quote(code)} {mnt}")
+    res = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, check=False)
+    assert res.returncode == 0 and "REFUSED" in res.stdout and "remount" in res.stdout, res.stdout + res.stderr

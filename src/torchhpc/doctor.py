@@ -221,7 +221,7 @@ def _threads() -> Check:
     budget, now = thread_budget(), torch.get_num_threads()
     text = f"torch uses {now}; budget {budget.describe()}"
     if now > budget.threads:
-        return Check("threads", WARN, text, f"{now} threads x {budget.local_size} ranks on {budget.cpus} CPUs: unset "
+        return Check("threads", WARN, text, f"{now} threads x {budget.local_size} ranks on {budget.cpus} cores: unset "
                      f"OMP_NUM_THREADS (torchhpc then sets {budget.threads}), or set it to {budget.threads}")
     return Check("threads", OK, text)
 

@@ -13,6 +13,7 @@ variables before the user's script imports torch).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,8 +78,13 @@ def _torch_errors() -> None:
         globals()[cls.__name__] = cls
 
 
+_made = threading.Lock()
+
+
 def __getattr__(name: str) -> type:
     if name in ("PeerTimeoutError", "PeerFailedError"):
-        _torch_errors()
+        with _made:  # one class each, whichever thread asks first: isinstance must hold across threads
+            if name not in globals():
+                _torch_errors()
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

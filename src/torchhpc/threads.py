@@ -34,6 +34,7 @@ class ThreadBudget:
     local_size: int  # ranks on this node as the launcher says (1 when no launcher)
     launcher: str    # the launcher the facts come from (torchhpc.launcher.world_info), or "single"
     reason: str      # why this many
+    user_set: bool = False  # OMP_NUM_THREADS chosen by the user or the launcher: kept as it is
 
     def describe(self) -> str:
         """One line for ``torchhpc doctor``."""
@@ -91,12 +92,16 @@ def _launch(env: Mapping[str, str]) -> tuple[int, str]:
 def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
     """The budget for this process from ``env`` (default: ``os.environ``) and its CPU affinity; MPI-free."""
     env = os.environ if env is None else env
-    local, launcher = _launch(env)
+    return _budget(env, *_launch(env))
+
+
+def _budget(env: Mapping[str, str], local: int, launcher: str) -> ThreadBudget:
     cpus, node = _cpus(), _node_cpus()
     user = env.get("OMP_NUM_THREADS", "").strip()
     if user and env.get(MARKER) != user and not _pbs_default(env, user):
         threads = int(user) if user.isdigit() and int(user) > 0 else cpus
-        return ThreadBudget(threads, cpus, node, local, launcher, "OMP_NUM_THREADS set by the user or launcher")
+        return ThreadBudget(threads, cpus, node, local, launcher, "OMP_NUM_THREADS set by the user or launcher",
+                            user_set=True)
     if cpus * local <= node:
         return ThreadBudget(cpus, cpus, node, local, launcher, "one per core this rank may use (no other rank "
                             "shares them)" if local > 1 else "one per core of the process")
@@ -109,10 +114,11 @@ def set_default(env: dict[str, str] | None = None) -> ThreadBudget | None:
     torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already.  Nothing
     without a launcher or where the user set ``OMP_NUM_THREADS``.  Returns the budget applied, or None."""
     target = os.environ if env is None else env
-    if _launch(target)[1] in ("single", "unreadable"):  # a plain process: torch's default (and no sysfs reads)
+    local, launcher = _launch(target)
+    if launcher in ("single", "unreadable"):  # a plain process: torch's default (and no sysfs reads)
         return None
-    budget = thread_budget(target)
-    if budget.reason.startswith("OMP_NUM_THREADS"):
+    budget = _budget(target, local, launcher)
+    if budget.user_set:
         return None
     target["OMP_NUM_THREADS"] = target[MARKER] = str(budget.threads)
     torch = sys.modules.get("torch") if env is None else None

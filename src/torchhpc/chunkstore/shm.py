@@ -171,24 +171,29 @@ class Segment:
     def _reserve(self) -> None:
         """Allocate every page now, through the advised mapping so that they come huge where they can: a full
         tmpfs then fails here instead of killing a later write with SIGBUS."""
+        full = (errno.ENOSPC, errno.ENOMEM, errno.EFAULT)  # populate reports a full tmpfs's SIGBUS as EFAULT
         try:
             self._mm.madvise(MADV_POPULATE_WRITE)
             return
         except OSError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOSYS):  # older kernels: fall back to fallocate below
-                raise SharedMemoryTooSmall(_too_small_message(self.nbytes, _free(self.path.parent),
-                                                              self.path.parent)) from e
+            if e.errno in full:
+                raise self._too_small() from e
+            if e.errno not in (errno.EINVAL, errno.ENOSYS):  # before Linux 5.14: fallocate below
+                raise
         fd = os.open(self.path, os.O_RDWR)
         try:
             os.posix_fallocate(fd, 0, self.nbytes)
         except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise SharedMemoryTooSmall(_too_small_message(self.nbytes, _free(self.path.parent),
-                                                              self.path.parent)) from e
+            if e.errno in full:
+                raise self._too_small() from e
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 raise
         finally:
             os.close(fd)
+
+    def _too_small(self) -> SharedMemoryTooSmall:
+        d = self.path.parent
+        return SharedMemoryTooSmall(_too_small_message(self.nbytes, _free(d), d))
 
     @classmethod
     def create(cls, nbytes: int, directory: Path | None = None) -> Segment:

@@ -256,12 +256,12 @@ void ProcessGroupACCL::shutdown() {
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
 }
 
-std::string ProcessGroupACCL::groupName() const {
+const std::string& ProcessGroupACCL::groupName() const {
   return getGroupUid().empty() ? opts_.groupName : getGroupUid();
 }
 
 std::shared_ptr<const std::string> ProcessGroupACCL::groupNameShared() {
-  const std::string now = groupName();
+  const std::string& now = groupName();
   if (!nameShared_ || *nameShared_ != now) nameShared_ = std::make_shared<const std::string>(now);
   return nameShared_;
 }

@@ -432,7 +432,7 @@ class ProcessGroupACCL : public c10d::Backend {
   std::exception_ptr mpiFailure(const MpiCallError& e, const std::string& what);
   std::vector<int> failedRanks();
   void abortWith(const std::string& why, std::exception_ptr error);
-  std::string groupName() const;
+  const std::string& groupName() const;  // torch's name for the group once set, else ours
   std::shared_ptr<const std::string> groupNameShared();  // for Works (made again only when torch renames the group)
 
   // ---- the collectives' shared shapes
