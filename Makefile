@@ -112,7 +112,8 @@ cluster-link: ## Shape every virtual node's link to RATE=10gbit|1gbit|... with t
 	@$(VCLUSTER) link "$(RATE)"
 
 # ---- cluster builds: config_env.sh, utils/sites/<site>.sh, utils/pytorch_versions.tsv ----------------
-# SITE=<profile> picks a site (default: detected, else generic).  DRY_RUN=1 prints every command, job
+# SITE=<profile> picks a site (default: detected, else generic).  DETACH=1 submits a job and returns (follow
+# it with `make job-wait JOB=<name>`).  DRY_RUN=1 prints every command, job
 # script and submit line instead of running it.  PBS_ACCOUNT, PBS_QUEUE, PBS_SELECT_BUILD,
 # PBS_WALLTIME_BUILD, PBS_SELECT_TEST, PBS_WALLTIME_TEST (PBS) and SLURM_ACCOUNT, SLURM_PARTITION,
 # SLURM_{NODES,CPUS,GPUS,TIME}_{BUILD,TEST}, LAUNCHER, SRUN_MPI (Slurm) override the site's defaults.
@@ -128,7 +129,7 @@ ALL_REDUCE_ARGS   ?=
 CLUSTER_VARS       = SITE="$(SITE)" DRY_RUN="$(DRY_RUN)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)"
 
 .PHONY: cluster-versions nccl-ofi nccl-ofi-inputs spack-env spack-fake-install spack-install install-packages \
-        test-pbs test-slurm clean-pytorch \
+        test-pbs test-slurm job-wait clean-pytorch \
         clean-nccl-ofi clean-cluster-envs clean-cluster
 
 cluster-versions: ## Show the supported PyTorch source builds and where each figure comes from (utils/pytorch_versions*.tsv)
@@ -177,6 +178,10 @@ test-slurm: ## The same all-reduce table on 2 nodes as a Slurm job (mpiexec or s
 	  -- env ALL_REDUCE_TEST="$(ALL_REDUCE_TEST)" BACKENDS="$(BACKENDS)" \
 	  $(if $(ALL_REDUCE_ARGS),ALL_REDUCE_ARGS="$(ALL_REDUCE_ARGS)") \
 	  bash utils/run_all_reduce.sh
+
+job-wait: ## Follow JOB=<name> (a job submitted with DETACH=1 or `torchhpc jobscript --detach`) to its end
+	@[[ -n "$${JOB:-}" ]] || { echo "usage: make job-wait JOB=<job name> (the names: ls $(TORCHHPC_PREFIX)/jobs/*.job)" >&2; exit 2; }
+	@$(CLUSTER_VARS) bash utils/submit_job.sh --attach "$(JOB)"
 
 clean-pytorch: ## Remove PyTorch/torchvision sources, wheels and their stamps (keeps NCCL and environments)
 	rm -rf "$(TORCHHPC_PREFIX)"/src/pytorch-v* "$(TORCHHPC_PREFIX)"/src/vision-v* "$(TORCHHPC_PREFIX)/wheels"

@@ -15,6 +15,7 @@ average accuracy, for both runs.
 from __future__ import annotations
 
 import argparse
+import socket
 import time
 
 import numpy as np
@@ -121,6 +122,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
+    hosts = comm.gather(socket.gethostname())
+    if comm.Get_rank() == 0:
+        print("ranks on hosts: " + " ".join(f"{rank}:{host}" for rank, host in enumerate(hosts)), flush=True)
     t0 = time.perf_counter()
     plain = run(False, args, comm)
     rehearsed = run(True, args, comm)

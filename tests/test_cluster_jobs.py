@@ -32,16 +32,18 @@ def test_pbs_and_slurm_scripts_come_from_one_generator(tmp_path: Path) -> None:
     slurm, slurm_submit = script_lines(submit(tmp_path, "--scheduler", "slurm", *cmd).stdout)
     assert pbs[0] == "#!/bin/bash -l" and slurm[0] == "#!/bin/bash"
     pbs_body = [line for line in pbs[1:] if not line.startswith("#PBS")]
+    assert f"exec >>{tmp_path}/build/jobs/j.log 2>&1" in pbs_body, "a PBS job writes its own log as it goes"
+    pbs_body.remove(f"exec >>{tmp_path}/build/jobs/j.log 2>&1")
     slurm_body = [line for line in slurm[1:] if not line.startswith("#SBATCH")]
     assert [line.replace("(pbs)", "(X)").replace("=pbs", "=X") for line in pbs_body] == \
         [line.replace("(slurm)", "(X)").replace("=slurm", "=X") for line in slurm_body]
     assert pbs_body[-1] == "echo a\\ b"
-    assert pbs_submit == f"qsub -W block=true {tmp_path}/build/jobs/j.pbs"
+    assert pbs_submit == f"qsub {tmp_path}/build/jobs/j.pbs"
     assert slurm_submit == f"sbatch --parsable {tmp_path}/build/jobs/j.slurm"
     assert "#SBATCH --nodes=2" in slurm and "#SBATCH --ntasks-per-node=4" in slurm
     assert "#SBATCH --gpus-per-node=4" in slurm and "#SBATCH --time=00:15:00" in slurm
     assert f"#SBATCH --output={tmp_path}/build/jobs/j-%j.log" in slurm
-    assert "#PBS -l select=2:ncpus=8:mpiprocs=4:ngpus=4" in pbs and f"#PBS -o {tmp_path}/build/jobs/j.log" in pbs
+    assert "#PBS -l select=2:ncpus=8:mpiprocs=4:ngpus=4" in pbs and f"#PBS -o {tmp_path}/build/jobs/j.pbs-out" in pbs
 
 
 def test_pbs_test_jobs_take_whole_hosts_unless_the_site_says_where(tmp_path: Path) -> None:
@@ -117,7 +119,7 @@ def test_qcmd_carries_resources_on_its_command_line(tmp_path: Path) -> None:
 def test_bad_names_shapes_and_schedulers(tmp_path: Path) -> None:
     for args, message in ((["--scheduler", "lsf"], "SCHEDULER 'lsf' is not pbs or slurm"),
                           (["--scheduler", "pbs", "--name", "9lives"], "is not a valid job name"),
-                          (["--scheduler", "slurm", "--shape", "huge"], "--shape 'huge' is not build or test")):
+                          (["--scheduler", "slurm", "--shape", "huge"], "--shape 'huge' is not build, test or run")):
         shape = [] if "--shape" in args else ["--shape", "build"]
         proc = submit(tmp_path, *args, *shape, "--", "true")
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
@@ -151,3 +153,78 @@ def test_derecho_profile_says_pbs(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", "-c", "source ./config_env.sh && echo $TORCHHPC_SCHEDULER"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "pbs"
+
+
+# ---- torchhpc jobscript: the user's own command (shape run) --------------------------------------------------
+
+
+def jobscript(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`torchhpc jobscript ARGS` from a user's directory (tmp_path/work), as on a login node without a scheduler."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C",
+            "TORCHHPC_PREFIX": str(tmp_path / "build"), "SITE": "generic", "TORCHHPC_ROOT": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "torchhpc", "jobscript", *args], cwd=work, env={**base, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_jobscript_pbs_asks_for_the_nodes_and_ranks_and_runs_the_command_per_rank(tmp_path: Path) -> None:
+    proc = jobscript(tmp_path, "--scheduler", "pbs", "--nodes", "3", "--ranks-per-node", "2", "--gpus", "0",
+                     "--walltime", "01:30:00", "--account", "P1", "--", "python", "train.py", "--lr", "0.1")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "#!/bin/bash -l" and "#PBS -N train" in lines and "#PBS -A P1" in lines
+    # cores per node from the site's test select (8 on the generic profile); no GPUs asked for
+    assert "#PBS -l select=3:ncpus=8:mpiprocs=2" in lines and "#PBS -l walltime=01:30:00" in lines
+    assert "#PBS -l place=scatter:excl" in lines, "one chunk per host"
+    assert f"exec >>{tmp_path}/build/jobs/train.log 2>&1" in lines, "the job writes its log as it goes"
+    assert f"cd {tmp_path}/work" in lines, "the job runs where jobscript was called"
+    assert lines[-1] == f"bash {ROOT}/utils/run_ranks.sh python train.py --lr 0.1"
+    assert (tmp_path / "build/jobs").is_dir(), "the log's directory exists before the script is submitted"
+
+
+def test_jobscript_slurm_shares_the_nodes_cores_among_its_ranks(tmp_path: Path) -> None:
+    proc = jobscript(tmp_path, "--scheduler", "slurm", "--nodes", "2", "--ranks-per-node", "2", "--gpus", "1",
+                     "--partition", "gpu", "--", "python", "train.py")
+    lines = proc.stdout.splitlines()
+    assert {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=2", "#SBATCH --gpus-per-node=1",
+            "#SBATCH --partition=gpu"} <= set(lines), proc.stdout + proc.stderr
+    # the generic profile's test job: 4 tasks x 8 cores per node, so 16 cores for each of 2 ranks
+    assert "#SBATCH --cpus-per-task=16" in lines
+
+
+def test_jobscript_uses_the_site_profile(tmp_path: Path) -> None:
+    proc = jobscript(tmp_path, "--nodes", "2", "--account", "UABC0001", "--", "python", "train.py",
+                     SITE="derecho", TORCHHPC_NO_MODULES="1")
+    lines = proc.stdout.splitlines()
+    assert {"#PBS -q main", "#PBS -l select=2:ncpus=64:mpiprocs=4:ngpus=4", "#PBS -l job_priority=regular",
+            "export SITE=derecho PYTORCH_VERSION=2.13.0 TORCHHPC_PREFIX=" + str(tmp_path / "build")
+            + " SCHEDULER=pbs"} <= set(lines), proc.stdout + proc.stderr
+    refused = jobscript(tmp_path, "--submit", "--", "python", "train.py", SITE="derecho", TORCHHPC_NO_MODULES="1")
+    assert refused.returncode != 0 and "needs a project account" in refused.stderr and "--account" in refused.stderr
+
+
+def test_jobscript_writes_a_file_and_refuses_bad_input(tmp_path: Path) -> None:
+    out = tmp_path / "train.slurm"
+    proc = jobscript(tmp_path, "--scheduler", "slurm", "-o", str(out), "--", "python", "train.py")
+    assert proc.returncode == 0 and out.read_text().startswith("#!/bin/bash\n#SBATCH --job-name=train\n")
+    assert f"sbatch {out}" in proc.stderr
+    for args, message in ((["--", ], "no command"), (["--nodes", "0", "--scheduler", "pbs", "--", "x"],
+                                                     "--nodes '0' is not a positive whole number"),
+                          (["--walltime", "1h", "--scheduler", "slurm", "--", "x"], "--walltime '1h' is not HH:MM:SS")):
+        proc = jobscript(tmp_path, *args)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+    lost = jobscript(tmp_path, "--", "x", TORCHHPC_ROOT=str(tmp_path))
+    assert lost.returncode != 0 and "no torchhpc checkout found" in lost.stderr, lost.stderr
+
+
+def test_run_ranks_places_ranks_from_the_allocation(tmp_path: Path) -> None:
+    """utils/run_ranks.sh inside a PBS job of 2 hosts x 3 ranks: one launcher line for 6 ranks, 3 per node."""
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("a\na\na\nb\nb\nb\n")
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "SITE": "generic",
+           "TORCHHPC_NO_ENV": "1", "TORCHHPC_QUIET": "1", "PBS_NODEFILE": str(nodefile), "DRY_RUN": "1"}
+    proc = subprocess.run(["bash", str(ROOT / "utils/run_ranks.sh"), "python", "t.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "+ mpiexec -n 6 --map-by ppr:3:node python t.py", proc.stdout + proc.stderr
+    assert f"2 node(s) x 3 rank(s) with mpiexec in {tmp_path}" in proc.stderr

@@ -95,7 +95,7 @@ def test_generic_pbs_dry_run_uses_blocking_qsub_and_overrides(tmp_path: Path) ->
     script, submit = job_and_submit(out)
     assert "#PBS -q gpu" in script and "#PBS -l walltime=06:00:00" in script
     assert "#PBS -l select=1:ncpus=96" in script and not any(s.startswith("#PBS -A") for s in script)
-    assert submit == f"qsub -W block=true {tmp_path}/build/jobs/torchhpc-build-v2.6.0.pbs"
+    assert submit == f"qsub {tmp_path}/build/jobs/torchhpc-build-v2.6.0.pbs"
 
 
 def test_real_submission_without_account_or_qsub_fails_clearly(tmp_path: Path) -> None:

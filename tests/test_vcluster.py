@@ -284,6 +284,51 @@ def test_make_test_slurm_prints_the_table_with_ranks_on_both_nodes(cluster: Clus
     assert "# Out of bounds values : 0 OK" in log, log
 
 
+JOB_ENV = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "GPUS_PER_NODE": "2"}
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(cluster: Cluster, launcher: str) -> None:
+    """`torchhpc jobscript --submit` from a user's directory: 2 nodes x 2 ranks of the rehearsal example under
+    Slurm, started by the site's launcher (or srun), each node holding two ranks; the job's log is shown."""
+    work = cluster.shared / f"jobscript-{launcher}"
+    work.mkdir(exist_ok=True)
+    env = {**JOB_ENV, "TORCHHPC_PREFIX": str(work / "prefix")}
+    out = cluster.ok(f"cd {work} && torchhpc jobscript --nodes 2 --ranks-per-node 2 --gpus 0 --cpus 1 "
+                     f"--walltime 00:10:00 --launcher {launcher} --submit -- "
+                     f"python {ROOT}/examples/continual_digits.py --epochs 1", timeout=300, env=env)
+    assert "final average accuracy" in out and "finished: COMPLETED, exit status 0" in out, out
+    log = Path(out.split("; log: ")[1].split()[0]).read_text()
+    assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
+    assert f"2 node(s) x 2 rank(s) with {launcher} in {work}" in log, log
+
+
+NINJA_JOB = "for i in 1 2 3 4; do echo \"[$i/4] Building CXX object part$i.o\"; sleep 2; done; echo built"
+
+
+def test_the_wait_shows_a_live_jobs_state_and_build_progress(cluster: Cluster) -> None:
+    """A job printing ninja's lines: while it runs, the wait prints its state and the latest [N/M] as a %."""
+    env = {**JOB_ENV, "TORCHHPC_PREFIX": str(cluster.shared / "progress"), "JOB_PROGRESS_EVERY": "0"}
+    out = cluster.ok(f"bash utils/submit_job.sh --scheduler slurm --name ninja --shape build --cpus 1 -- "
+                     f"bash -c {shlex.quote(NINJA_JOB)}", timeout=120, env=env)
+    shown = re.findall(r"^\[\d+ RUNNING, ran \d\d:\d\d:\d\d\] (\d+)% \[\d/4\] Building", out, re.M)
+    assert len(set(shown)) >= 2, out  # seen growing while the job ran, not only at its end
+    assert "Ctrl-C deletes it" in out and "finished: COMPLETED, exit status 0" in out, out
+
+
+def test_a_detached_job_is_followed_later_with_its_exit_status(cluster: Cluster) -> None:
+    env = {**JOB_ENV, "TORCHHPC_PREFIX": str(cluster.shared / "detach")}
+    start = time.monotonic()
+    out = cluster.ok("DETACH=1 bash utils/submit_job.sh --scheduler slurm --name later --shape build --cpus 1 "
+                     "-- bash -c 'sleep 4; echo the-end; exit 3'", timeout=60, env=env)
+    assert time.monotonic() - start < 4 and "make job-wait JOB=later" in out, out
+    proc = cluster.run("make --no-print-directory job-wait JOB=later", timeout=120, env=env)
+    assert "the-end" in proc.stdout and "finished: FAILED, exit status 3" in proc.stdout, proc.stdout
+    assert proc.returncode != 0 and "job-wait] Error 3" in proc.stdout, "make passes the job's status on"
+    unknown = cluster.run("make --no-print-directory job-wait JOB=never", timeout=60, env=env)
+    assert unknown.returncode != 0 and "no job named 'never' was submitted from here" in unknown.stdout
+
+
 def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster) -> None:
     """Node 2 is torn down in the middle of all-reduces (link cut, every process killed): both ranks of node 1
     raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Runs last: it leaves

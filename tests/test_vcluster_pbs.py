@@ -135,6 +135,43 @@ def test_knobs_reach_the_job(pbs: Cluster, prefix: Path) -> None:
     assert "knob=patches" in log and f"python={sys.prefix}/bin/python" in log, log
 
 
+NINJA_JOB = "for i in 1 2 3 4; do echo \"[$i/4] Building CXX object part$i.o\"; sleep 2; done; echo built"
+
+
+def test_the_wait_shows_a_live_jobs_state_and_build_progress(pbs: Cluster, prefix: Path) -> None:
+    """PBS copies a job's output back only at its end: the job writes its log itself, so the wait can show
+    the job's state and the latest ninja [N/M] as a percentage while it runs."""
+    rc, out = submit(pbs, prefix, f"bash -c {shlex.quote(NINJA_JOB)}", JOB_PROGRESS_EVERY="0")
+    assert rc == 0, out
+    shown = re.findall(r"^\[\S+ R, ran \d\d:\d\d:\d\d\] (\d+)% \[\d/4\] Building", out, re.M)
+    assert len(set(shown)) >= 2, out  # seen growing while the job ran, not only at its end
+    assert "Ctrl-C deletes it" in out and "finished: exit status 0" in out, out
+
+
+def test_a_detached_job_is_followed_later_with_its_exit_status(pbs: Cluster, prefix: Path) -> None:
+    start = time.monotonic()
+    rc, out = submit(pbs, prefix, "bash -c 'sleep 4; echo the-end; exit 3'", name="later", DETACH="1")
+    assert rc == 0 and time.monotonic() - start < 4 and "make job-wait JOB=later" in out, out
+    env = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "TORCHHPC_PREFIX": str(prefix)}
+    proc = pbs.run("bash utils/submit_job.sh --attach later", timeout=120, env=env)
+    assert proc.returncode == 3 and "the-end" in proc.stdout, proc.stdout
+    assert "PBS job" in proc.stdout and "failed: exit status 3" in proc.stdout, proc.stdout
+
+
+def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(pbs: Cluster, prefix: Path) -> None:
+    """`torchhpc jobscript --submit` from a user's directory: 2 nodes x 2 ranks of the rehearsal example under
+    PBS (select, place=scatter), started by mpiexec from the job's node file; the job's log is shown."""
+    env = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "TORCHHPC_PREFIX": str(prefix), "GPUS_PER_NODE": "2"}
+    out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --ranks-per-node 2 --gpus 0 --cpus 2 "
+                 f"--walltime 00:10:00 --submit -- python {ROOT}/examples/continual_digits.py --epochs 1",
+                 timeout=300, env=env)
+    assert "final average accuracy" in out and "finished: exit status 0" in out, out
+    log = (prefix / "jobs/continual_digits.log").read_text()
+    assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
+    assert f"2 node(s) x 2 rank(s) with mpiexec in {prefix}" in log, log
+    assert "#PBS -l select=2:ncpus=2:mpiprocs=2" in (prefix / "jobs/continual_digits.pbs").read_text()
+
+
 # ---- mpiexec inside a PBS job, both MPIs, as users write the job script --------------------------------------
 
 

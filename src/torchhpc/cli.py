@@ -10,6 +10,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("torchhpc.doctor", "check this environment for distributed training"),
     "bench": ("torchhpc.bench", "collective benchmarks: accl vs upstream MPI backend vs gloo vs raw MPI"),
+    "jobscript": ("torchhpc.jobscript", "a PBS or Slurm job script for your own training command (--submit)"),
 }
 
 

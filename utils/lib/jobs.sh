@@ -1,12 +1,15 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2153  # JOB_* inputs are set by the script that sources this file
 # The scheduler-independent batch-job layer used by utils/submit_job.sh: resources, validation, ONE job
 # script generator (PBS directives or Slurm directives over the same body), the submit line, the wait, the
 # exit status and the log.  Sourced after utils/lib/common.sh and load_config (config_env.sh).
 #
 # Inputs (set by the caller): JOB_NAME JOB_SHAPE JOB_SCHEDULER JOB_WALLTIME JOB_ACCOUNT JOB_QUEUE JOB_NODES
-# JOB_PPN JOB_CPUS JOB_GPUS JOB_SELECT JOB_SUBMIT JOB_COMMAND; empty means "the site's default".  JOB_EXPORTS:
-# the job's export lines (job_exports, before config_env.sh is loaded).
+# JOB_PPN JOB_CPUS JOB_GPUS JOB_SELECT JOB_SUBMIT JOB_COMMAND JOB_WORKDIR JOB_DETACH; empty means "the site's
+# default".  JOB_EXPORTS: the job's export lines (job_exports, before config_env.sh is loaded).
+# Shapes: build (one node, many cores), test (our all-reduce table on 2 nodes) and run (the user's own
+# command: --nodes x --ranks-per-node, defaults from the site's test resources).
 # JOB_WAIT_TIMEOUT (seconds, 0 = none): give up waiting (and cancel the job) after that long.
+# JOB_PROGRESS_EVERY (seconds, default 60): how often the wait prints a new progress line when not on a terminal.
 
 # PBS Pro select chunks: N:key=value[:key=value...][+N:...]; these keys must be whole numbers.
 PBS_INT_KEYS=" ncpus mpiprocs ngpus ompthreads "
@@ -19,7 +22,9 @@ job_die_value() { die "$1 '$2' $3"; }
 job_resolve() {
   [[ "$JOB_NAME" =~ ^[A-Za-z][A-Za-z0-9._-]{0,235}$ ]] \
     || job_die_value --name "$JOB_NAME" "is not a valid job name (a letter, then letters, digits, . _ -)"
-  case "$JOB_SHAPE" in build | test) ;; *) job_die_value --shape "$JOB_SHAPE" "is not build or test" ;; esac
+  case "$JOB_SHAPE" in build | test | run) ;; *) job_die_value --shape "$JOB_SHAPE" "is not build, test or run" ;; esac
+  JOB_WORKDIR=${JOB_WORKDIR:-$TORCHHPC_ROOT}
+  [[ -d "$JOB_WORKDIR" ]] || job_die_value --workdir "$JOB_WORKDIR" "is not a directory"
   JOB_SCHEDULER=${JOB_SCHEDULER:-$TORCHHPC_SCHEDULER}
   case "$JOB_SCHEDULER" in
     pbs | slurm) ;;
@@ -38,7 +43,9 @@ job_resolve() {
 
 job_resolve_pbs() {
   local shape=${JOB_SHAPE^^} chunk key value
+  [[ "$shape" == RUN ]] && shape=TEST
   local select_var="TORCHHPC_PBS_SELECT_$shape" walltime_var="TORCHHPC_PBS_WALLTIME_$shape"
+  [[ "$JOB_SHAPE" == run && -z "$JOB_SELECT" ]] && job_run_select "${!select_var}"
   JOB_SELECT=${JOB_SELECT:-${!select_var}}
   JOB_WALLTIME=${JOB_WALLTIME:-${!walltime_var}}
   JOB_QUEUE=${JOB_QUEUE:-$TORCHHPC_PBS_QUEUE}
@@ -63,14 +70,40 @@ job_resolve_pbs() {
   [[ "$JOB_QUEUE" =~ ^[A-Za-z0-9_.-]+(@[A-Za-z0-9_.-]+)?$ ]] || job_die_value --queue "$JOB_QUEUE" "is not a PBS queue name"
   case "$JOB_SUBMIT" in qcmd | qsub) ;; *) job_die_value --submit "$JOB_SUBMIT" "is not qcmd or qsub" ;; esac
   if [[ -z "$JOB_ACCOUNT" && "$TORCHHPC_PBS_ACCOUNT_REQUIRED" == 1 && "$DRY_RUN" != 1 ]]; then
-    die "site $TORCHHPC_SITE needs a project account: PBS_ACCOUNT=<project code> make ..."
+    die "site $TORCHHPC_SITE needs a project account: PBS_ACCOUNT=<project code> make ... (torchhpc jobscript: --account <code>)"
   fi
   JOB_SCRIPT="$JOB_DIR/$JOB_NAME.pbs"
   JOB_LOG="$JOB_DIR/$JOB_NAME.log"
 }
 
+# A run-shaped job's PBS select from --nodes/--ranks-per-node/--cpus/--gpus: N:ncpus=C:mpiprocs=P[:ngpus=G],
+# each unset one from the first chunk of the site's test select (a whole node of the site's GPU queue).
+job_run_select() {
+  local site=$1 cpus gpus ppn
+  cpus=$(grep -oE '(^|:)ncpus=[0-9]+' <<<"${site%%+*}" | cut -d= -f2) || true
+  gpus=$(grep -oE '(^|:)ngpus=[0-9]+' <<<"${site%%+*}" | cut -d= -f2) || true
+  ppn=$(grep -oE '(^|:)mpiprocs=[0-9]+' <<<"${site%%+*}" | cut -d= -f2) || true
+  JOB_NODES=${JOB_NODES:-1} JOB_PPN=${JOB_PPN:-${ppn:-1}} JOB_CPUS=${JOB_CPUS:-${cpus:-$JOB_PPN}}
+  JOB_GPUS=${JOB_GPUS:-${gpus:-0}}
+  [[ "$JOB_NODES" =~ ^[1-9][0-9]*$ ]] || job_die_value --nodes "$JOB_NODES" "is not a positive whole number"
+  [[ "$JOB_PPN" =~ ^[1-9][0-9]*$ ]] || job_die_value --ranks-per-node "$JOB_PPN" "is not a positive whole number"
+  [[ "$JOB_CPUS" =~ ^[1-9][0-9]*$ ]] || job_die_value --cpus "$JOB_CPUS" "is not a positive whole number"
+  [[ "$JOB_GPUS" =~ ^[0-9]+$ ]] || job_die_value --gpus "$JOB_GPUS" "is not a whole number"
+  JOB_SELECT="$JOB_NODES:ncpus=$JOB_CPUS:mpiprocs=$JOB_PPN"
+  ((JOB_GPUS > 0)) && JOB_SELECT+=":ngpus=$JOB_GPUS"
+  return 0
+}
+
 job_resolve_slurm() {
   local shape=${JOB_SHAPE^^} v
+  [[ "$shape" == RUN ]] && shape=TEST
+  if [[ "$JOB_SHAPE" == run ]]; then
+    # the user's job: 1 node unless asked; the node's cores (the site's per test task) shared by its ranks
+    JOB_NODES=${JOB_NODES:-1} JOB_PPN=${JOB_PPN:-$TORCHHPC_GPUS_PER_NODE}
+    [[ "$JOB_PPN" =~ ^[1-9][0-9]*$ ]] || job_die_value --ranks-per-node "$JOB_PPN" "is not a positive whole number"
+    local per_node=$((TORCHHPC_SLURM_CPUS_TEST * TORCHHPC_GPUS_PER_NODE))
+    JOB_CPUS=${JOB_CPUS:-$((per_node / JOB_PPN > 0 ? per_node / JOB_PPN : 1))}
+  fi
   v="TORCHHPC_SLURM_NODES_$shape"; JOB_NODES=${JOB_NODES:-${!v}}
   v="TORCHHPC_SLURM_CPUS_$shape"; JOB_CPUS=${JOB_CPUS:-${!v}}
   v="TORCHHPC_SLURM_GPUS_$shape"; JOB_GPUS=${JOB_GPUS:-${!v}}
@@ -89,7 +122,7 @@ job_resolve_slurm() {
   [[ -z "$JOB_QUEUE" || "$JOB_QUEUE" =~ ^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$ ]] \
     || job_die_value --partition "$JOB_QUEUE" "is not a Slurm partition name"
   if [[ -z "$JOB_ACCOUNT" && "$TORCHHPC_SLURM_ACCOUNT_REQUIRED" == 1 && "$DRY_RUN" != 1 ]]; then
-    die "site $TORCHHPC_SITE needs an account: SLURM_ACCOUNT=<account> make ..."
+    die "site $TORCHHPC_SITE needs an account: SLURM_ACCOUNT=<account> make ... (torchhpc jobscript: --account <account>)"
   fi
   JOB_SCRIPT="$JOB_DIR/$JOB_NAME.slurm"
   JOB_LOG="$JOB_DIR/$JOB_NAME-%j.log"   # %j: the job id; resolved after submission
@@ -100,9 +133,11 @@ job_directives() {
   if [[ "$JOB_SCHEDULER" == pbs ]]; then
     printf '#PBS %s\n' "-N $JOB_NAME"
     [[ -n "$JOB_ACCOUNT" ]] && printf '#PBS %s\n' "-A $JOB_ACCOUNT"
-    printf '#PBS %s\n' "-q $JOB_QUEUE" "-l select=$JOB_SELECT" "-l walltime=$JOB_WALLTIME" "-j oe" "-o $JOB_LOG"
-    # a test takes whole hosts, one chunk each (PBS packs chunks by default); a site's own place= wins
-    if [[ "$JOB_SHAPE" == test && ("$JOB_SELECT" == *+* || "${JOB_SELECT%%:*}" -gt 1) \
+    # the job writes its own log as it goes (see job_write_script); PBS's copy of stdout, kept apart, holds
+    # what the job printed before that and what PBS itself says
+    printf '#PBS %s\n' "-q $JOB_QUEUE" "-l select=$JOB_SELECT" "-l walltime=$JOB_WALLTIME" "-j oe" "-o ${JOB_LOG%.log}.pbs-out"
+    # a test or run takes whole hosts, one chunk each (PBS packs chunks by default); a site's place= wins
+    if [[ "$JOB_SHAPE" != build && ("$JOB_SELECT" == *+* || "${JOB_SELECT%%:*}" -gt 1) \
       && " ${JOB_EXTRA[*]} " != *place=* ]]; then
       printf '#PBS %s\n' "-l place=scatter:excl"
     fi
@@ -127,9 +162,16 @@ job_write_script() {
     if [[ "$JOB_SCHEDULER" == pbs ]]; then printf '#!/bin/bash -l\n'; else printf '#!/bin/bash\n'; fi
     job_directives
     cat <<JOB
-# Written by utils/submit_job.sh ($JOB_SCHEDULER) for site $TORCHHPC_SITE; runs from the repository root.
+# Written by utils/submit_job.sh ($JOB_SCHEDULER) for site $TORCHHPC_SITE; runs in $JOB_WORKDIR.
 set -euo pipefail
-cd $(printf '%q' "$TORCHHPC_ROOT")
+JOB
+    # PBS copies a job's stdout back only when it ends: the job writes its log on the shared file system
+    # itself, so that the wait (and `tail -f`) sees it grow.  NCAR's qcmd streams the output instead.
+    if [[ "$JOB_SCHEDULER" == pbs && ("$JOB_SUBMIT" != qcmd || "$JOB_DETACH" == 1) ]]; then
+      printf 'exec >>%q 2>&1\n' "$JOB_LOG"
+    fi
+    cat <<JOB
+cd $(printf '%q' "$JOB_WORKDIR")
 export SITE=$(printf '%q' "$TORCHHPC_SITE") PYTORCH_VERSION=$(printf '%q' "$PYTORCH_VERSION") TORCHHPC_PREFIX=$(printf '%q' "$TORCHHPC_PREFIX") SCHEDULER=$JOB_SCHEDULER
 echo "job \${PBS_JOBID:-\${SLURM_JOB_ID:-?}} on \$(hostname) at \$(date -u +%FT%TZ)"
 $JOB_EXPORTS
@@ -163,43 +205,114 @@ job_exports() {
 job_build_submit() {
   if [[ "$JOB_SCHEDULER" == slurm ]]; then
     JOB_SUBMIT_CMD=(sbatch --parsable "$JOB_SCRIPT")
-  elif [[ "$JOB_SUBMIT" == qcmd ]]; then
+  elif [[ "$JOB_SUBMIT" == qcmd && "$JOB_DETACH" != 1 ]]; then
     JOB_SUBMIT_CMD=(qcmd -N "$JOB_NAME" -q "$JOB_QUEUE" -l "select=$JOB_SELECT" -l "walltime=$JOB_WALLTIME")
     [[ -n "$JOB_ACCOUNT" ]] && JOB_SUBMIT_CMD+=(-A "$JOB_ACCOUNT")
     # A login shell, as the #!/bin/bash -l line gives qsub jobs: the module command must be there.
     JOB_SUBMIT_CMD+=("${JOB_EXTRA[@]}" -- bash -l "$JOB_SCRIPT")
   else
-    JOB_SUBMIT_CMD=(qsub -W block=true "$JOB_SCRIPT")
+    JOB_SUBMIT_CMD=(qsub "$JOB_SCRIPT")
   fi
 }
 
-# Print the last lines of the job's log (the whole story of a failed job is usually there).
+# Print the last lines of the job's log (the whole story of a failed job is usually there), and what PBS
+# itself wrote to the job's stdout (e.g. "job killed: walltime"), which it copies back as the job ends.
 job_show_log() {
+  local pbs_out=${JOB_LOG%.log}.pbs-out
   if [[ -f "$JOB_LOG" ]]; then
     step "log $JOB_LOG (last 40 lines)"
     tail -n 40 "$JOB_LOG"
   else
     step "no log at $JOB_LOG"
   fi
+  if [[ "$JOB_SCHEDULER" == pbs ]]; then
+    JOB_WAIT_TIMEOUT=10 job_wait "PBS to copy $pbs_out back" test -e "$pbs_out" >/dev/null 2>&1 || true
+    if [[ -s "$pbs_out" ]]; then
+      step "PBS's own output $pbs_out"
+      cat "$pbs_out"
+    fi
+  fi
 }
 
-# Submit, wait, show the log, exit with the job's status.
+
+# Submit, then either return at once (--detach: say how to re-attach) or follow the job to its end.
 job_run() {
   command -v "${JOB_SUBMIT_CMD[0]}" >/dev/null \
     || die "'${JOB_SUBMIT_CMD[0]}' not found: submit from a ${JOB_SCHEDULER^^} login node"
   mkdir -p "$JOB_DIR"
   printf '%s\n' "$JOB_SCRIPT_TEXT" >"$JOB_SCRIPT"
-  if [[ "$JOB_SCHEDULER" == slurm ]]; then
-    job_run_slurm
-  elif [[ "$JOB_SUBMIT" == qsub ]]; then
-    job_run_pbs
+  if [[ "${JOB_SUBMIT_CMD[0]}" == qcmd ]]; then
+    # NCAR's qcmd: it blocks, streams the job's output and returns its exit status; it takes no job id.
+    step "submitting $JOB_NAME ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE) with qcmd (it streams the job's output)"
+    local status=0
+    "${JOB_SUBMIT_CMD[@]}" || status=$?
+    step "$JOB_NAME finished with exit status $status"
+    exit "$status"
   fi
-  # NCAR's qcmd: it blocks, streams the job's output and returns its exit status; it takes no job id.
-  step "submitting $JOB_NAME ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE) with qcmd"
-  local status=0
-  "${JOB_SUBMIT_CMD[@]}" || status=$?
-  step "$JOB_NAME finished with exit status $status"
+  job_submit
+  printf 'JOB_SCHEDULER=%q JOB_ID=%q JOB_LOG=%q JOB_SHAPE=%q JOB_WALLTIME=%q\n' \
+    "$JOB_SCHEDULER" "$JOB_ID" "$JOB_LOG" "$JOB_SHAPE" "$JOB_WALLTIME" >"$JOB_DIR/$JOB_NAME.job"
+  if [[ "$JOB_DETACH" == 1 ]]; then
+    step "detached from $(job_kind) job $JOB_ID; it runs on. Follow it with: make job-wait JOB=$JOB_NAME" \
+      "(or: bash utils/submit_job.sh --attach $JOB_NAME); its log as it grows: $JOB_LOG"
+    exit 0
+  fi
+  step "waiting for $(job_kind) job $JOB_ID; Ctrl-C deletes it (DETACH=1 / --detach leaves a job running)"
+  job_follow
+}
+
+# Hand the job to the scheduler: JOB_ID, and JOB_LOG with Slurm's %j resolved.
+job_submit() {
+  local out
+  rm -f "$JOB_LOG"
+  out=$("${JOB_SUBMIT_CMD[@]}" 2>&1) || die "${JOB_SUBMIT_CMD[0]} refused the job: $out; script: $JOB_SCRIPT"
+  JOB_ID=$(tail -n 1 <<<"$out")
+  if [[ "$JOB_SCHEDULER" == slurm ]]; then
+    JOB_ID=${JOB_ID%%;*}
+    [[ "$JOB_ID" =~ ^[0-9]+$ ]] || die "sbatch printed '$out', not a job id"
+    JOB_LOG=${JOB_LOG//%j/$JOB_ID}
+    step "submitted $JOB_NAME as Slurm job $JOB_ID ($JOB_NODES node(s) x $JOB_PPN task(s), $JOB_CPUS cpu(s)/task, time $JOB_WALLTIME${JOB_QUEUE:+, partition $JOB_QUEUE}); log: $JOB_LOG"
+  else
+    [[ "$JOB_ID" =~ ^[0-9]+(\[\])?\.[A-Za-z0-9_.-]+$ ]] || die "qsub printed '$out', not a job id; script: $JOB_SCRIPT"
+    step "submitted $JOB_NAME as PBS job $JOB_ID ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE); log: $JOB_LOG"
+  fi
+}
+
+# --attach NAME: follow a job submitted earlier (its record $JOB_DIR/NAME.job) to its end.
+job_attach() {
+  local record="$TORCHHPC_PREFIX/jobs/$1.job"
+  [[ -f "$record" ]] || die "no job named '$1' was submitted from here (no $record)"
+  # shellcheck disable=SC1090  # the record is written by job_run, %q-quoted
+  source "$record"
+  JOB_NAME=$1
+  step "following $(job_kind) job $JOB_ID ($JOB_NAME); Ctrl-C deletes it"
+  job_follow
+}
+
+# Wait for the job with its progress shown, then show its log and exit with its status.
+job_follow() {
+  JOB_SUBMITTED=$SECONDS JOB_STARTED="" JOB_SHOWN="" JOB_SHOWN_AT=-1
+  trap 'job_cancel; step "interrupted: $(job_cancelled) $(job_kind) job $JOB_ID"; job_show_log; exit 130' INT TERM
+  if ! job_wait "$(job_kind) job $JOB_ID" job_poll; then
+    job_cancel
+    job_show_log
+    die "gave up on $(job_kind) job $JOB_ID after JOB_WAIT_TIMEOUT=${JOB_WAIT_TIMEOUT}s; it was $(job_cancelled)"
+  fi
+  trap - INT TERM
+  [[ -t 2 ]] && printf '\n' >&2
+  local status
+  if [[ "$JOB_SCHEDULER" == pbs ]]; then job_status_pbs; else job_status_slurm; fi
+  status=$JOB_STATUS
+  job_show_log
+  step "$JOB_NAME ($(job_kind) job $JOB_ID) finished: ${JOB_END:+$JOB_END, }exit status $status"
   exit "$status"
+}
+
+job_kind() { if [[ "$JOB_SCHEDULER" == pbs ]]; then echo PBS; else echo Slurm; fi; }
+job_cancelled() { if [[ "$JOB_SCHEDULER" == pbs ]]; then echo "deleted (qdel)"; else echo "cancelled (scancel)"; fi; }
+
+job_cancel() {
+  if [[ "$JOB_SCHEDULER" == pbs ]]; then qdel "$JOB_ID" 2>/dev/null || true; else scancel "$JOB_ID" 2>/dev/null || true; fi
 }
 
 # job_wait WHAT TEST...: the one wait on the scheduler.  Poll TEST (0.2 s growing to 5 s) until it succeeds;
@@ -218,111 +331,101 @@ job_wait() {
   done
 }
 
-# PBS: `qsub -W block=true` prints the job id at once and returns when the job ends, with its exit status.
-# It runs in the background so that Ctrl-C and JOB_WAIT_TIMEOUT can delete the job (qdel), which a killed
-# qsub would leave running.  The job's record (qstat -x, job history) then gives how it ended, once PBS has
-# copied its output back.
-job_run_pbs() {
-  local out="$JOB_DIR/$JOB_NAME.qsub" qsub_pid id status=0 info state substate code
-  step "submitting $JOB_NAME ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE) with qsub -W block=true; log: $JOB_LOG"
-  rm -f "$JOB_LOG"
-  "${JOB_SUBMIT_CMD[@]}" >"$out" 2>&1 &
-  qsub_pid=$!
-  JOB_WAIT_TIMEOUT=60 job_wait "qsub to print the job id" job_pbs_submitted "$out" "$qsub_pid" || true
-  id=$(head -n 1 "$out")
-  if [[ ! "$id" =~ ^[0-9]+(\[\])?\.[A-Za-z0-9_.-]+$ ]]; then
-    wait "$qsub_pid" || true
-    die "qsub refused the job: $(cat "$out"); script: $JOB_SCRIPT"
+# One look at the job: JOB_STATE (PBS's letter or Slurm's word; "gone" once the scheduler forgot it), the
+# progress line, and success once the job has ended.
+job_poll() {
+  local info
+  if [[ "$JOB_SCHEDULER" == pbs ]]; then
+    if info=$(qstat -x -f "$JOB_ID" 2>&1); then
+      JOB_STATE=$(sed -n 's/^ *job_state = //p' <<<"$info")
+    elif [[ "$info" == *"Unknown Job Id"* ]]; then
+      JOB_STATE=gone   # a server without job history forgets a job as it ends
+    else
+      return 1         # the server did not answer this time
+    fi
+  else
+    JOB_STATE=$(job_slurm_state "$JOB_ID")
+    [[ -n "$JOB_STATE" ]] || JOB_STATE=gone   # purged after MinJobAge
   fi
-  step "submitted $JOB_NAME as PBS job $id"
-  trap 'job_pbs_delete "$id" "$qsub_pid"; step "interrupted: deleted PBS job $id"; job_show_log; exit 130' INT TERM
-  if ! job_wait "PBS job $id" job_pid_gone "$qsub_pid"; then
-    job_pbs_delete "$id" "$qsub_pid"
-    job_show_log
-    die "gave up on PBS job $id after JOB_WAIT_TIMEOUT=${JOB_WAIT_TIMEOUT}s; it was deleted (qdel)"
+  job_progress
+  [[ "$JOB_STATE" == F || "$JOB_STATE" == gone || "$SLURM_DONE_STATES" == *" $JOB_STATE "* ]]
+}
+
+# The progress line: the job's state, how long it has queued or run, and the log's latest line, with ninja's
+# [N/M] as a percentage when the log has one.  On a terminal it is redrawn in place at each poll; otherwise a
+# new line is printed when the state changes or, at most every JOB_PROGRESS_EVERY seconds (default 60), when
+# the log has moved on.
+job_progress() {
+  local now=$SECONDS since last="" ninja line
+  case "$JOB_STATE" in R | RUNNING | E | COMPLETING) JOB_STARTED=${JOB_STARTED:-$now} ;; esac
+  if [[ -n "$JOB_STARTED" ]]; then since="ran $(job_hms $((now - JOB_STARTED)))"; else since="queued $(job_hms $((now - JOB_SUBMITTED)))"; fi
+  if [[ -f "$JOB_LOG" ]]; then
+    last=$(tail -n 200 "$JOB_LOG" | grep -v '^[[:space:]]*$' | tail -n 1 | tr -d '\r' | cut -c 1-160) || true
+    ninja=$(tail -n 200 "$JOB_LOG" | grep -oE '^\[[0-9]+/[0-9]+\]' | tail -n 1) || true
+    if [[ "$ninja" =~ ^\[([0-9]+)/([1-9][0-9]*)\]$ ]]; then
+      last="$((BASH_REMATCH[1] * 100 / BASH_REMATCH[2]))% $last"
+    fi
   fi
-  trap - INT TERM
-  wait "$qsub_pid" || status=$?
-  JOB_WAIT_TIMEOUT=120 job_wait "PBS job $id to finish (state F)" job_pbs_finished "$id" || true
-  info=$(qstat -x -f "$id" 2>&1) || true
-  state=$(sed -n 's/^ *job_state = //p' <<<"$info")
+  line="[$JOB_ID $JOB_STATE, $since] $last"
+  if [[ -t 2 ]]; then
+    printf '\r%s\033[K' "${line:0:$((${COLUMNS:-120} - 1))}" >&2
+  elif [[ "$JOB_STATE $last" != "$JOB_SHOWN" ]] \
+    && { [[ "$JOB_STATE" != "${JOB_SHOWN%% *}" ]] || ((now - JOB_SHOWN_AT >= ${JOB_PROGRESS_EVERY:-60})); }; then
+    printf '%s\n' "$line" >&2
+    JOB_SHOWN="$JOB_STATE $last" JOB_SHOWN_AT=$now
+  fi
+}
+
+job_hms() { printf '%02d:%02d:%02d' $(($1 / 3600)) $(($1 / 60 % 60)) $(($1 % 60)); }
+
+# PBS: the job's record (qstat -x, job history on) as JOB_STATUS and a clear message.
+job_status_pbs() {
+  local info substate code
+  info=$(qstat -x -f "$JOB_ID" 2>&1) || info=""
   substate=$(sed -n 's/^ *substate = //p' <<<"$info")
   code=$(sed -n 's/^ *Exit_status = //p' <<<"$info")
   if [[ -z "$code" ]]; then
-    step "PBS job $id has no exit status (state ${state:-unknown}); qsub returned $status"
+    JOB_STATUS=1
+    step "PBS keeps no record of job $JOB_ID (job history off?): its exit status is unknown; see its log"
   elif ((substate == 91)); then  # JOB_SUBSTATE_TERMINATED: deleted by qdel
-    status=130
-    step "PBS job $id was deleted (qdel, or by an administrator) before it finished"
+    JOB_STATUS=130
+    step "PBS job $JOB_ID was deleted (qdel, or by an administrator) before it finished"
   elif ((code == -29)); then  # JOB_EXEC_KILL_WALLTIME
-    status=124
-    step "PBS job $id hit its walltime ($JOB_WALLTIME) and was killed: raise it (PBS_WALLTIME_${JOB_SHAPE^^} / --walltime)"
+    JOB_STATUS=124
+    step "PBS job $JOB_ID hit its walltime ($JOB_WALLTIME) and was killed: raise it (PBS_WALLTIME_${JOB_SHAPE^^} / --walltime)"
   elif ((code < 0)); then
-    status=1
-    step "PBS could not run job $id (Exit_status $code: see 'JOB_EXEC' codes in the PBS admin guide; comment: $(sed -n 's/^ *comment = //p' <<<"$info"))"
+    JOB_STATUS=1
+    step "PBS could not run job $JOB_ID (Exit_status $code: see 'JOB_EXEC' codes in the PBS admin guide; comment: $(sed -n 's/^ *comment = //p' <<<"$info"))"
   elif ((code >= 256)); then  # killed by a signal: PBS reports 256 + the signal
-    status=$((128 + code - 256))
-    step "PBS job $id was killed by signal $((code - 256))"
+    JOB_STATUS=$((128 + code - 256))
+    step "PBS job $JOB_ID was killed by signal $((code - 256))"
   else
-    status=$code
-    ((code == 0)) || step "PBS job $id failed: exit status $code"
+    JOB_STATUS=$code
+    ((code == 0)) || step "PBS job $JOB_ID failed: exit status $code"
   fi
-  job_show_log
-  step "$JOB_NAME (PBS job $id) finished: exit status $status"
-  exit "$status"
 }
 
-# job_pbs_delete ID QSUB_PID: qdel the job, stop the waiting qsub, and give PBS up to 30 s to copy the
-# job's output back (so that its log can be shown).
-job_pbs_delete() {
-  qdel "$1" 2>/dev/null || true
-  kill "$2" 2>/dev/null || true
-  JOB_WAIT_TIMEOUT=30 job_wait "PBS job $1 to finish (state F)" job_pbs_finished "$1" || true
-}
-# qsub has printed a whole line (the job id, or its refusal), or has exited.
-job_pbs_submitted() { [[ -s "$1" && $(tail -c 1 "$1" | wc -l) -eq 1 ]] || ! kill -0 "$2" 2>/dev/null; }
-job_pid_gone() { ! kill -0 "$1" 2>/dev/null; }
-job_pbs_finished() { [[ $(qstat -x -f "$1" 2>/dev/null | sed -n 's/^ *job_state = //p') == F ]]; }
-
-# Slurm: submit, poll the job's state, then turn its final state and ExitCode into this script's exit
-# status and a clear message.
-job_run_slurm() {
-  local out id info="" state exit_code status
-  out=$("${JOB_SUBMIT_CMD[@]}") || die "sbatch refused the job (above); script: $JOB_SCRIPT"
-  id=${out%%;*}
-  [[ "$id" =~ ^[0-9]+$ ]] || die "sbatch printed '$out', not a job id"
-  JOB_LOG=${JOB_LOG//%j/$id}
-  step "submitted $JOB_NAME as Slurm job $id ($JOB_NODES node(s) x $JOB_PPN task(s), $JOB_CPUS cpu(s)/task, time $JOB_WALLTIME${JOB_QUEUE:+, partition $JOB_QUEUE}); log: $JOB_LOG"
-  trap 'scancel "$id" 2>/dev/null; step "interrupted: cancelled Slurm job $id"; job_show_log; exit 130' INT TERM
-  if ! job_wait "Slurm job $id" job_slurm_done "$id"; then
-    scancel "$id" 2>/dev/null || true
-    job_show_log
-    die "gave up on Slurm job $id after JOB_WAIT_TIMEOUT=${JOB_WAIT_TIMEOUT}s (state $(job_slurm_state "$id")); it was cancelled"
-  fi
-  trap - INT TERM
-  info=$(scontrol show job -o "$id" 2>&1) || die "scontrol show job $id failed: $info"
+# Slurm: the job's final state and ExitCode (scontrol) as JOB_STATUS and a clear message.
+job_status_slurm() {
+  local info state exit_code code signal
+  info=$(scontrol show job -o "$JOB_ID" 2>&1) || info=""
   state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")
+  JOB_END=$state
   exit_code=$(sed -n 's/.* ExitCode=\([0-9]*:[0-9]*\).*/\1/p' <<<"$info")
-  local code=${exit_code%%:*} signal=${exit_code##*:}
+  code=${exit_code%%:*} signal=${exit_code##*:}
   case "$state" in
-    COMPLETED) status=0 ;;
-    TIMEOUT) status=124
-      step "Slurm job $id hit its time limit ($(sed -n 's/.* TimeLimit=\([^ ]*\).*/\1/p' <<<"$info")) and was killed: raise the time (SLURM_TIME_${JOB_SHAPE^^} / --walltime)" ;;
-    CANCELLED) status=130
-      step "Slurm job $id was cancelled (scancel, or by an administrator) before it finished" ;;
-    OUT_OF_MEMORY) status=137; step "Slurm job $id ran out of memory" ;;
-    FAILED) status=$((code > 0 ? code : (signal > 0 ? 128 + signal : 1)))
-      step "Slurm job $id failed: exit code $code$( ((signal > 0)) && echo ", signal $signal")" ;;
-    *) status=1; step "Slurm job $id ended in state $state (reason: $(sed -n 's/.* Reason=\([^ ]*\).*/\1/p' <<<"$info"))" ;;
+    COMPLETED) JOB_STATUS=0 ;;
+    TIMEOUT) JOB_STATUS=124
+      step "Slurm job $JOB_ID hit its time limit ($(sed -n 's/.* TimeLimit=\([^ ]*\).*/\1/p' <<<"$info")) and was killed: raise the time (SLURM_TIME_${JOB_SHAPE^^} / --walltime)" ;;
+    CANCELLED) JOB_STATUS=130
+      step "Slurm job $JOB_ID was cancelled (scancel, or by an administrator) before it finished" ;;
+    OUT_OF_MEMORY) JOB_STATUS=137; step "Slurm job $JOB_ID ran out of memory" ;;
+    FAILED) JOB_STATUS=$((code > 0 ? code : (signal > 0 ? 128 + signal : 1)))
+      step "Slurm job $JOB_ID failed: exit code $code$( ((signal > 0)) && echo ", signal $signal")" ;;
+    "") JOB_STATUS=1
+      step "slurmctld no longer knows job $JOB_ID (it keeps ended jobs MinJobAge seconds): its exit status is unknown; see its log" ;;
+    *) JOB_STATUS=1; step "Slurm job $JOB_ID ended in state $state (reason: $(sed -n 's/.* Reason=\([^ ]*\).*/\1/p' <<<"$info"))" ;;
   esac
-  job_show_log
-  step "$JOB_NAME (Slurm job $id) finished: $state, exit status $status"
-  exit "$status"
 }
 
 job_slurm_state() { scontrol show job -o "$1" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p'; }
-job_slurm_done() {
-  local state
-  state=$(job_slurm_state "$1")
-  [[ -n "$state" ]] || die "scontrol show job $1 failed"
-  [[ "$SLURM_DONE_STATES" == *" $state "* ]]
-}
