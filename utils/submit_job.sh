@@ -68,6 +68,10 @@ JOB_EXPORTS=$(job_exports)  # the knobs as the user set them, before config_env.
 TORCHHPC_NO_ENV=1 TORCHHPC_NO_MODULES=1 TORCHHPC_QUIET=1 load_config
 
 job_resolve
+# a build on a CUDA older than its PyTorch release was made for fails hours in: say so before submitting
+if [[ "$JOB_SHAPE" == build && -n "${TORCHHPC_CUDA_UNFIT:-}" && "${CUDA_MISMATCH_OK:-0}" != 1 ]]; then
+  if [[ "$DRY_RUN" == 1 ]]; then echo "# warning: $TORCHHPC_CUDA_UNFIT" >&2; else die "$TORCHHPC_CUDA_UNFIT"; fi
+fi
 job_write_script
 job_build_submit
 if [[ "$JOB_PRINT" == 1 ]]; then

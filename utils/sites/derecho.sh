@@ -10,7 +10,8 @@ site_matches() {
 
 SITE_DESCRIPTION="NCAR Derecho: gcc 12 + cray-mpich 8 + CUDA 12.2, A100 (sm_80), Slingshot/CXI libfabric, PBS Pro (qcmd)"
 # Cray PE modules; ncarcompilers lets plain gcc/mpicc find the module headers and libraries.
-SITE_MODULES=(ncarenv/23.09 gcc/12.2.0 ncarcompilers cray-mpich/8.1.27 cuda/12.2.1 cudnn/9.2.0.82-12
+# CUDA_MODULE picks another CUDA module (PyTorch 2.7 and later were released for CUDA 12.6 or 12.8).
+SITE_MODULES=(ncarenv/23.09 gcc/12.2.0 ncarcompilers cray-mpich/8.1.27 "${CUDA_MODULE:-cuda/12.2.1}" cudnn/9.2.0.82-12
               mkl/2024.0.0 conda/latest)
 SITE_MODULE_PURGE=1
 SITE_ENV_KIND="conda"

@@ -1,0 +1,56 @@
+"""The README's commands, run as typed: the set-up lines are what CI runs, and the main job prints its table.
+
+The cluster block is run as typed on the virtual cluster, under OpenPBS (tests/test_vcluster_pbs.py) and Slurm
+(tests/test_vcluster.py), through `readme_cluster_lines` here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+
+def readme_blocks() -> list[list[str]]:
+    """Each ```bash block of the README as its command lines, comments cut off."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+    return [[line.split("  #")[0].strip() for line in block.splitlines() if line.strip()] for block in blocks]
+
+
+def readme_cluster_lines(scheduler: str, values: dict[str, str]) -> list[str]:
+    """The README's cluster block for ``scheduler``: PBS as written, Slurm from each line's ``# Slurm:`` comment;
+    ``<placeholder>``s filled from ``values`` (a placeholder left unfilled fails the caller's test)."""
+    block = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)[1]
+    lines = []
+    for line in block.splitlines():
+        command, _, comment = line.partition("  #")
+        if scheduler == "slurm" and "Slurm:" in comment:
+            command = comment.split("Slurm:", 1)[1]
+        for key, value in values.items():
+            command = command.replace(f"<{key}>", value)
+        assert "<" not in command, f"unfilled placeholder in {command!r}"
+        lines.append(command.strip())
+    return lines
+
+
+def test_the_set_up_lines_are_what_ci_runs() -> None:
+    setup = readme_blocks()[0]
+    assert setup[:3] == ["make env", "source .venv/bin/activate", "make test"], setup
+    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()]
+    assert ci.index("make test") > max(i for i, line in enumerate(ci) if line.startswith("make env")), ci
+
+
+def test_the_main_job_runs_as_typed() -> None:
+    """`mpiexec -n 2 python tests/all_reduce_test.py --backend accl` after `source .venv/bin/activate`."""
+    line = readme_blocks()[0][3]
+    assert line.startswith("mpiexec -n 2 python tests/all_reduce_test.py"), line
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    proc = subprocess.run(["bash", "-c", f"source .venv/bin/activate && {line}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "# Out of bounds values : 0 OK" in proc.stdout and "busbw" in proc.stdout, proc.stdout
+    assert "backend accl, 2 ranks" in proc.stdout, proc.stdout
