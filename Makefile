@@ -23,7 +23,7 @@ NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/n
 NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
                   NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-unit test-mpi test-torch-suite lint bench doctor clean-env native clean-native mpi-backend
+.PHONY: help env test test-unit test-mpi test-torch-suite lint bench docs-plots doctor clean-env native clean-native mpi-backend
 
 help: ## List every target with one line each
 	@printf 'torchhpc targets (variables: VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) MPI=$(MPI)):\n\n'
@@ -71,6 +71,13 @@ lint: $(PY) ## ruff; no Python function above radon grade C; no accl C++ functio
 	@$(VENV)/bin/lizard -C 15 -L 60 -w src/torchhpc/accl/csrc/*.cpp
 	@if command -v shellcheck >/dev/null; then shellcheck -x $$(ls *.sh utils/*.sh utils/*/*.sh 2>/dev/null) utils/vcluster/ssh .ci/run; \
 	 else echo "shellcheck not installed; skipped"; fi
+
+docs-plots: $(PY) ## Draw the docs' plots again from their data (docs/data/*.json -> docs/img/*.svg; needs matplotlib)
+	@$(VENV)/bin/torchhpc bench --from-json docs/data/accl-bench-2ranks.json docs/data/accl-bench-4ranks.json \
+	  --plot docs/img/accl-busbw.svg >/dev/null
+	@for data in docs/data/multinode-*.json; do [[ -e "$$data" ]] || continue; rate=$${data##*/multinode-}; \
+	  $(VENV)/bin/torchhpc bench --from-json "$$data" --plot "docs/img/multinode-busbw-$${rate%.json}.svg" >/dev/null; done
+	@echo "plots drawn: $$(ls docs/img/*.svg | tr '\n' ' ')"
 
 doctor: $(PY) ## Check this environment for distributed training (torchhpc doctor)
 	@$(VENV)/bin/torchhpc doctor

@@ -163,9 +163,10 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
 
     max_bytes = args.max_bytes if rate == "none" else min(args.max_bytes, 16 << 20)
     plot = out_dir / f"multinode-busbw-{rate}.svg"
+    data = out_dir / f"multinode-{rate}.json"  # `make docs-plots` draws the plot again from it
     table = on_cluster(mpiexec(["torchhpc", "bench", "allreduce", "--min-bytes", "8", "--max-bytes",
                                 str(max_bytes), "--repeats", str(args.repeats), "--time-per-point",
-                                str(args.time_per_point), "--plot", str(plot)]))
+                                str(args.time_per_point), "--json", str(data), "--plot", str(plot)]))
     print("all_reduce, 1 rank on each of 2 nodes (`torchhpc bench allreduce`):\n")
     print("\n".join(ln for ln in table.splitlines() if ln.startswith(("|", "#", " ")) or "busbw" in ln))
     print(f"\nbusbw plot: {plot.relative_to(ROOT) if plot.is_relative_to(ROOT) else plot}\n")

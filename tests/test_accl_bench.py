@@ -144,3 +144,15 @@ def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
     assert "OMPI_MCA_mpi_yield_when_idle" not in seen[0][1]
     assert seen[1][1]["OMPI_MCA_mpi_yield_when_idle"] == "1"
     assert seen[0][0][-3:] == ["-m", "torchhpc.bench", "allreduce"]
+
+
+def test_the_docs_busbw_plot_is_drawn_from_its_data(tmp_path: Path) -> None:
+    """`make docs-plots` draws docs/img/accl-busbw.svg from docs/data: the same data gives the same file."""
+    pytest.importorskip("matplotlib")
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "accl-busbw.svg"
+    data = [str(root / f"docs/data/accl-bench-{n}ranks.json") for n in (2, 4)]
+    proc = subprocess.run([sys.executable, "-m", "torchhpc", "bench", "--from-json", *data, "--plot", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes() == (root / "docs/img/accl-busbw.svg").read_bytes(), "run `make docs-plots`"
