@@ -13,7 +13,7 @@ backend reached from Python; the "gloo" column is the same call on a one-rank gl
 leaves the caches, and subtracts the copy's own time measured in the same rounds: the per-call cost a
 1 MiB collective pays on top of its data movement (code and data of the call path come from L3/DRAM).
 
-    python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--cold] [--profile all_reduce_8B]
+    python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--cold] [--profile all_reduce_8B] [--plot cost.svg]
 """
 
 from __future__ import annotations
@@ -118,6 +118,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--profile", default=None, help="cProfile this case instead of timing")
     ap.add_argument("--cases", default="", help="comma-separated subset")
     ap.add_argument("--cold", action="store_true", help="evict the caches before every call (see above)")
+    ap.add_argument("--plot", default=None, metavar="PATH",
+                    help="also draw the costs as bars here (.png, .svg, .pdf; needs matplotlib)")
     args = ap.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -143,6 +145,7 @@ def main(argv: list[str]) -> int:
     evict = _evictor() if args.cold else empty
     print(f"# accl per-call cost, one rank, us per call{', caches evicted before each call' if args.cold else ''}: "
           f"median [min-max] of {args.repeats} interleaved rounds of {args.iters} calls (src {torchhpc_src()})")
+    costs: dict[str, dict[str, tuple[float, float, float]]] = {}
     print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'gloo':>20} "
           f"| {'accl - mpi4py':>13} | {'accl - floor':>12}")
     for name, (accl, raw, floor, gloo) in cases.items():
@@ -167,7 +170,16 @@ def main(argv: list[str]) -> int:
         else:
             gap = f"{ma - mf:12.2f}"
         print(f"{name:>20} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {ma - mr:13.2f} | {gap}")
+        costs[name] = {label: summary(times[k]) for label, k in (("accl", "accl"), ("mpi4py", "raw"),
+                                                                 ("torch floor", "floor"), ("gloo", "gloo"))
+                       if k != "floor" or floor is not None}
     dist.destroy_process_group()
+    if args.plot:
+        from torchhpc.bench.plot import write_cost_plot
+
+        write_cost_plot(args.plot, costs, f"per-call cost, one rank{', caches evicted' if args.cold else ''}"
+                        f" ({args.repeats} rounds of {args.iters} calls)")
+        print(f"# plot: {args.plot}")
     return 0
 
 

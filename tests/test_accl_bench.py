@@ -156,3 +156,20 @@ def test_the_docs_busbw_plot_is_drawn_from_its_data(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert out.read_bytes() == (root / "docs/img/accl-busbw.svg").read_bytes(), "run `make docs-plots`"
+
+
+@pytest.mark.parametrize("suffix", [".svg", ".png"])
+def test_per_call_costs_are_drawn_as_bars(tmp_path: Path, suffix: str) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / f"cost{suffix}"
+    costs = {"all_reduce_8B": {"accl": (9.0, 8.5, 11.0), "mpi4py": (0.6, 0.5, 0.7), "torch floor": (4.0, 3.9, 4.2),
+                               "gloo": (30.0, 28.0, 33.0)},
+             "broadcast_1MiB": {"accl": (95.0, 90.0, 99.0), "mpi4py": (80.0, 79.0, 82.0),
+                                "gloo": (400.0, 390.0, 420.0)}}
+    plot.write_cost_plot(str(out), costs, "per-call cost")
+    if suffix == ".png":
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        return
+    text = "".join(ElementTree.parse(out).getroot().itertext())
+    for word in ("all_reduce_8B", "broadcast_1MiB", "accl", "torch floor", "gloo", "µs per call"):
+        assert word in text, word

@@ -54,3 +54,8 @@ def test_the_main_job_runs_as_typed() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "# Out of bounds values : 0 OK" in proc.stdout and "busbw" in proc.stdout, proc.stdout
     assert "backend accl, 2 ranks" in proc.stdout, proc.stdout
+
+
+def test_the_readme_reads_on_one_screen_width() -> None:
+    long = [line for line in README.read_text().splitlines() if len(line) > 120]
+    assert not long, long

@@ -1,13 +1,13 @@
-"""Busbw against message size from ``torchhpc bench`` points, drawn with matplotlib (the ``plot`` extra): one
-panel per collective (columns) and rank count (rows), one line per implementation; PNG, SVG or PDF by the path's
-extension."""
+"""Plots drawn with matplotlib (the ``plot`` extra), PNG, SVG or PDF by the path's extension: busbw against
+message size from ``torchhpc bench`` points (one panel per collective and rank count, one line per
+implementation), and per-call costs as grouped bars (``bench/accl_overhead.py``)."""
 
 from __future__ import annotations
 
 from .report import human
 from .results import COLLECTIVES, LABELS, Point
 
-__all__ = ["PlotUnavailableError", "figure", "write_plot"]
+__all__ = ["PlotUnavailableError", "figure", "write_cost_plot", "write_plot"]
 
 COLORS = {"accl": "#d62728", "mpi-upstream": "#1f77b4", "gloo": "#2ca02c", "mpi4py": "#222222",
           "mpi4py-numpy": "#8c8c8c"}
@@ -71,8 +71,34 @@ def figure(points: list[Point], impls: list[str]):
 
 def write_plot(path: str, points: list[Point], impls: list[str]) -> None:
     """Draw :func:`figure` into ``path`` (the format from its extension: .png, .svg, .pdf)."""
+    _save(_pyplot(), figure(points, impls), path)
+
+
+def write_cost_plot(path: str, costs: dict[str, dict[str, tuple[float, float, float]]], title: str) -> None:
+    """Per-call costs as horizontal grouped bars: ``costs[case][series] = (median, min, max)`` in µs, one group
+    per case, one bar per series with its min-max range as an error bar; a log axis, since they span decades."""
     plt = _pyplot()
-    fig = figure(points, impls)
+    cases = list(costs)
+    series = list(dict.fromkeys(k for row in costs.values() for k in row))
+    fig, ax = plt.subplots(figsize=(9, 1.4 + 0.22 * len(cases) * len(series)))
+    height = 0.8 / max(1, len(series))
+    for j, name in enumerate(series):
+        ys = [i + (j - (len(series) - 1) / 2) * height for i, case in enumerate(cases) if name in costs[case]]
+        meds = [costs[case][name] for case in cases if name in costs[case]]
+        err = [[m - lo for m, lo, _ in meds], [hi - m for m, _, hi in meds]]
+        ax.barh(ys, [m for m, _, _ in meds], height, xerr=err, label=name, color=COLORS.get(name),
+                error_kw={"lw": 0.8})
+    ax.set_yticks(range(len(cases)), cases)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("µs per call (median, min-max of the rounds)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, frameon=False, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str) -> None:
     # text stays text in an SVG (small, searchable); a fixed id salt and no date make the same data draw the
     # same file, so a plot redrawn from unchanged data leaves the checkout unchanged
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "torchhpc"}):
