@@ -43,26 +43,6 @@ _torchhpc_leave_env() {
   fi
 }
 
-# TORCHHPC_SITE_CUDA: the CUDA the site's build uses (a cuda/X.Y module of the profile, else its nvcc), and
-# TORCHHPC_CUDA_UNFIT: why that CUDA is older than the one the PyTorch release was made for (empty when it is
-# not): the build and its submission stop on it, before hours of compiling fail late (CUDA_MISMATCH_OK=1 builds
-# anyway).
-_torchhpc_cuda_fit() {
-  local root=$1 version=$2 want have="" m
-  for m in "${SITE_MODULES[@]}"; do [[ "$m" =~ ^cuda/([0-9]+\.[0-9]+) ]] && have=${BASH_REMATCH[1]}; done
-  if [[ -z "$have" && -n "${SITE_CUDA_HOME:-}" && -x "$SITE_CUDA_HOME/bin/nvcc" ]]; then
-    have=$("$SITE_CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
-  fi
-  want=$("$root/utils/pytorch_version.sh" "$version" cuda) || want=""
-  export TORCHHPC_SITE_CUDA=$have TORCHHPC_CUDA_UNFIT=""
-  [[ -n "$have" && -n "$want" ]] || return 0
-  if (( ${have%%.*} < ${want%%.*} || (${have%%.*} == ${want%%.*} && ${have#*.} < ${want#*.}) )); then
-    TORCHHPC_CUDA_UNFIT="PyTorch $version was released for CUDA $want; site '$TORCHHPC_SITE' builds with CUDA $have.\
- Use a newer CUDA (e.g. CUDA_MODULE=cuda/$want... where the profile takes it; \`module avail cuda\`), or a release\
- made for CUDA <= $have (\`make cluster-versions\`); CUDA_MISMATCH_OK=1 builds anyway"
-  fi
-}
-
 _torchhpc_load_modules() {
   ((${#SITE_MODULES[@]})) || return 0
   if [[ "${TORCHHPC_NO_MODULES:-0}" == 1 ]]; then
@@ -167,7 +147,6 @@ _torchhpc_config_env() {
   NCCL_VERSION=${NCCL_VERSION_OVERRIDE:-$("$root/utils/pytorch_version.sh" "$version" nccl)} || return 1
   TORCHHPC_PATCH_DIR="$root/patches/pytorch/$("$root/utils/pytorch_version.sh" "$version" patches)" || return 1
   export TORCHHPC_PYTHON_VERSION NCCL_VERSION TORCHHPC_PATCH_DIR
-  _torchhpc_cuda_fit "$root" "$version"
 
   export TORCHHPC_PREFIX=${TORCHHPC_PREFIX:-$root/build}
   export TORCHHPC_ENV_KIND=${ENV_KIND:-$SITE_ENV_KIND}

@@ -49,12 +49,13 @@ printf 'patch order: %s\n' "$(for p in "${patches[@]}"; do basename "$p"; done |
 table_cuda=$("$TORCHHPC_ROOT/utils/pytorch_version.sh" "$version" cuda)
 table_cudnn=$("$TORCHHPC_ROOT/utils/pytorch_version.sh" "$version" cudnn)
 echo "version table: PyTorch $version was released for CUDA $table_cuda, cuDNN $table_cudnn"
-if [[ "$USE_CUDA" == 1 && -n "${TORCHHPC_CUDA_UNFIT:-}" && "${CUDA_MISMATCH_OK:-0}" != 1 && "$DRY_RUN" != 1 ]]; then
-  die "$TORCHHPC_CUDA_UNFIT"
+if [[ "$USE_CUDA" == 1 && "${CUDA_MISMATCH_OK:-0}" != 1 && "$DRY_RUN" != 1 ]]; then
+  unfit=$(cuda_unfit "$version")
+  [[ -z "$unfit" ]] || die "$unfit"
 fi
-if [[ "$USE_CUDA" == 1 && -x "$CUDA_HOME/bin/nvcc" ]]; then
-  nvcc_version=$("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')
-  if [[ "${nvcc_version%%.*}" != "${table_cuda%%.*}" ]]; then
+if [[ "$USE_CUDA" == 1 ]]; then
+  nvcc_version=$(nvcc_release "$CUDA_HOME")
+  if [[ -n "$nvcc_version" && "${nvcc_version%%.*}" != "${table_cuda%%.*}" ]]; then
     echo "warning: CUDA here is $nvcc_version, PyTorch $version was released for CUDA $table_cuda" >&2
   fi
 fi

@@ -69,8 +69,9 @@ TORCHHPC_NO_ENV=1 TORCHHPC_NO_MODULES=1 TORCHHPC_QUIET=1 load_config
 
 job_resolve
 # a build on a CUDA older than its PyTorch release was made for fails hours in: say so before submitting
-if [[ "$JOB_SHAPE" == build && -n "${TORCHHPC_CUDA_UNFIT:-}" && "${CUDA_MISMATCH_OK:-0}" != 1 ]]; then
-  if [[ "$DRY_RUN" == 1 ]]; then echo "# warning: $TORCHHPC_CUDA_UNFIT" >&2; else die "$TORCHHPC_CUDA_UNFIT"; fi
+if [[ "$JOB_SHAPE" == build && "${CUDA_MISMATCH_OK:-0}" != 1 ]]; then
+  unfit=$(cuda_unfit "$PYTORCH_VERSION")
+  if [[ -n "$unfit" && "$DRY_RUN" == 1 ]]; then echo "# warning: $unfit" >&2; elif [[ -n "$unfit" ]]; then die "$unfit"; fi
 fi
 job_write_script
 job_build_submit

@@ -68,3 +68,26 @@ print_vars() {
   local v
   for v in "$@"; do printf '%s=%s\n' "$v" "${!v-}"; done
 }
+
+# nvcc_release CUDA_HOME: the toolkit's major.minor from its nvcc (nothing when there is no nvcc there).
+nvcc_release() {
+  [[ -x "$1/bin/nvcc" ]] || return 0
+  "$1/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p'
+}
+
+# cuda_unfit VERSION: why the site's CUDA (a cuda/X.Y module of its profile, else CUDA_HOME's nvcc) is older
+# than the one PyTorch VERSION was released for; nothing when it is not, or when either is unknown.  After
+# load_config.  A build on it fails hours in, so the build and its submission stop on it first.
+cuda_unfit() {
+  local version=$1 want have="" m
+  for m in ${TORCHHPC_SITE_MODULES:-}; do [[ "$m" =~ ^cuda/([0-9]+\.[0-9]+) ]] && have=${BASH_REMATCH[1]}; done
+  [[ -n "$have" || -z "${CUDA_HOME:-}" ]] || have=$(nvcc_release "$CUDA_HOME")
+  want=$("$TORCHHPC_ROOT/utils/pytorch_version.sh" "$version" cuda) || want=""
+  [[ -n "$have" && -n "$want" ]] || return 0
+  if (( ${have%%.*} < ${want%%.*} || (${have%%.*} == ${want%%.*} && ${have#*.} < ${want#*.}) )); then
+    local why="PyTorch $version was released for CUDA $want; site '$TORCHHPC_SITE' builds with CUDA $have."
+    why+=" Use a newer CUDA (e.g. CUDA_MODULE=cuda/$want... where the profile takes it; \`module avail cuda\`),"
+    why+=" or a release made for CUDA <= $have (\`make cluster-versions\`); CUDA_MISMATCH_OK=1 builds anyway"
+    printf '%s\n' "$why"
+  fi
+}
