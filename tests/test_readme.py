@@ -15,18 +15,21 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 
 
+def bash_blocks() -> list[str]:
+    """The text of each ```bash block of the README, in order."""
+    return re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+
+
 def readme_blocks() -> list[list[str]]:
     """Each ```bash block of the README as its command lines, comments cut off."""
-    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
-    return [[line.split("  #")[0].strip() for line in block.splitlines() if line.strip()] for block in blocks]
+    return [[line.split("  #")[0].strip() for line in block.splitlines() if line.strip()] for block in bash_blocks()]
 
 
 def readme_cluster_lines(scheduler: str, values: dict[str, str]) -> list[str]:
     """The README's cluster block for ``scheduler``: PBS as written, Slurm from each line's ``# Slurm:`` comment;
     ``<placeholder>``s filled from ``values`` (a placeholder left unfilled fails the caller's test)."""
-    block = re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)[1]
     lines = []
-    for line in block.splitlines():
+    for line in bash_blocks()[1].splitlines():
         command, _, comment = line.partition("  #")
         if scheduler == "slurm" and "Slurm:" in comment:
             command = comment.split("Slurm:", 1)[1]

@@ -97,10 +97,11 @@ def submit_args(ns: argparse.Namespace, checkout: Path, command: Sequence[str]) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``torchhpc jobscript``; returns the exit status (the job's, with ``--submit``)."""
-    ns = _parser().parse_args(argv)
+    ap = _parser()
+    ns = ap.parse_args(argv)
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
     if not command:
-        _parser().error("no command: torchhpc jobscript [options] -- COMMAND [ARG...]")
+        ap.error("no command: torchhpc jobscript [options] -- COMMAND [ARG...]")
     checkout = find_checkout(ns.checkout)
     env = dict(os.environ)
     if ns.site:

@@ -167,7 +167,7 @@ set -euo pipefail
 JOB
     # PBS copies a job's stdout back only when it ends: the job writes its log on the shared file system
     # itself, so that the wait (and `tail -f`) sees it grow.  NCAR's qcmd streams the output instead.
-    if [[ "$JOB_SCHEDULER" == pbs && ("$JOB_SUBMIT" != qcmd || "$JOB_DETACH" == 1) ]]; then
+    if [[ "$JOB_SCHEDULER" == pbs ]] && ! job_via_qcmd; then
       printf 'exec >>%q 2>&1\n' "$JOB_LOG"
     fi
     cat <<JOB
@@ -202,10 +202,13 @@ job_exports() {
   return 0
 }
 
+# NCAR's blocking qcmd submits this PBS job (the site's choice), unless it is to be detached from.
+job_via_qcmd() { [[ "$JOB_SUBMIT" == qcmd && "$JOB_DETACH" != 1 ]]; }
+
 job_build_submit() {
   if [[ "$JOB_SCHEDULER" == slurm ]]; then
     JOB_SUBMIT_CMD=(sbatch --parsable "$JOB_SCRIPT")
-  elif [[ "$JOB_SUBMIT" == qcmd && "$JOB_DETACH" != 1 ]]; then
+  elif job_via_qcmd; then
     JOB_SUBMIT_CMD=(qcmd -N "$JOB_NAME" -q "$JOB_QUEUE" -l "select=$JOB_SELECT" -l "walltime=$JOB_WALLTIME")
     [[ -n "$JOB_ACCOUNT" ]] && JOB_SUBMIT_CMD+=(-A "$JOB_ACCOUNT")
     # A login shell, as the #!/bin/bash -l line gives qsub jobs: the module command must be there.
@@ -233,7 +236,6 @@ job_show_log() {
     fi
   fi
 }
-
 
 # Submit, then either return at once (--detach: say how to re-attach) or follow the job to its end.
 job_run() {
@@ -331,20 +333,21 @@ job_wait() {
   done
 }
 
-# One look at the job: JOB_STATE (PBS's letter or Slurm's word; "gone" once the scheduler forgot it), the
-# progress line, and success once the job has ended.
+# One look at the job: JOB_RECORD (the scheduler's record of it: `qstat -x -f` or `scontrol show job -o`;
+# empty once the scheduler forgot it), JOB_STATE (PBS's letter or Slurm's word; "gone" when forgotten), the
+# progress line, and success once the job has ended (its last record then gives the exit status).
 job_poll() {
-  local info
   if [[ "$JOB_SCHEDULER" == pbs ]]; then
-    if info=$(qstat -x -f "$JOB_ID" 2>&1); then
-      JOB_STATE=$(sed -n 's/^ *job_state = //p' <<<"$info")
-    elif [[ "$info" == *"Unknown Job Id"* ]]; then
-      JOB_STATE=gone   # a server without job history forgets a job as it ends
+    if JOB_RECORD=$(qstat -x -f "$JOB_ID" 2>&1); then
+      JOB_STATE=$(sed -n 's/^ *job_state = //p' <<<"$JOB_RECORD")
+    elif [[ "$JOB_RECORD" == *"Unknown Job Id"* ]]; then
+      JOB_RECORD="" JOB_STATE=gone   # a server without job history forgets a job as it ends
     else
-      return 1         # the server did not answer this time
+      return 1                       # the server did not answer this time
     fi
   else
-    JOB_STATE=$(job_slurm_state "$JOB_ID")
+    JOB_RECORD=$(scontrol show job -o "$JOB_ID" 2>/dev/null) || JOB_RECORD=""
+    JOB_STATE=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$JOB_RECORD")
     [[ -n "$JOB_STATE" ]] || JOB_STATE=gone   # purged after MinJobAge
   fi
   job_progress
@@ -356,12 +359,13 @@ job_poll() {
 # new line is printed when the state changes or, at most every JOB_PROGRESS_EVERY seconds (default 60), when
 # the log has moved on.
 job_progress() {
-  local now=$SECONDS since last="" ninja line
+  local now=$SECONDS since last="" tail ninja line
   case "$JOB_STATE" in R | RUNNING | E | COMPLETING) JOB_STARTED=${JOB_STARTED:-$now} ;; esac
   if [[ -n "$JOB_STARTED" ]]; then since="ran $(job_hms $((now - JOB_STARTED)))"; else since="queued $(job_hms $((now - JOB_SUBMITTED)))"; fi
   if [[ -f "$JOB_LOG" ]]; then
-    last=$(tail -n 200 "$JOB_LOG" | grep -v '^[[:space:]]*$' | tail -n 1 | tr -d '\r' | cut -c 1-160) || true
-    ninja=$(tail -n 200 "$JOB_LOG" | grep -oE '^\[[0-9]+/[0-9]+\]' | tail -n 1) || true
+    tail=$(tail -n 200 "$JOB_LOG")
+    last=$(grep -v '^[[:space:]]*$' <<<"$tail" | tail -n 1 | tr -d '\r' | cut -c 1-160) || true
+    ninja=$(grep -oE '^\[[0-9]+/[0-9]+\]' <<<"$tail" | tail -n 1) || true
     if [[ "$ninja" =~ ^\[([0-9]+)/([1-9][0-9]*)\]$ ]]; then
       last="$((BASH_REMATCH[1] * 100 / BASH_REMATCH[2]))% $last"
     fi
@@ -378,10 +382,9 @@ job_progress() {
 
 job_hms() { printf '%02d:%02d:%02d' $(($1 / 3600)) $(($1 / 60 % 60)) $(($1 % 60)); }
 
-# PBS: the job's record (qstat -x, job history on) as JOB_STATUS and a clear message.
+# PBS: the job's last record (qstat -x, job history on) as JOB_STATUS and a clear message.
 job_status_pbs() {
-  local info substate code
-  info=$(qstat -x -f "$JOB_ID" 2>&1) || info=""
+  local info=$JOB_RECORD substate code
   substate=$(sed -n 's/^ *substate = //p' <<<"$info")
   code=$(sed -n 's/^ *Exit_status = //p' <<<"$info")
   if [[ -z "$code" ]]; then
@@ -405,10 +408,9 @@ job_status_pbs() {
   fi
 }
 
-# Slurm: the job's final state and ExitCode (scontrol) as JOB_STATUS and a clear message.
+# Slurm: the job's final state and ExitCode (its last scontrol record) as JOB_STATUS and a clear message.
 job_status_slurm() {
-  local info state exit_code code signal
-  info=$(scontrol show job -o "$JOB_ID" 2>&1) || info=""
+  local info=$JOB_RECORD state exit_code code signal
   state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$info")
   JOB_END=$state
   exit_code=$(sed -n 's/.* ExitCode=\([0-9]*:[0-9]*\).*/\1/p' <<<"$info")
@@ -428,4 +430,3 @@ job_status_slurm() {
   esac
 }
 
-job_slurm_state() { scontrol show job -o "$1" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p'; }
