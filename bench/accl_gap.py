@@ -4,8 +4,9 @@ Run under MPI (``mpiexec -n 2 python bench/accl_gap.py [--collective all_to_all]
 In the same job, interleaved rounds time, per call on the slowest rank:
 
 1. ``raw``: the plain mpi4py call on numpy buffers (what ``torchhpc bench`` compares with);
-2. ``raw+header``: the same call after a persistent all-gather of one header slot (``wire.SLOT_BYTES``), the
-   exchange a checked accl call makes first;
+2. ``raw+header``: the same call after the exchange a checked accl call makes first, modelled as one
+   header-sized message (``wire.HEADER_BYTES``) each way with each recursive-doubling partner (``MPI_Sendrecv``;
+   the ranks past a power of two are left out of the model);
 3. ``backend``: the C++ backend's own method (``ProcessGroupACCL::allreduce`` ..., through its pybind11
    binding, then ``wait()``): header, check, MPI call;
 4. ``group``: the group's method called as torch's wrapper calls it, with ready options (torch's
@@ -52,16 +53,17 @@ def main(argv: list[str]) -> int:
     ti = torch.ones(n // p if coll == "all_gather" else n)
     to = torch.empty(n)
     si, so = torch.ones(ti.numel()).numpy(), torch.empty(n).numpy()
-    slot_in, slot_all = bytearray(wire.SLOT_BYTES), bytearray(wire.SLOT_BYTES * p)
-    header = comm.Allgather_init([slot_in, MPI.BYTE], [slot_all, MPI.BYTE])
+    head_out, head_in = bytearray(wire.HEADER_BYTES), bytearray(wire.HEADER_BYTES)
+    p2 = 1 << (p.bit_length() - 1)
+    rank = comm.Get_rank()
+    partners = [rank ^ mask for mask in (1 << k for k in range(p2.bit_length() - 1))] if rank < p2 else []
 
     raw_call = {"all_to_all": lambda: comm.Alltoall(si, so), "all_gather": lambda: comm.Allgather(si, so),
                 "all_reduce": lambda: comm.Allreduce(MPI.IN_PLACE, si, MPI.SUM)}[coll]
 
     def with_header() -> None:
-        header.Start()
-        while not header.Test():
-            pass
+        for peer in partners:
+            comm.Sendrecv([head_out, MPI.BYTE], peer, 16, [head_in, MPI.BYTE], peer, 16)
         raw_call()
 
     pg = dist.group.WORLD
@@ -98,7 +100,6 @@ def main(argv: list[str]) -> int:
             step = "" if prev is None else f"  (+{med - prev:.1f})"
             print(f"{name:>12} {med:8.1f} [{lo:.1f}-{hi:.1f}]{step}")
             prev = med
-    header.Free()
     dist.destroy_process_group()
     comm.Free()
     return 0

@@ -35,9 +35,10 @@ def test_complexity_at_most_grade_c() -> None:
     assert "radon cc --min D" in make.stdout, "make lint no longer runs the complexity bound"
 
 
-# accl's csrc/*.cpp in lizard's NLOC: 1,736 when this bound was set (PyTorch's ProcessGroupMPI.cpp: 886; the
-# breakdown is in docs/development.md).  Growth past it should buy something a user can name.
-CSRC_NLOC_BOUND = 1800
+# accl's csrc/*.cpp in lizard's NLOC: 1,736 when the first bound (1,800) was set, 1,862 once small collectives ran
+# as accl's own recursive doubling with the header (PyTorch's ProcessGroupMPI.cpp: 886; the breakdown is in
+# docs/development.md).  Growth past it should buy something a user can name.
+CSRC_NLOC_BOUND = 1900
 
 
 def test_accl_backend_shape() -> None:

@@ -63,7 +63,7 @@ bool direct(const at::Tensor& t) {
 }
 
 at::Tensor host(const at::Tensor& t, bool copy) {
-  if (direct(t)) return t.view({-1});
+  if (direct(t)) return t;  // its own memory, any shape: engines see pointers and element counts
   auto h = at::empty({t.numel()}, t.options().device(at::kCPU).pinned_memory(!t.is_cpu()));
   if (copy) h.copy_(t.reshape({-1}));
   return h;
@@ -219,12 +219,9 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
   mpi_ = std::make_unique<MpiEngine>(coll_, [this](MPI_Request& req) { waitRequest(req); });
-  mine_.assign(wire::kSlotBytes, 0);
-  all_.assign(wire::kSlotBytes * static_cast<size_t>(size_), 0);
-#if MPI_VERSION >= 4 || (defined(OMPI_MAJOR_VERSION) && OMPI_MAJOR_VERSION >= 5)
-  persistent_ = MPI_Allgather_init(mine_.data(), wire::kSlotBytes, MPI_BYTE, all_.data(), wire::kSlotBytes, MPI_BYTE,
-                                   ctl_, MPI_INFO_NULL, &hreq_) == MPI_SUCCESS;  // else MPI_Iallgather per call
-#endif
+  out_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
+  in_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
+  body_.assign(wire::kCarryBytes, 0);
   void* ub = nullptr;
   int flag = 0;
   ACCL_MPI(MPI_Comm_get_attr, MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
@@ -251,7 +248,6 @@ void ProcessGroupACCL::shutdown() {
   MPI_Finalized(&finalized);
   if (finalized) return;  // a group never destroyed, collected at interpreter exit after MPI_Finalize
   // best effort in a destructor: a failure to free is not worth an exception here
-  if (persistent_) MPI_Request_free(&hreq_);
   for (MPI_Comm* c : {&coll_, &ctl_, &p2pHead_, &p2pData_})
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
 }
@@ -462,27 +458,9 @@ void ProcessGroupACCL::run(Call& c) {
   c10::OptionalStreamGuard onCallerStream(c.stream);  // staging copies of device tensors (host())
   if (c.stage) c.stage();
   mpi_->mode = c.header ? Mode::kBlocking : Mode::kNonblocking;
-  const bool done = c.header && exchangeHeader(c);
+  const bool done = c.header && exchange(c);
   if (!done && c.data) c.data();
   if (c.finish) c.finish();
-}
-
-bool ProcessGroupACCL::exchangeHeader(Call& c) {
-  std::memset(mine_.data(), 0, wire::kHeaderBytes);
-  std::memcpy(mine_.data(), &c.head, sizeof(wire::Header));
-  if (c.pack) c.pack(mine_.data() + wire::kHeaderBytes);
-  if (persistent_) ACCL_MPI(MPI_Start, &hreq_);
-  else ACCL_MPI(MPI_Iallgather, mine_.data(), wire::kSlotBytes, MPI_BYTE, all_.data(), wire::kSlotBytes, MPI_BYTE,
-                ctl_, &hreq_);
-  waitRequest(hreq_);
-  std::vector<wire::Header> heads(size_);
-  bool same = true;
-  for (int r = 0; r < size_; ++r) {
-    std::memcpy(&heads[r], all_.data() + r * wire::kSlotBytes, sizeof(wire::Header));
-    same = same && std::memcmp(&heads[r], &c.head, c.compare * sizeof(int64_t)) == 0;
-  }
-  if (!same) throw MismatchError(wire::describeMismatch(heads, c.compare, groupName()));
-  return c.fused && c.fused(all_.data());
 }
 
 bool ProcessGroupACCL::testUntil(MPI_Request* reqs, int n, Clock::time_point deadline) {

@@ -69,14 +69,21 @@ std::string mpiErrorText(int rc);
 
 // ------------------------------------------------------------------------------------------ wire
 // The one definition of the wire protocol (Python reads it from the built module: module.cpp's `wire`).
-// Collective header: nine int64 fields in a slot of kSlotBytes, the first kHeaderBytes for the header, then
-// kPayloadBytes of payload (small calls ride there, so the header exchange is the whole collective).
-// P2P envelope: four int64 fields, then the payload up to kPayloadBytes; larger payloads follow on their own.
+// Collective header: nine int64 fields.  It travels in a Prefix (the header combined so far, a mismatch flag and
+// the data that follows) in every message of the header exchange (exchange.cpp), followed by a small call's data
+// up to kCarryBytes: the exchange is then the whole collective.
+// P2P envelope: four int64 fields in a slot of kSlotBytes (kHeaderBytes, then up to kPayloadBytes of payload);
+// larger payloads follow on their own.
 namespace wire {
 constexpr int64_t kMagic = 0x4ACC1;
 constexpr size_t kHeaderBytes = 128;
 constexpr size_t kPayloadBytes = 1024;
 constexpr size_t kSlotBytes = kHeaderBytes + kPayloadBytes;
+constexpr int64_t kCarryBytes = 64 << 10;  // the most data a collective carries through the header exchange
+// the largest message Open MPI's shared-memory transport sends eagerly (4 KiB fragments less its own headers; one
+// byte more and it is sent by rendezvous, a handshake that costs more than a second message)
+constexpr int64_t kEagerBytes = (4 << 10) - 128;
+constexpr int64_t kInlineBytes = kEagerBytes - kHeaderBytes;  // carried data that shares the prefix's message
 constexpr int kCompareAll = 8;   // every field but `extra`
 constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes checked on its byte matrix)
 enum Kind : int64_t {
@@ -85,6 +92,14 @@ enum Kind : int64_t {
 };
 struct Header {
   int64_t magic = kMagic, kind = 0, seq = 0, dtype = 0, op = 0, root = 0, nbytes = 0, numel = 0, extra = 0;
+};
+// One message of the header exchange starts with it (kHeaderBytes); `bytes` of data follow, in the same message
+// up to kInlineBytes, else in one of their own.
+struct Prefix {
+  Header head;        // the sender's header (every rank it has heard from agreed with it)
+  int64_t bad = 0;    // 1: some rank's header differs from another's
+  int64_t bytes = 0;  // the data after the prefix
+  int64_t lo = 0, hi = 0;  // gathering: the data is the blocks of ranks [lo, hi)
 };
 struct Envelope {
   int64_t magic = kMagic, dtype = 0, nbytes = 0, numel = 0;
@@ -214,7 +229,7 @@ bool cudaAwareMpi();
 // caller's stream of issue (Call::stream): the copy out waits for the kernels queued before the call, and the
 // blocking copy back is ordered before the caller's later kernels.
 bool direct(const at::Tensor& t);                        // a contiguous CPU tensor: engines use its own memory
-at::Tensor host(const at::Tensor& t, bool copy);         // t's memory when direct, else a host buffer (copy: filled)
+at::Tensor host(const at::Tensor& t, bool copy);  // t itself when direct, else a 1-D host buffer (copy: filled)
 at::Tensor flatHost(const std::vector<at::Tensor>& ts);  // every tensor of ts end to end in one host buffer
 void deliver(const at::Tensor& buf, const at::Tensor& t);                    // buf into t unless it is t's memory
 void deliverEach(const at::Tensor& buf, const std::vector<at::Tensor>& ts);  // buf's elements in order into each
@@ -226,6 +241,7 @@ std::string seconds(std::chrono::milliseconds ms);
 
 // ------------------------------------------------------------------------------------------ work
 class ProcessGroupACCL;
+struct Xchg;  // one header exchange's state (exchange.cpp)
 
 class WorkACCL : public c10d::Work {
  public:
@@ -269,15 +285,26 @@ class WorkACCL : public c10d::Work {
 };
 
 // ------------------------------------------------------------------------------------------ calls
-// One collective as the group runs it: its header words, its data in the header slots when small, its engine
+// How a small call's data rides in the header exchange (exchange.cpp): reduced (all_reduce, reduce_scatter), sent
+// from the root (broadcast), or every rank's block gathered (all_gather, all_to_all's byte matrix).
+enum class Ride { kNone, kReduce, kBroadcast, kGather };
+struct Carry {
+  Ride ride = Ride::kNone;
+  std::shared_ptr<at::Tensor> buf;  // reduced in place; the root's data or where it lands; p blocks of `bytes`
+  int64_t bytes = 0;                // kGather: one rank's block (this rank's filled by the stage); else buf's
+  const Reduction* red = nullptr;
+  int root = 0;
+};
+
+// One collective as the group runs it: its header words, its data riding with the header when small, its engine
 // calls segment by segment and its copy-back.  Made by a ProcessGroupACCL method, run inline or queued.
 struct Call {
   wire::Header head;                                    // kind, dtype, op, root, nbytes, numel, extra
   bool header = true;                                   // exchanges the header first
   int compare = wire::kCompareAll;
   std::function<void()> stage;                          // staging when the call's turn comes (may be empty)
-  std::function<void(unsigned char*)> pack;             // this rank's payload into its slot
-  std::function<bool(const unsigned char* all)> fused;  // take results from every slot: done?
+  Carry carry;                                          // data that rides with the header
+  std::function<bool()> carried;                        // after it rode: take the results; done? (empty: done)
   std::function<void()> data;                           // engine calls
   std::function<void()> finish;                         // copy back, AVG's division (may be empty)
   std::optional<c10::Stream> stream;  // device tensors: the caller's current stream at issue (staging runs on it)
@@ -410,9 +437,9 @@ class ProcessGroupACCL : public c10d::Backend {
   // element) stays within max_segment_bytes; each piece is one engine call, counted in stats_
   template <typename F>
   void forSegments(int64_t n, int64_t unitBytes, F step);
-  // small calls: `bytes` of `src` ride in this rank's header slot, and `take` reads the results from every slot
-  void inSlot(Call& c, const Engine* eng, std::shared_ptr<at::Tensor> src, int64_t bytes,
-              std::function<void(const unsigned char* all)> take);
+  // small calls on MPI: `carry` rides with the header when it fits wire::kCarryBytes and (`capped`: user data,
+  // not the call's own metadata) max_segment_bytes; `carried` takes the results
+  bool ride(Call& c, const Engine* eng, Carry carry, std::function<bool()> carried = {}, bool capped = true);
 
   // ---- running calls
   std::unique_ptr<Call> newCall(wire::Kind kind, at::ScalarType dtype, const Reduction* red, int64_t root,
@@ -422,7 +449,15 @@ class ProcessGroupACCL : public c10d::Backend {
   void runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);  // marks the group busy meanwhile
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
   void run(Call& call);                      // stage, header, data, finish; throws
-  bool exchangeHeader(Call& call);           // true when the data rode in the slots (the call is done)
+  // ---- the header exchange (exchange.cpp)
+  bool exchange(Call& call);                 // true when the data rode with the header (the call is done)
+  void doubling(Xchg& x);                    // recursive doubling, the ranks past a power of two folded in
+  // one message each way with `peer` (or one way), merged into x (`result`: the data received is the result)
+  void step(Xchg& x, int peer, bool send, bool recv, bool result = false);
+  void post(const Xchg& x, int peer, MPI_Request* out);         // this rank's message (and pieces) to `peer`
+  void take(Xchg& x, int peer, MPI_Request* reqs, bool result);  // the peer's, then every request of the step
+  void await(const Xchg& x, MPI_Request* reqs, int n);          // against the call's deadline
+  [[noreturn]] void refuse(const Call& call);         // every rank's header gathered, then the MismatchError
   // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
   bool testUntil(MPI_Request* reqs, int n, Clock::time_point deadline);
   void waitRequest(MPI_Request& req);        // the running call's request, against its deadline
@@ -449,7 +484,6 @@ class ProcessGroupACCL : public c10d::Backend {
   std::unique_ptr<Call> alltoallCall(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
                                      std::vector<int64_t> sb, std::vector<int64_t> rb, c10d::OpType type);
   std::unique_ptr<Call> sparseCall(const at::Tensor& t, const c10d::ReduceOp& op);
-  void reduceSlots(const Reduction& red, int64_t count, int64_t offset, void* dst);
   template <typename F>
   c10::intrusive_ptr<c10d::Work> inOrder(size_t n, F one);
 
@@ -473,9 +507,7 @@ class ProcessGroupACCL : public c10d::Backend {
   MPI_Comm coll_ = MPI_COMM_NULL, ctl_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
   std::unique_ptr<MpiEngine> mpi_;
   std::shared_ptr<Engine> engine_;         // null: MPI
-  std::vector<unsigned char> mine_, all_;  // this rank's slot, every rank's slots
-  MPI_Request hreq_ = MPI_REQUEST_NULL;
-  bool persistent_ = false;
+  std::vector<char> out_, in_, body_;         // the exchange's messages: sent, received, received data
   int tagUb_ = 32767;
 
   mutable std::mutex mu_;                  // queue_, running_, aborted_, seq_

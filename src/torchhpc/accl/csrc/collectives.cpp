@@ -12,14 +12,7 @@
 namespace torchhpc::accl {
 namespace {
 
-constexpr size_t kHdr = wire::kHeaderBytes;
-constexpr size_t kSlot = wire::kSlotBytes;
-constexpr int64_t kPay = wire::kPayloadBytes;
-
-// rank r's payload in the gathered slots
-const unsigned char* payloadOf(const unsigned char* all, int r) {
-  return all + r * kSlot + kHdr;
-}
+constexpr int64_t kPay = wire::kPayloadBytes;  // all_to_all's block in the exchange: its byte matrix row and sends
 
 std::string shape(const at::Tensor& t) {
   std::string s = "(";
@@ -29,25 +22,14 @@ std::string shape(const at::Tensor& t) {
 
 }  // namespace
 
-void ProcessGroupACCL::inSlot(Call& c, const Engine* eng, std::shared_ptr<at::Tensor> src, int64_t bytes,
-                              std::function<void(const unsigned char* all)> take) {
-  if (!onMpi(eng) || !c.header || bytes > kPay) return;
-  c.pack = [src, bytes](unsigned char* slot) {
-    if (bytes) std::memcpy(slot, src->data_ptr(), bytes);
-  };
-  c.fused = [take = std::move(take)](const unsigned char* all) {
-    take(all);
-    return true;
-  };
-}
-
-void ProcessGroupACCL::reduceSlots(const Reduction& red, int64_t count, int64_t offset, void* dst) {
-  // every rank's payload from byte `offset`, reduced in rank order with MPI's own op (as the large path)
-  if (!count) return;
-  auto* acc = const_cast<unsigned char*>(payloadOf(all_.data(), 0)) + offset;
-  for (int r = 1; r < size_; ++r)
-    ACCL_MPI(MPI_Reduce_local, payloadOf(all_.data(), r) + offset, acc, static_cast<int>(count), red.type, red.mpiOp);
-  std::memcpy(dst, acc, static_cast<size_t>(count) * red.esz);
+bool ProcessGroupACCL::ride(Call& c, const Engine* eng, Carry carry, std::function<bool()> carried, bool capped) {
+  const int64_t bytes = carry.ride == Ride::kGather ? carry.bytes * size_ : carry.bytes;
+  if (!onMpi(eng) || !c.header || bytes > (capped ? std::min(wire::kCarryBytes, opts_.maxSegmentBytes)
+                                                  : wire::kCarryBytes))
+    return false;
+  c.carry = std::move(carry);
+  c.carried = std::move(carried);
+  return true;
 }
 
 template <typename F>
@@ -67,9 +49,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
   Engine* eng = engineFor(Coll::kAllreduce, red.dtype, red.op);
   auto buf = std::make_shared<at::Tensor>();
   c->stage = [ts, buf] { *buf = flatHost(ts); };
-  inSlot(*c, eng, buf, c->head.nbytes, [this, buf, &red, numel](const unsigned char*) {
-    reduceSlots(red, numel, 0, buf->data_ptr());
-  });
+  ride(*c, eng, {Ride::kReduce, buf, c->head.nbytes, &red});
   c->data = [this, buf, numel, &red, eng] {
     forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->allreduce(seg(*buf, off, cnt), red); });
   };
@@ -169,9 +149,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tenso
   Engine* eng = engineFor(Coll::kBroadcast, t.scalar_type());
   auto buf = std::make_shared<at::Tensor>();
   c->stage = [t, buf, isRoot] { *buf = host(t, isRoot); };
-  inSlot(*c, eng, buf, c->head.nbytes, [buf, root, isRoot](const unsigned char* all) {
-    if (!isRoot && buf->numel()) std::memcpy(buf->data_ptr(), payloadOf(all, root), buf->nbytes());
-  });
+  ride(*c, eng, {Ride::kBroadcast, buf, c->head.nbytes, nullptr, root});
   c->data = [this, buf, root, eng] {
     forSegments(buf->numel(), buf->element_size(),
                 [&](int64_t off, int64_t cnt) { eng->broadcast(seg(*buf, off, cnt), root); });
@@ -217,13 +195,12 @@ std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, a
   c->header = needsHeader(n * esz * p);
   Engine* eng = engineFor(Coll::kAllgather, input.scalar_type());
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  c->stage = [input, output, src, dst, p] {
+  const bool rides = ride(*c, eng, {Ride::kGather, dst, n * esz});
+  c->stage = [input, output, src, dst, p, rides, mine = ptrdiff_t(rank_ * n * esz)] {
     *src = host(input, true);
     *dst = output.defined() ? host(output, false) : at::empty({p * input.numel()}, src->options());
+    if (rides && ptr(*src) != ptr(*dst) + mine) std::memcpy(ptr(*dst) + mine, ptr(*src), src->nbytes());
   };
-  inSlot(*c, eng, src, n * esz, [dst, n, esz, p](const unsigned char* all) {
-    for (int r = 0; r < p && n; ++r) std::memmove(ptr(*dst) + r * n * esz, payloadOf(all, r), n * esz);
-  });
   c->data = [this, src, dst, n, esz, p, eng] {
     forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
       eng->allgather(seg(*src, off, cnt), seg(*dst, off, cnt, p, n));
@@ -290,13 +267,16 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
   c->header = needsHeader(n * esz * p);
   Engine* eng = engineFor(Coll::kReduceScatter, red.dtype, red.op);
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  c->stage = [inputs, output, src, dst] {
+  auto whole = std::make_shared<at::Tensor>();  // small: every rank's input reduced whole in the exchange
+  const bool rides = ride(*c, eng, {Ride::kReduce, whole, n * esz * p, &red}, [dst, whole, n, esz, me = rank_] {
+    std::memcpy(ptr(*dst), ptr(*whole) + me * n * esz, n * esz);
+    return true;
+  });
+  c->stage = [inputs, output, src, dst, whole, rides] {
     *src = flatHost(inputs);
     *dst = host(output, false);
+    if (rides) *whole = inputs.size() == 1 && direct(inputs[0]) ? src->clone() : *src;  // the input stays as given
   };
-  inSlot(*c, eng, src, n * esz * p, [this, dst, n, esz, &red](const unsigned char*) {
-    reduceSlots(red, n, rank_ * n * esz, dst->data_ptr());
-  });
   c->data = [this, src, dst, n, esz, p, &red, eng] {
     forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
       eng->reduceScatter(seg(*src, off, cnt, p, n), seg(*dst, off, cnt), red);
@@ -457,17 +437,17 @@ int64_t checkAlltoallMatrix(const int64_t* rows, int64_t stride, int p) {
   return most;
 }
 
-// the sends that rode in the header slots after every rank's matrix row, into `dst` in rank order; false (nothing
-// taken) unless every rank's sends fit its slot
-bool alltoallFromSlots(const unsigned char* all, int p, int me, char* dst) {
-  const int64_t stride = kSlot / 8;
-  const auto* rows = reinterpret_cast<const int64_t*>(payloadOf(all, 0));
+// the sends that rode in the exchange's blocks (kPay bytes a rank: its matrix row, then its sends) into `dst` in
+// rank order; false (nothing taken) unless every rank's sends fit `most` bytes
+bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t most) {
+  constexpr int64_t stride = kPay / 8;
+  const auto* rows = reinterpret_cast<const int64_t*>(all);
   for (int i = 0; i < p; ++i)
-    if (std::accumulate(rows + i * stride, rows + i * stride + p, int64_t{0}) > kPay - 16 * p) return false;
+    if (std::accumulate(rows + i * stride, rows + i * stride + p, int64_t{0}) > most) return false;
   for (int r = 0; r < p; ++r) {
     const int64_t* row = rows + r * stride;
     const int64_t off = 16 * p + std::accumulate(row, row + me, int64_t{0});
-    std::memcpy(dst, payloadOf(all, r) + off, row[me]);
+    std::memcpy(dst, all + r * kPay + off, row[me]);
     dst += row[me];
   }
   return true;
@@ -489,23 +469,28 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
   for (const auto& t : outputs) received += t.numel();
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
   auto most = std::make_shared<int64_t>(0);  // the largest send of any rank, from the agreed matrix
-  c->stage = [inputs, outputs, src, dst, received] {
+  // up to 64 ranks, every rank's matrix row rides with the header, and its sends after it when every rank's fit
+  auto blocks = std::make_shared<at::Tensor>();
+  const int64_t fits = std::min(kPay - 16 * p, opts_.maxSegmentBytes);
+  const bool rides = ride(
+      *c, mpi_.get(), {Ride::kGather, blocks, kPay},
+      [this, blocks, dst, most, p, fits] {
+        *most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), kPay / 8, p);
+        return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), fits);
+      },
+      false);
+  c->stage = [inputs, outputs, src, dst, received, blocks, rides, sb, rb, p, sent, fits, me = rank_] {
     *src = flatHost(inputs);
     *dst = outputs.size() == 1 ? host(outputs[0], false) : at::empty({received}, src->options());
+    if (!rides) return;
+    *blocks = at::empty({p * kPay}, at::kByte);
+    char* mine = ptr(*blocks) + me * kPay;
+    std::memcpy(mine, sb.data(), 8 * p);
+    std::memcpy(mine + 8 * p, rb.data(), 8 * p);
+    if (sent <= fits) std::memcpy(mine + 16 * p, ptr(*src), sent);
   };
-  if (16 * p <= kPay) {  // the matrix row rides in the slot, followed by the sends when they fit
-    c->pack = [src, sb, rb, p, sent](unsigned char* slot) {
-      std::memcpy(slot, sb.data(), 8 * p);
-      std::memcpy(slot + 8 * p, rb.data(), 8 * p);
-      if (sent <= kPay - 16 * p) std::memcpy(slot + 16 * p, ptr(*src), sent);
-    };
-    c->fused = [this, dst, most, p](const unsigned char* all) {
-      *most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(payloadOf(all, 0)), kSlot / 8, p);
-      return alltoallFromSlots(all, p, rank_, ptr(*dst));
-    };
-  }
-  c->data = [this, src, dst, sb, rb, most, p] {
-    if (16 * p > kPay) {  // many ranks: the byte matrix by a second all-gather, then its check
+  c->data = [this, src, dst, sb, rb, most, p, rides] {
+    if (!rides) {  // many ranks: the byte matrix by a second all-gather, then its check
       at::Tensor mine = at::cat({at::tensor(sb), at::tensor(rb)}), matrix = at::empty({p * 2 * p}, at::kLong);
       stats_.count(static_cast<int64_t>(matrix.nbytes()));
       mpi_->allgather(seg(mine, 0, 2 * p), seg(matrix, 0, 2 * p, p, 2 * p));

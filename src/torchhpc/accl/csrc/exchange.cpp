@@ -1,0 +1,198 @@
+// The header exchange: how every checked collective starts, and the whole of a small one.
+//
+// Recursive doubling over point-to-point messages on the control communicator (the shape of MPICH's small
+// all-reduce): with p2 the largest power of two <= p and rem = p - p2, each even rank below 2*rem first hands its
+// part to the odd rank above it and gets the result from it after the rounds; the other p2 ranks, numbered
+// 0..p2-1, run log2(p2) rounds, in each of which every rank sends one message to the partner whose number differs
+// in one bit and receives one from it.  A message is a wire::Prefix (the sender's header, whether any rank
+// disagreed so far, the data that follows) and a small call's data: its partial reduction, the root's payload
+// once the sender has it, or the blocks it has gathered.  Agreement is itself reduced (equal stays equal, anything
+// else is a mismatch), so every rank ends with the same verdict; data is taken only from a peer whose header
+// agreed with this rank's (its layout is then this rank's).  On a mismatch every rank gathers every header the
+// same way and raises the same MismatchError.  Every call kind runs the same pattern, so ranks that disagree on
+// the kind still meet.
+#include "accl.hpp"
+
+#include <cstring>
+
+namespace torchhpc::accl {
+
+struct Xchg {
+  Carry carry;               // what rides (Ride::kNone: the header only)
+  wire::Header head;         // this rank's header
+  int compare = wire::kCompareAll;
+  bool bad = false;          // some rank's header differs from another's
+  char* data = nullptr;      // carry.buf's memory
+  bool have = false;         // broadcast: this rank holds the root's data
+  int64_t lo = 0, hi = 0;    // gather: this rank holds the blocks of ranks [lo, hi)
+};
+
+namespace {
+
+constexpr int kTagPrefix = 16, kTagData = 17;  // on the control communicator (the monitored barrier's: 1, 2)
+constexpr size_t kHdr = wire::kHeaderBytes;
+constexpr int64_t kInline = wire::kInlineBytes;
+static_assert(sizeof(wire::Prefix) <= kHdr);
+// Data beyond the prefix's message travels in pieces that are each one eager message too while there are at most
+// kMaxPieces of them (Open MPI's shared-memory transport sends a larger message by rendezvous, whose handshake
+// costs more than the extra messages), and in one message beyond that.
+constexpr int kMaxPieces = 16;
+
+struct Split {
+  int64_t head = 0;  // in the prefix's message
+  int64_t size = 0;  // a piece's (the last may be shorter)
+  int count = 0;     // pieces
+  int64_t at(int k) const { return head + k * size; }
+  int64_t len(int k, int64_t bytes) const { return std::min(size, bytes - at(k)); }
+};
+
+Split piecesOf(int64_t bytes) {
+  const int64_t head = std::min(bytes, kInline), rest = bytes - head;
+  if (rest == 0) return {head, 0, 0};
+  constexpr int64_t piece = wire::kEagerBytes;
+  if (rest > kMaxPieces * piece) return {head, rest, 1};
+  return {head, piece, static_cast<int>((rest + piece - 1) / piece)};
+}
+
+// the data this rank sends now (none once a mismatch is known: only the verdict matters then)
+std::pair<const char*, int64_t> outgoing(const Xchg& x) {
+  if (x.bad) return {nullptr, 0};
+  switch (x.carry.ride) {
+    case Ride::kReduce: return {x.data, x.carry.bytes};
+    case Ride::kBroadcast: return {x.data, x.have ? x.carry.bytes : 0};
+    case Ride::kGather: return {x.data + x.lo * x.carry.bytes, (x.hi - x.lo) * x.carry.bytes};
+    case Ride::kNone: break;
+  }
+  return {nullptr, 0};
+}
+
+// where an agreed peer's data lands: in place, except a partial reduction (into `scratch`, then reduced)
+char* landing(const Xchg& x, const wire::Prefix& pre, char* scratch) {
+  if (x.carry.ride == Ride::kReduce) return scratch;
+  if (x.carry.ride == Ride::kGather) return x.data + pre.lo * x.carry.bytes;
+  return x.data;
+}
+
+// whether an agreed peer's data has the layout this rank expects (gathered blocks within the group)
+bool layoutAgrees(const Xchg& x, const wire::Prefix& pre, int p) {
+  if (x.carry.ride != Ride::kGather) return true;
+  return pre.lo >= 0 && pre.hi <= p && pre.lo <= pre.hi && pre.bytes == (pre.hi - pre.lo) * x.carry.bytes;
+}
+
+// an agreed peer's data, arrived at `src`, into this rank's state (`result`: it is the finished reduction)
+void absorb(Xchg& x, const wire::Prefix& pre, const char* src, bool result) {
+  switch (x.carry.ride) {
+    case Ride::kReduce:
+      if (result) std::memcpy(x.data, src, pre.bytes);
+      else ACCL_MPI(MPI_Reduce_local, src, x.data, static_cast<int>(pre.bytes / x.carry.red->esz),
+                    x.carry.red->type, x.carry.red->mpiOp);
+      break;
+    case Ride::kBroadcast:
+      if (src != x.data) std::memcpy(x.data, src, pre.bytes);
+      x.have = true;
+      break;
+    case Ride::kGather:
+      if (src != x.data + pre.lo * x.carry.bytes) std::memcpy(x.data + pre.lo * x.carry.bytes, src, pre.bytes);
+      x.lo = std::min(x.lo, pre.lo);
+      x.hi = std::max(x.hi, pre.hi);
+      break;
+    case Ride::kNone: break;
+  }
+}
+
+}  // namespace
+
+bool ProcessGroupACCL::exchange(Call& c) {
+  Xchg x{c.carry, c.head, c.compare};
+  x.data = c.carry.buf ? ptr(*c.carry.buf) : nullptr;
+  x.have = c.carry.ride == Ride::kBroadcast && rank_ == c.carry.root;
+  x.lo = rank_;
+  x.hi = rank_ + 1;
+  doubling(x);
+  if (x.bad) refuse(c);
+  if (c.carry.ride == Ride::kNone) return false;
+  return !c.carried || c.carried();
+}
+
+void ProcessGroupACCL::doubling(Xchg& x) {
+  const int me = rank_;
+  int p2 = 1;
+  while (p2 * 2 <= size_) p2 *= 2;
+  const int rem = size_ - p2;
+  if (me < 2 * rem && me % 2 == 0) {  // folded: its part to the odd rank above, the result back from it
+    step(x, me + 1, true, false);
+    return step(x, me + 1, false, true, true);
+  }
+  if (me < 2 * rem) step(x, me - 1, false, true);
+  const int v = me < 2 * rem ? me / 2 : me - rem;
+  for (int mask = 1; mask < p2; mask <<= 1) {
+    const int pv = v ^ mask;
+    step(x, pv < rem ? 2 * pv + 1 : pv + rem, true, true);
+  }
+  if (me < 2 * rem) step(x, me - 1, true, false);
+}
+
+void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result) {
+  MPI_Request reqs[2 + 2 * kMaxPieces];  // the prefix in, its pieces in; the prefix out, its pieces out
+  std::fill(std::begin(reqs), std::end(reqs), MPI_REQUEST_NULL);
+  MPI_Request* const out = reqs + 1 + kMaxPieces;
+  if (recv) ACCL_MPI(MPI_Irecv, in_.data(), static_cast<int>(in_.size()), MPI_BYTE, peer, kTagPrefix, ctl_, &reqs[0]);
+  if (send) post(x, peer, out);
+  if (recv) take(x, peer, reqs, result);
+  await(x, out, 1 + kMaxPieces);
+}
+
+void ProcessGroupACCL::await(const Xchg& x, MPI_Request* reqs, int n) {
+  if (!testUntil(reqs, n, deadline_)) expire(wire::describe(x.head));
+}
+
+void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
+  const auto [src, bytes] = outgoing(x);
+  const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes, x.lo, x.hi};
+  const Split sp = piecesOf(bytes);
+  std::memcpy(out_.data(), &pre, sizeof pre);
+  if (sp.head) std::memcpy(out_.data() + kHdr, src, sp.head);
+  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(kHdr + sp.head), MPI_BYTE, peer, kTagPrefix, ctl_, &out[0]);
+  for (int k = 0; k < sp.count; ++k)
+    ACCL_MPI(MPI_Isend, src + sp.at(k), static_cast<int>(sp.len(k, bytes)), MPI_BYTE, peer, kTagData, ctl_,
+             &out[1 + k]);
+}
+
+void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
+  await(x, &reqs[0], 1);
+  wire::Prefix pre;
+  std::memcpy(&pre, in_.data(), sizeof pre);
+  const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
+  const Split sp = piecesOf(pre.bytes);
+  const bool fits = agreed ? layoutAgrees(x, pre, size_) : pre.bytes <= static_cast<int64_t>(body_.size());
+  if (!fits) throw c10::DistBackendError("accl: garbled header-exchange message from rank " + std::to_string(peer));
+  const char* src = in_.data() + kHdr;  // all of it when it came in one message
+  if (sp.count) {  // the pieces: into place, or drained from a peer that disagreed
+    char* into = agreed ? landing(x, pre, body_.data()) : body_.data();
+    std::memcpy(into, src, sp.head);
+    for (int k = 0; k < sp.count; ++k)
+      ACCL_MPI(MPI_Irecv, into + sp.at(k), static_cast<int>(sp.len(k, pre.bytes)), MPI_BYTE, peer, kTagData, ctl_,
+               &reqs[1 + k]);
+    src = into;
+  }
+  await(x, reqs, 2 + 2 * kMaxPieces);  // this rank's data is sent before it is reduced into
+  x.bad = !agreed;
+  if (agreed && pre.bytes) absorb(x, pre, src, result);
+}
+
+void ProcessGroupACCL::refuse(const Call& c) {
+  // every rank's header, gathered through the same pattern under a header every rank shares
+  constexpr int64_t hb = sizeof(wire::Header);
+  auto all = std::make_shared<at::Tensor>(at::empty({size_ * hb}, at::kByte));
+  std::memcpy(ptr(*all) + rank_ * hb, &c.head, hb);
+  Xchg x{{Ride::kGather, all, hb}, wire::Header{}};
+  x.data = ptr(*all);
+  x.lo = rank_;
+  x.hi = rank_ + 1;
+  doubling(x);
+  std::vector<wire::Header> heads(size_);
+  std::memcpy(heads.data(), ptr(*all), size_ * hb);
+  throw MismatchError(wire::describeMismatch(heads, c.compare, groupName()));
+}
+
+}  // namespace torchhpc::accl
