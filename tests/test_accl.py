@@ -23,7 +23,7 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
                 "TORCHHPC_ACCL_CHECK", "TORCHHPC_ACCL_BLOCKING_MIN_BYTES"):
         monkeypatch.delenv(var, raising=False)
     o = accl.AcclOptions()
-    assert (o.engine, o.max_segment_bytes, o.check) == ("mpi", 4 << 20, True)
+    assert (o.engine, o.max_segment_bytes, o.check) == ("mpi", None, True)  # None: accl's choice per collective
     assert o.sidestep == set(accl.core.load_backend().COLLECTIVES) and "alltoall" in o.sidestep
     assert o.blocking_min_bytes == 64 << 10
     monkeypatch.setenv("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "1024")

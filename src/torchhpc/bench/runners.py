@@ -1,6 +1,7 @@
 """The calls ``torchhpc bench`` times: one float32 collective per implementation (accl, PyTorch's own MPI
-backend, gloo, the raw mpi4py call on torch's or numpy's memory), each with buffers of its own, and the process
-groups they run on."""
+backend, gloo, the raw mpi4py call on torch's or numpy's memory), and the process groups they run on.  Every
+implementation on torch's memory works on the same tensors, so that no one of them gets luckier pages (huge or
+not, first touched where) than another; ``mpi4py-numpy`` has numpy's arrays."""
 
 from __future__ import annotations
 
@@ -25,26 +26,23 @@ def measured_bytes(coll: str, nbytes: int, n: int) -> int:
     return 4 * (n_out if coll == "allgather" else n_in)
 
 
-def _raw_buffers(impl: str, n_in: int, n_out: int) -> tuple:
-    """The raw call's (input, output) numpy views: of torch-allocated tensors (``mpi4py``), checked to share
-    their storage, or numpy's own arrays (``mpi4py-numpy``)."""
-    import numpy as np
+def _torch_buffers(n_in: int, n_out: int) -> tuple:
+    """The (input, output) float32 tensors every implementation on torch's memory shares, and their numpy views
+    for the raw call (checked to share the tensors' storage)."""
     import torch
 
-    if impl == "mpi4py-numpy":
-        return np.ones(n_in, np.float32), np.zeros(n_out, np.float32)
     ins, outs = torch.ones(n_in, dtype=torch.float32), torch.zeros(n_out, dtype=torch.float32)
     a, b = ins.numpy(), outs.numpy()
     for t, view in ((ins, a), (outs, b)):
         if t.numel() and view.ctypes.data != t.data_ptr():
             raise RuntimeError("torchhpc bench: tensor.numpy() did not share the tensor's memory")
-    return a, b
+    return ins, outs, a, b
 
 
 def runners(coll: str, nbytes: int, n: int, groups: dict, comm, impls: list[str]) -> dict[str, Callable[[], None]]:
-    """One callable per implementation in ``impls`` doing one ``coll`` of ``nbytes`` (float32), each with
-    buffers of its own."""
-    import torch
+    """One callable per implementation in ``impls`` doing one ``coll`` of ``nbytes`` (float32): those on torch's
+    memory on one shared pair of tensors, ``mpi4py-numpy`` on numpy's arrays."""
+    import numpy as np
     import torch.distributed as dist
     from mpi4py import MPI
 
@@ -52,16 +50,16 @@ def runners(coll: str, nbytes: int, n: int, groups: dict, comm, impls: list[str]
     all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # torch >= 2.13 name
     reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     n_in, n_out = shape(coll, nbytes, n)
+    ins, outs, a, b = _torch_buffers(n_in, n_out)
     for impl in impls:
         if impl in ("mpi4py", "mpi4py-numpy"):
-            a, b = _raw_buffers(impl, n_in, n_out)
-            out[impl] = {"allreduce": lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
-                         "broadcast": lambda a=a: comm.Bcast(a, 0),
-                         "allgather": lambda a=a, b=b: comm.Allgather(a, b),
-                         "reduce_scatter": lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM),
-                         "alltoall": lambda a=a, b=b: comm.Alltoall(a, b)}[coll]
+            raw_a, raw_b = (a, b) if impl == "mpi4py" else (np.ones(n_in, np.float32), np.zeros(n_out, np.float32))
+            out[impl] = {"allreduce": lambda a=raw_a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
+                         "broadcast": lambda a=raw_a: comm.Bcast(a, 0),
+                         "allgather": lambda a=raw_a, b=raw_b: comm.Allgather(a, b),
+                         "reduce_scatter": lambda a=raw_a, b=raw_b: comm.Reduce_scatter_block(a, b, MPI.SUM),
+                         "alltoall": lambda a=raw_a, b=raw_b: comm.Alltoall(a, b)}[coll]
             continue
-        ins, outs = torch.ones(n_in, dtype=torch.float32), torch.zeros(n_out, dtype=torch.float32)
         g = groups[impl]
         out[impl] = {"allreduce": lambda t=ins, g=g: dist.all_reduce(t, group=g),
                      "broadcast": lambda t=ins, g=g: dist.broadcast(t, 0, group=g),

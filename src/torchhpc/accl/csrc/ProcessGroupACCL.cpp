@@ -367,7 +367,14 @@ Engine* ProcessGroupACCL::engineFor(Coll coll, std::optional<at::ScalarType> dty
 bool ProcessGroupACCL::needsHeader(int64_t bytes) const {
   // always when checked; unchecked, unless the call fits one nonblocking call below blocking_min_bytes: the header
   // then proves that every rank entered the call before MPI's blocking algorithms run
-  return opts_.check || bytes >= std::min(opts_.maxSegmentBytes + 1, opts_.blockingMinBytes);
+  const int64_t oneCall = opts_.maxSegmentBytes > 0 ? opts_.maxSegmentBytes + 1 : opts_.blockingMinBytes;
+  return opts_.check || bytes >= std::min(oneCall, opts_.blockingMinBytes);
+}
+
+int64_t ProcessGroupACCL::segmentFor(Coll coll) const {
+  if (opts_.maxSegmentBytes > 0) return opts_.maxSegmentBytes;
+  const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduce || coll == Coll::kReduceScatter;
+  return reduces && !engine_ ? int64_t{4} << 20 : int64_t{1} << 30;
 }
 
 std::unique_ptr<Call> ProcessGroupACCL::newCall(wire::Kind kind, at::ScalarType dtype, const Reduction* red,

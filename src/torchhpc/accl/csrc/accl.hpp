@@ -331,7 +331,7 @@ struct P2P {
 
 // ------------------------------------------------------------------------------------------ the backend
 struct Config {
-  int64_t maxSegmentBytes = 4 << 20;
+  int64_t maxSegmentBytes = 0;          // the user's cap on one engine call's buffer (0: accl's choice, segmentFor)
   bool check = true;
   int64_t blockingMinBytes = 64 << 10;  // unchecked calls from this size exchange the header, then block
   std::chrono::milliseconds timeout{1800 * 1000};
@@ -433,10 +433,14 @@ class ProcessGroupACCL : public c10d::Backend {
 
   // ---- the one rule: whether a call moving `bytes` exchanges the header
   bool needsHeader(int64_t bytes) const;
+  // the largest buffer one engine call of `coll` touches: max_segment_bytes where the user set it; else 4 MiB for
+  // the reductions on MPI (Open MPI's own reduction algorithms are slower on one larger call, measured:
+  // docs/accl.md), one call up to 1 GiB for data movement (segmenting it only adds calls)
+  int64_t segmentFor(Coll coll) const;
   // the one segment loop: `step(offset, count)` over [0, n) in pieces whose largest buffer (`unitBytes` per
-  // element) stays within max_segment_bytes; each piece is one engine call, counted in stats_
+  // element) stays within segmentFor(coll); each piece is one engine call, counted in stats_
   template <typename F>
-  void forSegments(int64_t n, int64_t unitBytes, F step);
+  void forSegments(Coll coll, int64_t n, int64_t unitBytes, F step);
   // small calls on MPI: `carry` rides with the header when it fits wire::kCarryBytes and (`capped`: user data,
   // not the call's own metadata) max_segment_bytes; `carried` takes the results
   bool ride(Call& c, const Engine* eng, Carry carry, std::function<bool()> carried = {}, bool capped = true);
@@ -530,8 +534,8 @@ class ProcessGroupACCL : public c10d::Backend {
 };
 
 template <typename F>
-void ProcessGroupACCL::forSegments(int64_t n, int64_t unitBytes, F step) {
-  const int64_t per = std::max<int64_t>(1, opts_.maxSegmentBytes / std::max<int64_t>(unitBytes, 1));
+void ProcessGroupACCL::forSegments(Coll coll, int64_t n, int64_t unitBytes, F step) {
+  const int64_t per = std::max<int64_t>(1, segmentFor(coll) / std::max<int64_t>(unitBytes, 1));
   for (int64_t off = 0; off < n; off += per) {
     const int64_t cnt = std::min(per, n - off);
     stats_.count(cnt * unitBytes);

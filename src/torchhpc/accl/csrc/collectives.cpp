@@ -24,9 +24,8 @@ std::string shape(const at::Tensor& t) {
 
 bool ProcessGroupACCL::ride(Call& c, const Engine* eng, Carry carry, std::function<bool()> carried, bool capped) {
   const int64_t bytes = carry.ride == Ride::kGather ? carry.bytes * size_ : carry.bytes;
-  if (!onMpi(eng) || !c.header || bytes > (capped ? std::min(wire::kCarryBytes, opts_.maxSegmentBytes)
-                                                  : wire::kCarryBytes))
-    return false;
+  const int64_t cap = capped && opts_.maxSegmentBytes > 0 ? opts_.maxSegmentBytes : wire::kCarryBytes;
+  if (!onMpi(eng) || !c.header || bytes > std::min(wire::kCarryBytes, cap)) return false;
   c.carry = std::move(carry);
   c.carried = std::move(carried);
   return true;
@@ -51,7 +50,8 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
   c->stage = [ts, buf] { *buf = flatHost(ts); };
   ride(*c, eng, {Ride::kReduce, buf, c->head.nbytes, &red});
   c->data = [this, buf, numel, &red, eng] {
-    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->allreduce(seg(*buf, off, cnt), red); });
+    forSegments(Coll::kAllreduce, numel, red.esz,
+                [&](int64_t off, int64_t cnt) { eng->allreduce(seg(*buf, off, cnt), red); });
   };
   c->finish = [ts, buf, &red, p = size_] {
     if (red.avg) buf->div_(p);
@@ -151,7 +151,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tenso
   c->stage = [t, buf, isRoot] { *buf = host(t, isRoot); };
   ride(*c, eng, {Ride::kBroadcast, buf, c->head.nbytes, nullptr, root});
   c->data = [this, buf, root, eng] {
-    forSegments(buf->numel(), buf->element_size(),
+    forSegments(Coll::kBroadcast, buf->numel(), buf->element_size(),
                 [&](int64_t off, int64_t cnt) { eng->broadcast(seg(*buf, off, cnt), root); });
   };
   c->finish = [t, buf, isRoot] {
@@ -174,7 +174,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>&
   auto buf = std::make_shared<at::Tensor>();
   c->stage = [t, buf] { *buf = host(t, true); };
   c->data = [this, buf, numel, &red, root, eng] {
-    forSegments(numel, red.esz, [&](int64_t off, int64_t cnt) { eng->reduce(seg(*buf, off, cnt), red, root); });
+    forSegments(Coll::kReduce, numel, red.esz,
+                [&](int64_t off, int64_t cnt) { eng->reduce(seg(*buf, off, cnt), red, root); });
   };
   c->finish = [t, buf, &red, isRoot = rank_ == root, p = size_] {
     if (!isRoot) return;  // the others' tensors are left as they were
@@ -202,7 +203,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, a
     if (rides && ptr(*src) != ptr(*dst) + mine) std::memcpy(ptr(*dst) + mine, ptr(*src), src->nbytes());
   };
   c->data = [this, src, dst, n, esz, p, eng] {
-    forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
+    forSegments(Coll::kAllgather, n, esz * p, [&](int64_t off, int64_t cnt) {
       eng->allgather(seg(*src, off, cnt), seg(*dst, off, cnt, p, n));
     });
   };
@@ -278,7 +279,7 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
     if (rides) *whole = inputs.size() == 1 && direct(inputs[0]) ? src->clone() : *src;  // the input stays as given
   };
   c->data = [this, src, dst, n, esz, p, &red, eng] {
-    forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {
+    forSegments(Coll::kReduceScatter, n, esz * p, [&](int64_t off, int64_t cnt) {
       eng->reduceScatter(seg(*src, off, cnt, p, n), seg(*dst, off, cnt), red);
     });
   };
@@ -340,7 +341,7 @@ std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const std::v
     if (isRoot) *all = toRoot ? at::empty({p * n}, one->options()) : flatHost(rows);
   };
   c->data = [this, one, all, n, esz, p, root, toRoot, eng] {
-    forSegments(n, esz * p, [&](int64_t off, int64_t cnt) {  // the same pieces on every rank
+    forSegments(toRoot ? Coll::kGather : Coll::kScatter, n, esz * p, [&](int64_t off, int64_t cnt) {  // same pieces
       const Seg part = seg(*one, off, cnt), block = seg(*all, off, cnt, p, n);
       if (toRoot) eng->gather(part, block, root);
       else eng->scatter(block, part, root);
@@ -471,7 +472,7 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
   auto most = std::make_shared<int64_t>(0);  // the largest send of any rank, from the agreed matrix
   // up to 64 ranks, every rank's matrix row rides with the header, and its sends after it when every rank's fit
   auto blocks = std::make_shared<at::Tensor>();
-  const int64_t fits = std::min(kPay - 16 * p, opts_.maxSegmentBytes);
+  const int64_t fits = std::min(kPay - 16 * p, segmentFor(Coll::kAlltoall));
   const bool rides = ride(
       *c, mpi_.get(), {Ride::kGather, blocks, kPay},
       [this, blocks, dst, most, p, fits] {
@@ -497,7 +498,7 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
       *most = checkAlltoallMatrix(matrix.data_ptr<int64_t>(), 2 * p, p);
     }
     std::vector<int> sc(p), sd(p), rc(p), rd(p);
-    forSegments(*most, p, [&](int64_t done, int64_t per) {  // a round: up to `per` bytes to and from each rank
+    forSegments(Coll::kAlltoall, *most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
       for (int64_t j = 0, so = 0, ro = 0; j < p; so += sb[j], ro += rb[j], ++j) {
         sc[j] = static_cast<int>(std::clamp<int64_t>(sb[j] - done, 0, per));
         sd[j] = static_cast<int>(so + std::min(done, sb[j]));

@@ -65,7 +65,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
     ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(kHdr + (small ? env.nbytes : 0)), MPI_BYTE, op.peer,
              op.tag, p2pHead_, &op.reqs.back());
     if (small) return;
-    forSegments(env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
+    forSegments(Coll::kSend, env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
       const Seg part = seg(op.host, off, cnt);
       if (!onMpi(op.eng)) return op.eng->send(part, op.peer, op.tag);  // the engine's calls block: made in order
       op.reqs.push_back(MPI_REQUEST_NULL);
@@ -215,7 +215,7 @@ bool ProcessGroupACCL::openEnvelope(P2P& op) {
 void ProcessGroupACCL::postPayload(P2P& op, char* into, const wire::Envelope& env) {
   op.reqs.clear();
   const int64_t unit = unitOf(env);
-  forSegments(env.numel, unit, [&](int64_t off, int64_t cnt) {  // the sender's segments
+  forSegments(Coll::kSend, env.numel, unit, [&](int64_t off, int64_t cnt) {  // the sender's segments
     op.reqs.push_back(MPI_REQUEST_NULL);
     ACCL_MPI(MPI_Irecv, into + off * unit, static_cast<int>(cnt * unit), MPI_BYTE, op.source, op.tag, p2pData_,
              &op.reqs.back());
@@ -226,7 +226,7 @@ void ProcessGroupACCL::recvOnEngine(P2P& op, const wire::Envelope& env, const st
   // the engine's calls block; a mismatched payload is received into a buffer of what was sent, then dropped
   const auto sent = op.tensor.options().device(at::kCPU).dtype(wire::scalarTypeOf(env.dtype));
   at::Tensor buf = bad.empty() ? (op.host = host(op.tensor, false)) : at::empty({env.numel}, sent);
-  forSegments(env.numel, unitOf(env),
+  forSegments(Coll::kSend, env.numel, unitOf(env),
               [&](int64_t off, int64_t cnt) { op.eng->recv(seg(buf, off, cnt), op.source, op.tag); });
   if (bad.empty()) deliver(op.host, op.tensor);
 }
