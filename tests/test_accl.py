@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_options_defaults_and_validation(monkeypatch) -> None:
     for var in ("TORCHHPC_ACCL_ENGINE", "TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "TORCHHPC_ACCL_SIDESTEP",
-                "TORCHHPC_ACCL_CHECK", "TORCHHPC_ACCL_BLOCKING_MIN_BYTES"):
+                "TORCHHPC_ACCL_CHECK", "TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "TORCHHPC_ACCL_RING_MIN_BYTES"):
         monkeypatch.delenv(var, raising=False)
     o = accl.AcclOptions()
     assert (o.engine, o.max_segment_bytes, o.check) == ("mpi", None, True)  # None: accl's choice per collective
@@ -33,6 +33,9 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
     assert o.max_segment_bytes == 1024 and o.sidestep == {"allreduce", "barrier"} and not o.check
     with pytest.raises(ValueError, match="max_segment_bytes"):
         accl.AcclOptions(max_segment_bytes=4)
+    assert o.ring_min_bytes is None
+    with pytest.raises(ValueError, match="ring_min_bytes"):
+        accl.AcclOptions(ring_min_bytes=-1)
     with pytest.raises(ValueError, match="unknown collectives"):
         accl.AcclOptions(sidestep=frozenset({"allreduse"}))
     with pytest.raises(ValueError, match=r"unknown collectives \['alltoallv'\]; known: allreduce, .*alltoall"):

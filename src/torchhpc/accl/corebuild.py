@@ -25,7 +25,7 @@ __all__ = ["build", "family_of", "default_mpicc", "default_mpicxx", "CSRC", "SOU
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: the backend's translation units (csrc/accl.hpp declares them all)
 SOURCES = ("wire.cpp", "reduction.cpp", "engine.cpp", "ProcessGroupACCL.cpp", "exchange.cpp", "collectives.cpp",
-           "p2p.cpp", "module.cpp")
+           "ring.cpp", "p2p.cpp", "module.cpp")
 
 
 def default_mpicc() -> str:

@@ -40,7 +40,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._accl_engine = accl_engine  # the Python half of the C++ engine: alive as long as the group
         self._backend = core.load_backend().ProcessGroupACCL(
             MPI._handleof(comm), opts.max_segment_bytes or 0, opts.check, opts.blocking_min_bytes, timeout_s,
-            group_name, accl_engine, sorted(opts.sidestep))
+            group_name, accl_engine, sorted(opts.sidestep),
+            -1 if opts.ring_min_bytes is None else opts.ring_min_bytes)
         kind = dist.ProcessGroup.BackendType.CUSTOM
         for device in ("cpu", "cuda"):
             self._register_backend(torch.device(device), kind, self._backend)

@@ -73,6 +73,11 @@ class AcclOptions:
       segment) skips the header and runs as one nonblocking MPI call waited on against the group
       timeout (the lowest latency); one moving at least this many exchanges the header anyway, as the
       proof that every rank arrived, then runs MPI's blocking algorithms (faster on Open MPI).
+    - ``ring_min_bytes``: all_reduce and reduce_scatter moving at least this many bytes run accl's own
+      pipelined ring over point-to-point instead of MPI's algorithm. None (the default): accl's choice,
+      reduce_scatter always (Open MPI's faults in a buffer of the whole input on every call), all_reduce from
+      1 MiB when the group spans nodes (across a link the ring moves the least data: 2(p-1)/p of the buffer
+      per rank, where recursive doubling moves all of it log2(p) times), MPI's calls on one node.
     - ``accl_sim_sock``/``accl_start_port``/``accl_xclbin``/``accl_bufsize``/``accl_protocol``:
       how the ACCL engine reaches its device (see :mod:`torchhpc.accl.accl_engine`).
     """
@@ -85,6 +90,7 @@ class AcclOptions:
     check: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_CHECK", True))
     blocking_min_bytes: int = field(
         default_factory=lambda: _env_int("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", 64 << 10))
+    ring_min_bytes: int | None = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_RING_MIN_BYTES", None))
     accl_sim_sock: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_SIM_SOCK"))
     accl_start_port: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_START_PORT", 5500))
     accl_xclbin: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_XCLBIN"))
@@ -99,6 +105,8 @@ class AcclOptions:
                                                    or self.max_segment_bytes < 8):
             raise ValueError(f"AcclOptions.max_segment_bytes must be None or an int >= 8, "
                              f"got {self.max_segment_bytes!r}")
+        if self.ring_min_bytes is not None and (not isinstance(self.ring_min_bytes, int) or self.ring_min_bytes < 0):
+            raise ValueError(f"AcclOptions.ring_min_bytes must be None or an int >= 0, got {self.ring_min_bytes!r}")
         self.sidestep = frozenset(self.sidestep)
         known = collectives()
         unknown = self.sidestep - set(known)

@@ -222,6 +222,11 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   out_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
   in_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
   body_.assign(wire::kCarryBytes, 0);
+  // whether the ranks span nodes: accl's ring then runs large all_reduces (usesRing)
+  MPI_Comm node = MPI_COMM_NULL;
+  ACCL_MPI(MPI_Comm_split_type, coll_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  spansNodes_ = sizeOf(node) < size_;
+  ACCL_MPI(MPI_Comm_free, &node);
   void* ub = nullptr;
   int flag = 0;
   ACCL_MPI(MPI_Comm_get_attr, MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);

@@ -334,6 +334,7 @@ struct Config {
   int64_t maxSegmentBytes = 0;          // the user's cap on one engine call's buffer (0: accl's choice, segmentFor)
   bool check = true;
   int64_t blockingMinBytes = 64 << 10;  // unchecked calls from this size exchange the header, then block
+  int64_t ringMinBytes = -1;  // all_reduce/reduce_scatter from this size run accl's ring (-1: accl's choice)
   std::chrono::milliseconds timeout{1800 * 1000};
   std::string groupName;
   std::vector<std::string> sidestep;    // collectives an engine lacks that may fall back to MPI
@@ -474,6 +475,29 @@ class ProcessGroupACCL : public c10d::Backend {
   const std::string& groupName() const;  // torch's name for the group once set, else ours
   std::shared_ptr<const std::string> groupNameShared();  // for Works (made again only when torch renames the group)
 
+  // ---- accl's own algorithm for large reductions (ring.cpp)
+  // the chunks of one ring step: `send` to the right neighbour, `recvCount` elements from the left either into
+  // `into` or through scratch chunks handed to `land(offset, chunk, count)`
+  struct RingStep {
+    at::ScalarType dtype;
+    int64_t chunk;  // bytes per message
+    const char* send;
+    int64_t sendCount;
+    char* into;
+    int64_t recvCount;
+    std::function<void(int64_t, const char*, int64_t)> land;
+  };
+  static constexpr int64_t kRingChunk = 512 << 10;
+  static constexpr int64_t kRingAcrossNodes = 1 << 20;
+  // whether a reduction `coll` of `bytes` runs the ring: on MPI, after a header, from ring_min_bytes where set,
+  // else accl's choice (reduce_scatter always; all_reduce from kRingAcrossNodes when the group spans nodes)
+  bool usesRing(const Engine* eng, Coll coll, int64_t bytes) const;
+  int64_t ringChunk(Coll coll) const;
+  void ringStep(const RingStep& step);
+  // reduce-scatter: in place over `data`, or (`own` given) from `own` with block `rank` into `out`
+  void ringReduce(char* data, int64_t n, const Reduction& red, char* own, char* out);
+  void ringGather(char* data, int64_t n, at::ScalarType dtype);  // the all-gather that completes an all-reduce
+
   // ---- the collectives' shared shapes
   std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,
                                       c10d::OpType type);
@@ -511,7 +535,9 @@ class ProcessGroupACCL : public c10d::Backend {
   MPI_Comm coll_ = MPI_COMM_NULL, ctl_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
   std::unique_ptr<MpiEngine> mpi_;
   std::shared_ptr<Engine> engine_;         // null: MPI
-  std::vector<char> out_, in_, body_;         // the exchange's messages: sent, received, received data
+  std::vector<char> out_, in_, body_;  // the exchange's messages: sent, received, received data
+  std::vector<char> ringScratch_, ringPartial_;  // the ring's chunks in flight; reduce_scatter's partial sums
+  bool spansNodes_ = false;                       // the group's ranks are on more than one node
   int tagUb_ = 32767;
 
   mutable std::mutex mu_;                  // queue_, running_, aborted_, seq_

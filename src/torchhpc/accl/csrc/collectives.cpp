@@ -50,6 +50,10 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
   c->stage = [ts, buf] { *buf = flatHost(ts); };
   ride(*c, eng, {Ride::kReduce, buf, c->head.nbytes, &red});
   c->data = [this, buf, numel, &red, eng] {
+    if (usesRing(eng, Coll::kAllreduce, numel * static_cast<int64_t>(red.esz))) {
+      ringReduce(ptr(*buf), numel, red, nullptr, nullptr);
+      return ringGather(ptr(*buf), numel, red.dtype);
+    }
     forSegments(Coll::kAllreduce, numel, red.esz,
                 [&](int64_t off, int64_t cnt) { eng->allreduce(seg(*buf, off, cnt), red); });
   };
@@ -279,6 +283,9 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
     if (rides) *whole = inputs.size() == 1 && direct(inputs[0]) ? src->clone() : *src;  // the input stays as given
   };
   c->data = [this, src, dst, n, esz, p, &red, eng] {
+    if (usesRing(eng, Coll::kReduceScatter, n * esz * p)) {
+      return ringReduce(nullptr, n * p, red, ptr(*src), ptr(*dst));
+    }
     forSegments(Coll::kReduceScatter, n, esz * p, [&](int64_t off, int64_t cnt) {
       eng->reduceScatter(seg(*src, off, cnt, p, n), seg(*dst, off, cnt), red);
     });
