@@ -16,7 +16,7 @@ namespace torchhpc::accl {
 namespace {
 
 constexpr int kTagRing = 32;
-constexpr int kWindow = 4;  // chunks in flight per step
+constexpr int kWindow = 16;  // chunks in flight per step
 
 // elements [first(b), first(b + 1)) of n in p blocks (sizes differ by at most one element)
 int64_t first(int64_t b, int64_t n, int p) {
