@@ -35,10 +35,11 @@ def test_complexity_at_most_grade_c() -> None:
     assert "radon cc --min D" in make.stdout, "make lint no longer runs the complexity bound"
 
 
-# accl's csrc/*.cpp in lizard's NLOC: 1,736 when the first bound (1,800) was set, 1,862 once small collectives ran
-# as accl's own recursive doubling with the header (PyTorch's ProcessGroupMPI.cpp: 886; the breakdown is in
-# docs/development.md).  Growth past it should buy something a user can name.
-CSRC_NLOC_BOUND = 1900
+# accl's csrc/*.cpp in lizard's NLOC: 1,736 when the first bound (1,800) was set; 1,984 once small collectives ran
+# as accl's own recursive doubling with the header and large reductions as its own ring (PyTorch's
+# ProcessGroupMPI.cpp: 886; the breakdown is in docs/development.md).  Growth past it should buy something a user
+# can name.
+CSRC_NLOC_BOUND = 2000
 
 
 def test_accl_backend_shape() -> None:

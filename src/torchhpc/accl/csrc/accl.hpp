@@ -241,7 +241,8 @@ std::string seconds(std::chrono::milliseconds ms);
 
 // ------------------------------------------------------------------------------------------ work
 class ProcessGroupACCL;
-struct Xchg;  // one header exchange's state (exchange.cpp)
+struct Xchg;     // one header exchange's state (exchange.cpp)
+struct RingRun;  // one ring's state (ring.cpp)
 
 class WorkACCL : public c10d::Work {
  public:
@@ -476,27 +477,16 @@ class ProcessGroupACCL : public c10d::Backend {
   std::shared_ptr<const std::string> groupNameShared();  // for Works (made again only when torch renames the group)
 
   // ---- accl's own algorithm for large reductions (ring.cpp)
-  // the chunks of one ring step: `send` to the right neighbour, `recvCount` elements from the left either into
-  // `into` or through scratch chunks handed to `land(offset, chunk, count)`
-  struct RingStep {
-    at::ScalarType dtype;
-    int64_t chunk;  // bytes per message
-    const char* send;
-    int64_t sendCount;
-    char* into;
-    int64_t recvCount;
-    std::function<void(int64_t, const char*, int64_t)> land;
-  };
-  static constexpr int64_t kRingChunk = 512 << 10;
-  static constexpr int64_t kRingAcrossNodes = 1 << 20;
+  static constexpr int64_t kRingChunk = 256 << 10;  // bytes per message
   // whether a reduction `coll` of `bytes` runs the ring: on MPI, after a header, from ring_min_bytes where set,
-  // else accl's choice (reduce_scatter always; all_reduce from kRingAcrossNodes when the group spans nodes)
+  // else accl's choice (reduce_scatter always; all_reduce when the group spans nodes)
   bool usesRing(const Engine* eng, Coll coll, int64_t bytes) const;
-  int64_t ringChunk(Coll coll) const;
-  void ringStep(const RingStep& step);
-  // reduce-scatter: in place over `data`, or (`own` given) from `own` with block `rank` into `out`
-  void ringReduce(char* data, int64_t n, const Reduction& red, char* own, char* out);
-  void ringGather(char* data, int64_t n, at::ScalarType dtype);  // the all-gather that completes an all-reduce
+  // all_reduce in place over `data` (own null), or reduce_scatter of `own` with block `rank` into `out`
+  void ring(const Reduction& red, int64_t n, char* data, const char* own, char* out);
+  void ringSend(RingRun& x, int step, int64_t chunk);
+  void ringRecv(RingRun& x, size_t g);  // the g-th chunk received
+  void ringLand(RingRun& x, size_t g);  // ... added to this rank's contribution
+  void ringWait(MPI_Request& req);
 
   // ---- the collectives' shared shapes
   std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,

@@ -51,8 +51,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts
   ride(*c, eng, {Ride::kReduce, buf, c->head.nbytes, &red});
   c->data = [this, buf, numel, &red, eng] {
     if (usesRing(eng, Coll::kAllreduce, numel * static_cast<int64_t>(red.esz))) {
-      ringReduce(ptr(*buf), numel, red, nullptr, nullptr);
-      return ringGather(ptr(*buf), numel, red.dtype);
+      return ring(red, numel, ptr(*buf), nullptr, nullptr);
     }
     forSegments(Coll::kAllreduce, numel, red.esz,
                 [&](int64_t off, int64_t cnt) { eng->allreduce(seg(*buf, off, cnt), red); });
@@ -284,7 +283,7 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
   };
   c->data = [this, src, dst, n, esz, p, &red, eng] {
     if (usesRing(eng, Coll::kReduceScatter, n * esz * p)) {
-      return ringReduce(nullptr, n * p, red, ptr(*src), ptr(*dst));
+      return ring(red, n * p, nullptr, ptr(*src), ptr(*dst));
     }
     forSegments(Coll::kReduceScatter, n, esz * p, [&](int64_t off, int64_t cnt) {
       eng->reduceScatter(seg(*src, off, cnt, p, n), seg(*dst, off, cnt), red);
