@@ -14,7 +14,7 @@ MPI_RANKS = (2, 3, 4)
 MPI_TIMEOUT = 240
 R = dist.ReduceOp
 
-# elements: past the carry limit (64 KiB); not a multiple of the ranks; several 256 KiB chunks per block
+# elements: past the carry limit (64 KiB); not a multiple of the ranks; several 512 KiB chunks per block
 SIZES = (20_000, 131_071, 1_000_003)
 
 
@@ -75,14 +75,14 @@ def test_ring_and_mpi_agree_bitwise_where_sums_commute(ring) -> None:
 
 
 def test_the_ring_runs_where_chosen(ring) -> None:
-    """Forced, a large all_reduce moves 256 KiB chunks; on one node accl's choice for all_reduce is MPI's call per
+    """Forced, a large all_reduce moves 512 KiB chunks; on one node accl's choice for all_reduce is MPI's call per
     4 MiB segment, and for reduce_scatter the ring (Open MPI's faults in a buffer of the whole input per call)."""
     default = dist.group.WORLD
     p = dist.get_world_size()
-    for g, chunk in ((ring, 256 << 10), (default, 4 << 20)):
+    for g, chunk in ((ring, 512 << 10), (default, 4 << 20)):
         g.stats["max_call_bytes"] = 0
         dist.all_reduce(torch.ones(1 << 20, dtype=torch.float64), group=g)
         assert g.stats["max_call_bytes"] == chunk
     default.stats["max_call_bytes"] = 0
     dist.reduce_scatter_tensor(torch.empty(1 << 18, dtype=torch.float64), torch.ones(p << 18, dtype=torch.float64))
-    assert default.stats["max_call_bytes"] == 256 << 10
+    assert default.stats["max_call_bytes"] == 512 << 10

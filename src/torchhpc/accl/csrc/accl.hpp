@@ -477,15 +477,15 @@ class ProcessGroupACCL : public c10d::Backend {
   std::shared_ptr<const std::string> groupNameShared();  // for Works (made again only when torch renames the group)
 
   // ---- accl's own algorithm for large reductions (ring.cpp)
-  static constexpr int64_t kRingChunk = 256 << 10;  // bytes per message
+  static constexpr int64_t kRingChunk = 512 << 10;  // bytes per message
   // whether a reduction `coll` of `bytes` runs the ring: on MPI, after a header, from ring_min_bytes where set,
   // else accl's choice (reduce_scatter always; all_reduce when the group spans nodes)
   bool usesRing(const Engine* eng, Coll coll, int64_t bytes) const;
   // all_reduce in place over `data` (own null), or reduce_scatter of `own` with block `rank` into `out`
   void ring(const Reduction& red, int64_t n, char* data, const char* own, char* out);
   void ringSend(RingRun& x, int step, int64_t chunk);
-  void ringRecv(RingRun& x, size_t g);  // the g-th chunk received
-  void ringLand(RingRun& x, size_t g);  // ... added to this rank's contribution
+  void ringRecv(RingRun& x, size_t g);  // the g-th chunk received, into a scratch chunk
+  void ringLand(RingRun& x, size_t g);  // ... reduced or copied into place
   void ringWait(MPI_Request& req);
 
   // ---- the collectives' shared shapes

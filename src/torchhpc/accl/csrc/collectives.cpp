@@ -271,11 +271,14 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
   c->header = needsHeader(n * esz * p);
   Engine* eng = engineFor(Coll::kReduceScatter, red.dtype, red.op);
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  auto whole = std::make_shared<at::Tensor>();  // small: every rank's input reduced whole in the exchange
-  const bool rides = ride(*c, eng, {Ride::kReduce, whole, n * esz * p, &red}, [dst, whole, n, esz, me = rank_] {
-    std::memcpy(ptr(*dst), ptr(*whole) + me * n * esz, n * esz);
-    return true;
-  });
+  // small: every rank's input reduced whole in the exchange, which sends p times what a reduce-scatter needs;
+  // across nodes only while one message's latency outweighs that (else the ring sends its 1/p)
+  auto whole = std::make_shared<at::Tensor>();
+  const bool rides = (!spansNodes_ || n * esz * p <= wire::kInlineBytes) &&
+                     ride(*c, eng, {Ride::kReduce, whole, n * esz * p, &red}, [dst, whole, n, esz, me = rank_] {
+                       std::memcpy(ptr(*dst), ptr(*whole) + me * n * esz, n * esz);
+                       return true;
+                     });
   c->stage = [inputs, output, src, dst, whole, rides] {
     *src = flatHost(inputs);
     *dst = host(output, false);
