@@ -143,7 +143,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--batch", type=int, default=16, help="images (ddp) or sequences (fsdp) per rank")
     ap.add_argument("--dim", type=int, default=256, help="fsdp: model width")
     ap.add_argument("--layers", type=int, default=4, help="fsdp: transformer layers")
+    ap.add_argument("--quick", action="store_true", help="2 rounds of 1 step, narrower models (seconds)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.width, args.dim, args.layers = 2, 1, 8, 64, 2
 
     from mpi4py import MPI
 
