@@ -108,6 +108,8 @@ def test_bad_arguments_are_refused(capsys) -> None:
     assert cli.main(["allreduce", "--np", "0"]) == 2
     assert cli.main(["allreduce", "--repeats", "0"]) == 2
     assert "--plot writes .png, .svg, .pdf" in capsys.readouterr().err
+    assert cli.main(["allreduce", "--json", "/nonexistent-dir/bench.json"]) == 2
+    assert "--json /nonexistent-dir/bench.json: directory /nonexistent-dir does not exist" in capsys.readouterr().err
 
 
 def test_sizes_are_the_bytes_really_moved() -> None:
@@ -174,3 +176,22 @@ def test_per_call_costs_are_drawn_as_bars(tmp_path: Path, suffix: str) -> None:
     text = "".join(ElementTree.parse(out).getroot().itertext())
     for word in ("all_reduce_8B", "broadcast_1MiB", "accl", "torch floor", "gloo", "µs per call"):
         assert word in text, word
+
+
+def test_training_step_quick_run_prints_both_steps() -> None:
+    """``bench/training_step.py --quick`` under mpiexec: a table per model with the floor, accl and gloo, each
+    step time positive and the overhead column filled for the backends."""
+    env = _env()
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "bench" / "training_step.py"), "--quick",
+                          "--impls", "floor,accl,gloo"], capture_output=True, text=True, timeout=300, env=env,
+                         check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for model in ("## DDP, ResNet-18 layout", "## FSDP2, transformer"):
+        block = res.stdout.split(model, 1)[1].split("##", 1)[0]
+        rows = {ln.split("|")[1].strip(): ln.split("|")[2:-1] for ln in block.splitlines()
+                if ln.startswith("| ") and not ln.startswith("| implementation")}
+        assert set(rows) == {"floor", "accl", "gloo"}, block
+        assert all(float(cells[0]) > 0 for cells in rows.values())
+        assert rows["floor"][2].strip() == "" and rows["accl"][2].strip() and rows["gloo"][3].strip().endswith("x")

@@ -89,6 +89,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
     unknown = [i for i in args.impls.split(",") if i not in IMPLS]
     if unknown:
         return f"unknown --impls {','.join(unknown)} (known: {','.join(IMPLS)})"
+    # checked before anything runs, on every rank: rank 0 failing to write at the end would leave the others
+    # waiting for it in the teardown's collectives
+    for opt, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            return f"{opt} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist"
     return None
 
 
