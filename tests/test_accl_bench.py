@@ -181,13 +181,11 @@ def test_per_call_costs_are_drawn_as_bars(tmp_path: Path, suffix: str) -> None:
 def test_training_step_quick_run_prints_both_steps() -> None:
     """``bench/training_step.py --quick`` under mpiexec: a table per model with the floor, accl and gloo, each
     step time positive and the overhead column filled for the backends."""
-    env = _env()
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    res = subprocess.run(["mpiexec", "-n", "2", sys.executable, str(ROOT / "bench" / "training_step.py"), "--quick",
-                          "--impls", "floor,accl,gloo"], capture_output=True, text=True, timeout=300, env=env,
-                         check=False)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    from _mpijob import run_mpi
+
+    res = run_mpi(2, [sys.executable, str(ROOT / "bench" / "training_step.py"), "--quick", "--impls",
+                      "floor,accl,gloo"], timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:]
     for model in ("## DDP, ResNet-18 layout", "## FSDP2, transformer"):
         block = res.stdout.split(model, 1)[1].split("##", 1)[0]
         rows = {ln.split("|")[1].strip(): ln.split("|")[2:-1] for ln in block.splitlines()
