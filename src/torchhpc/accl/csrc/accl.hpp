@@ -527,6 +527,7 @@ class ProcessGroupACCL : public c10d::Backend {
   std::shared_ptr<Engine> engine_;         // null: MPI
   std::vector<char> out_, in_, body_;  // the exchange's messages: sent, received, received data
   std::vector<char> ringScratch_, ringPartial_;  // the ring's chunks in flight; reduce_scatter's partial sums
+  at::Tensor a2aBlocks_;                          // all_to_all's blocks in the header exchange
   bool spansNodes_ = false;                       // the group's ranks are on more than one node
   int tagUb_ = 32767;
 

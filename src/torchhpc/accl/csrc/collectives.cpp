@@ -489,11 +489,12 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
         return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), fits);
       },
       false);
-  c->stage = [inputs, outputs, src, dst, received, blocks, rides, sb, rb, p, sent, fits, me = rank_] {
+  c->stage = [this, inputs, outputs, src, dst, received, blocks, rides, sb, rb, p, sent, fits, me = rank_] {
     *src = flatHost(inputs);
     *dst = outputs.size() == 1 ? host(outputs[0], false) : at::empty({received}, src->options());
     if (!rides) return;
-    *blocks = at::empty({p * kPay}, at::kByte);
+    if (!a2aBlocks_.defined()) a2aBlocks_ = at::empty({p * kPay}, at::kByte);  // kept: calls run one at a time
+    *blocks = a2aBlocks_;
     char* mine = ptr(*blocks) + me * kPay;
     std::memcpy(mine, sb.data(), 8 * p);
     std::memcpy(mine + 8 * p, rb.data(), 8 * p);
