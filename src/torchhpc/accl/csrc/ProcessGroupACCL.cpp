@@ -218,7 +218,7 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   ctl_ = dup(comm);
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
-  mpi_ = std::make_unique<MpiEngine>(coll_, [this](MPI_Request& req) { waitRequest(req); });
+  mpi_ = std::make_unique<MpiEngine>(coll_, [this](MPI_Request& req) { waitRequest(&req); });
   out_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
   in_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
   body_.assign(wire::kCarryBytes, 0);
@@ -372,7 +372,7 @@ Engine* ProcessGroupACCL::engineFor(Coll coll, std::optional<at::ScalarType> dty
 bool ProcessGroupACCL::needsHeader(int64_t bytes) const {
   // always when checked; unchecked, unless the call fits one nonblocking call below blocking_min_bytes: the header
   // then proves that every rank entered the call before MPI's blocking algorithms run
-  const int64_t oneCall = opts_.maxSegmentBytes > 0 ? opts_.maxSegmentBytes + 1 : opts_.blockingMinBytes;
+  const int64_t oneCall = opts_.maxSegmentBytes > 0 ? opts_.maxSegmentBytes + 1 : INT64_MAX;
   return opts_.check || bytes >= std::min(oneCall, opts_.blockingMinBytes);
 }
 
@@ -493,8 +493,8 @@ bool ProcessGroupACCL::testUntil(MPI_Request* reqs, int n, Clock::time_point dea
   }
 }
 
-void ProcessGroupACCL::waitRequest(MPI_Request& req) {
-  if (!testUntil(&req, 1, deadline_)) expire(current_ ? wire::describe(current_->head) : "a collective");
+void ProcessGroupACCL::waitRequest(MPI_Request* reqs, int n) {
+  if (!testUntil(reqs, n, deadline_)) expire(current_ ? wire::describe(current_->head) : "a collective");
 }
 
 void ProcessGroupACCL::expire(const std::string& what) {

@@ -462,11 +462,10 @@ class ProcessGroupACCL : public c10d::Backend {
   void step(Xchg& x, int peer, bool send, bool recv, bool result = false);
   void post(const Xchg& x, int peer, MPI_Request* out);         // this rank's message (and pieces) to `peer`
   void take(Xchg& x, int peer, MPI_Request* reqs, bool result);  // the peer's, then every request of the step
-  void await(const Xchg& x, MPI_Request* reqs, int n);          // against the call's deadline
   [[noreturn]] void refuse(const Call& call);         // every rank's header gathered, then the MismatchError
   // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
   bool testUntil(MPI_Request* reqs, int n, Clock::time_point deadline);
-  void waitRequest(MPI_Request& req);        // the running call's request, against its deadline
+  void waitRequest(MPI_Request* reqs, int n = 1);  // the running call's requests, against its deadline
   [[noreturn]] void expire(const std::string& what);
   // the error for a failed MPI call during `what`: a dead peer (ULFM) revokes the group's communicators, names
   // the dead ranks and aborts the group (PeerFailedError); anything else is a DistBackendError
@@ -486,7 +485,6 @@ class ProcessGroupACCL : public c10d::Backend {
   void ringSend(RingRun& x, int step, int64_t chunk);
   void ringRecv(RingRun& x, size_t g);  // the g-th chunk received, into a scratch chunk
   void ringLand(RingRun& x, size_t g);  // ... reduced or copied into place
-  void ringWait(MPI_Request& req);
 
   // ---- the collectives' shared shapes
   std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,

@@ -1,6 +1,6 @@
 // The collectives of ProcessGroupACCL.  Each entry point is one shape: its argument checks (helpers written once),
-// one Call (header words; staging; small data in the header slots; the engine calls, segment by segment through
-// forSegments; the copy-back), then enqueue.
+// one Call (header words; staging; small data riding whole in the header exchange; the engine calls, segment by
+// segment through forSegments; the copy-back), then enqueue.
 #include "accl.hpp"
 
 #include <torch/csrc/distributed/c10d/Utils.hpp>

@@ -18,6 +18,9 @@
 namespace torchhpc::accl {
 
 struct Xchg {
+  Xchg(Carry what, const wire::Header& h, int cmp, int rank)
+      : carry(std::move(what)), head(h), compare(cmp), data(carry.buf ? ptr(*carry.buf) : nullptr),
+        have(carry.ride == Ride::kBroadcast && rank == carry.root), lo(rank), hi(rank + 1) {}
   Carry carry;               // what rides (Ride::kNone: the header only)
   wire::Header head;         // this rank's header
   int compare = wire::kCompareAll;
@@ -104,11 +107,7 @@ void absorb(Xchg& x, const wire::Prefix& pre, const char* src, bool result) {
 }  // namespace
 
 bool ProcessGroupACCL::exchange(Call& c) {
-  Xchg x{c.carry, c.head, c.compare};
-  x.data = c.carry.buf ? ptr(*c.carry.buf) : nullptr;
-  x.have = c.carry.ride == Ride::kBroadcast && rank_ == c.carry.root;
-  x.lo = rank_;
-  x.hi = rank_ + 1;
+  Xchg x(c.carry, c.head, c.compare, rank_);
   doubling(x);
   if (x.bad) refuse(c);
   if (c.carry.ride == Ride::kNone) return false;
@@ -140,11 +139,7 @@ void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result
   if (recv) ACCL_MPI(MPI_Irecv, in_.data(), static_cast<int>(in_.size()), MPI_BYTE, peer, kTagPrefix, ctl_, &reqs[0]);
   if (send) post(x, peer, out);
   if (recv) take(x, peer, reqs, result);
-  await(x, out, 1 + kMaxPieces);
-}
-
-void ProcessGroupACCL::await(const Xchg& x, MPI_Request* reqs, int n) {
-  if (!testUntil(reqs, n, deadline_)) expire(wire::describe(x.head));
+  waitRequest(out, 1 + kMaxPieces);
 }
 
 void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
@@ -160,7 +155,7 @@ void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
 }
 
 void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
-  await(x, &reqs[0], 1);
+  waitRequest(&reqs[0]);
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
   const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
@@ -176,7 +171,7 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
                &reqs[1 + k]);
     src = into;
   }
-  await(x, reqs, 2 + 2 * kMaxPieces);  // this rank's data is sent before it is reduced into
+  waitRequest(reqs, 2 + 2 * kMaxPieces);  // this rank's data is sent before it is reduced into
   x.bad = !agreed;
   if (agreed && pre.bytes) absorb(x, pre, src, result);
 }
@@ -186,10 +181,7 @@ void ProcessGroupACCL::refuse(const Call& c) {
   constexpr int64_t hb = sizeof(wire::Header);
   auto all = std::make_shared<at::Tensor>(at::empty({size_ * hb}, at::kByte));
   std::memcpy(ptr(*all) + rank_ * hb, &c.head, hb);
-  Xchg x{{Ride::kGather, all, hb}, wire::Header{}};
-  x.data = ptr(*all);
-  x.lo = rank_;
-  x.hi = rank_ + 1;
+  Xchg x({Ride::kGather, all, hb}, wire::Header{}, wire::kCompareAll, rank_);
   doubling(x);
   std::vector<wire::Header> heads(size_);
   std::memcpy(heads.data(), ptr(*all), size_ * hb);
