@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 __all__ = ["AcclOptions", "collectives"]
 
 
-
 def collectives() -> tuple[str, ...]:
     """The collective names of ``sidestep`` (and of the backend's errors), as the C++ backend defines them."""
     from . import core  # the built module; options can be made before it is asked for
@@ -75,8 +74,8 @@ class AcclOptions:
       proof that every rank arrived, then runs MPI's blocking algorithms (faster on Open MPI).
     - ``ring_min_bytes``: all_reduce and reduce_scatter moving at least this many bytes run accl's own
       pipelined ring over point-to-point instead of MPI's algorithm. None (the default): accl's choice,
-      reduce_scatter always (Open MPI's faults in a buffer of the whole input on every call), all_reduce from
-      1 MiB when the group spans nodes (across a link the ring moves the least data: 2(p-1)/p of the buffer
+      reduce_scatter always (Open MPI's faults in a buffer of the whole input on every call), all_reduce
+      whenever the group spans nodes (across a link the ring moves the least data: 2(p-1)/p of the buffer
       per rank, where recursive doubling moves all of it log2(p) times), MPI's calls on one node.
     - ``accl_sim_sock``/``accl_start_port``/``accl_xclbin``/``accl_bufsize``/``accl_protocol``:
       how the ACCL engine reaches its device (see :mod:`torchhpc.accl.accl_engine`).
@@ -101,12 +100,10 @@ class AcclOptions:
         self.engine = str(self.engine).lower()
         if self.engine not in ("mpi", "accl"):
             raise ValueError(f"AcclOptions.engine must be 'mpi' or 'accl', got {self.engine!r}")
-        if self.max_segment_bytes is not None and (not isinstance(self.max_segment_bytes, int)
-                                                   or self.max_segment_bytes < 8):
-            raise ValueError(f"AcclOptions.max_segment_bytes must be None or an int >= 8, "
-                             f"got {self.max_segment_bytes!r}")
-        if self.ring_min_bytes is not None and (not isinstance(self.ring_min_bytes, int) or self.ring_min_bytes < 0):
-            raise ValueError(f"AcclOptions.ring_min_bytes must be None or an int >= 0, got {self.ring_min_bytes!r}")
+        for name, least in (("max_segment_bytes", 8), ("ring_min_bytes", 0)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < least):
+                raise ValueError(f"AcclOptions.{name} must be None or an int >= {least}, got {value!r}")
         self.sidestep = frozenset(self.sidestep)
         known = collectives()
         unknown = self.sidestep - set(known)
