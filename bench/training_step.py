@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if "torchhpc" not in sys.modules:
@@ -33,6 +31,8 @@ if "torchhpc" not in sys.modules:
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from torchhpc.bench.timing import interleaved, per_call_s, slowest, summary
 
 IMPLS = ("floor", "accl", "gloo", "mpi-upstream")
 
@@ -172,17 +172,13 @@ def main(argv: list[str]) -> int:
               f"{args.rounds} interleaved rounds of {args.steps} steps; ms per step, the slowest rank's mean")
     for kind in args.models.split(","):
         runs = {impl: setup(kind, impl, gs[impl], args) for impl in impls}
-        times: dict[str, list[float]] = {impl: [] for impl in impls}
-        for r in range(args.rounds):
-            k = r % len(impls)
-            for impl in impls[k:] + impls[:k]:
-                step = runs[impl][0]
-                step()  # untimed: first-touch, DDP's rebuilt buckets, FSDP's lazy init
-                comm.Barrier()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                times[impl].append(comm.allreduce((time.perf_counter() - t0) / args.steps, op=MPI.MAX))
+
+        def measure(step) -> float:  # noqa: ANN001
+            step()  # untimed: first-touch, DDP's rebuilt buckets, FSDP's lazy init
+            comm.Barrier()
+            return slowest(comm, per_call_s(step, args.steps))
+
+        times = interleaved({impl: runs[impl][0] for impl in impls}, args.rounds, measure)
         if comm.rank == 0:
             report(kind, args, runs, times, impls)
     for impl in [i for i in gs if i not in ("floor", "accl")]:
@@ -198,10 +194,11 @@ def report(kind: str, args: argparse.Namespace, runs: dict, times: dict[str, lis
     print(f"\n## {what} ({params / 1e6:.2f} M parameters, {4 * params / 2**20:.1f} MiB of gradients)\n")
     print("| implementation | step ms | spread | overhead over the floor, ms | step / accl's |")
     print("| --- | ---: | ---: | ---: | ---: |")
-    med = {i: statistics.median(times[i]) for i in impls}
+    stats = {i: summary(times[i]) for i in impls}  # (median, min, max)
+    med = {i: stats[i][0] for i in impls}
     floor = med.get("floor")
     for impl in impls:
-        spread = (max(times[impl]) - min(times[impl])) / med[impl]
+        spread = (stats[impl][2] - stats[impl][1]) / med[impl]
         over = f"{1e3 * (med[impl] - floor):.1f}" if floor is not None and impl != "floor" else ""
         ratio = f"{med[impl] / med['accl']:.2f}x" if "accl" in med and impl not in ("floor", "accl") else ""
         print(f"| {impl} | {1e3 * med[impl]:.1f} | {100 * spread:.0f}% | {over} | {ratio} |")
