@@ -181,6 +181,7 @@ def main(argv: list[str]) -> int:
         times = interleaved({impl: runs[impl][0] for impl in impls}, args.rounds, measure)
         if comm.rank == 0:
             report(kind, args, runs, times, impls)
+    del runs  # the models hold their groups: freed first, destroying a group joins its workers before exit
     for impl in [i for i in gs if i not in ("floor", "accl")]:
         dist.destroy_process_group(gs[impl])
     dist.destroy_process_group()

@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
         history.append({"features_only_acc": ref})
     for ct in (feats, c_indptr, c_indices, c_label):
         ct.close()
+    del model, opt  # DDP holds the group: freed first, destroying it joins gloo's workers before exit
     if own_group:
         dist.destroy_process_group()
     return {"history": history}

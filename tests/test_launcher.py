@@ -182,3 +182,43 @@ def test_one_launcher_detector() -> None:
     assert mpi_launcher({"SLURM_PROCID": "0"}) is None  # srun is not an MPI launcher; its variables are inherited
     assert rendezvous.under_mpi_launcher.__module__ == "torchhpc.accl.rendezvous"
     assert "mpi_launcher" in rendezvous.under_mpi_launcher.__code__.co_names
+
+
+_GLOO_EXIT = """
+import os, sys
+import torch
+import torch.distributed as dist
+from torchhpc.launcher import init_distributed
+
+torch.set_num_threads(1)
+def threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+torch.nn.Linear(4, 4)(torch.ones(2, 4)).sum().backward()  # autograd's and torch's own threads exist already
+before = threads()
+init_distributed("gloo", timeout=30, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": sys.argv[1]})
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))  # imports torch._dynamo now
+model(torch.ones(2, 4)).sum().backward()
+stats = torch.ones(3)
+dist.all_reduce(stats)
+del model
+dist.destroy_process_group()
+print(before, threads())
+"""
+
+
+def test_destroying_the_default_gloo_group_after_ddp_stops_its_workers() -> None:
+    """The default group is not pinned by a module imported after init (DDP imports torch._dynamo, whose
+    torch.distributed.nn.functional takes group.WORLD as a default argument): destroying it joins gloo's
+    workers, so none is left to drop a tensor, and take the GIL, while the interpreter exits."""
+    import os
+    import subprocess
+    import sys
+
+    from torchhpc.launcher import _free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "PALS_", "MASTER_"))}
+    out = subprocess.run([sys.executable, "-c", _GLOO_EXIT, str(_free_port())], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(int, out.stdout.split())
+    assert after == before, f"{after - before} thread(s) of the destroyed gloo group still running"

@@ -380,6 +380,12 @@ def init_distributed(
         kwargs.update(rank=info.rank, world_size=info.world_size, init_method=f"tcp://{host}:{port}")
     if device is not None and backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", device)
+    # torch.distributed.nn.functional takes ``group.WORLD`` as a default argument; imported after the group
+    # exists (DDP pulls it in through torch._dynamo) it pins the default group for good, so
+    # destroy_process_group() cannot stop gloo's workers, and one still dropping a tensor when the
+    # interpreter exits aborts the process ("terminate called without an active exception").
+    import torch.distributed.nn.functional  # noqa: F401
+
     dist.init_process_group(**kwargs)
     return info
 
