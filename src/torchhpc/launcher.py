@@ -370,7 +370,9 @@ def init_distributed(
         return info
 
     kwargs: dict = {"backend": backend, "timeout": timeout}
-    if backend != "mpi":
+    if backend != "mpi" and info.launcher == "torchrun" and env is None:
+        kwargs.update(rank=info.rank, world_size=info.world_size, store=_torchrun_store(info, timeout))
+    elif backend != "mpi":
         # An explicit tcp:// address rather than env://, so nothing is written into os.environ (children of
         # this process, e.g. a nested mpiexec, must not inherit a port this job owns).
         if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
@@ -388,6 +390,18 @@ def init_distributed(
 
     dist.init_process_group(**kwargs)
     return info
+
+
+def _torchrun_store(info: WorldInfo, timeout: datetime.timedelta):  # -> torch.distributed.Store
+    """torchrun's store for this restart attempt.  Its agent keeps one store for every attempt of a job, so the
+    workers of a restarted attempt would read the addresses their killed predecessors published there (gloo
+    then connects to dead ports); a prefix per attempt keeps each attempt's keys apart."""
+    import torch.distributed as dist
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.world_size,
+                          is_master=not agent and info.rank == 0, timeout=timeout)
+    return dist.PrefixStore(f"torchhpc/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _mpi_world(env: Mapping[str, str]):  # -> MPI.Comm | None
