@@ -357,7 +357,7 @@ def test_a_detached_job_is_followed_later_with_its_exit_status(cluster: Cluster)
 
 def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster) -> None:
     """Node 2 is torn down in the middle of all-reduces (link cut, every process killed): both ranks of node 1
-    raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Runs last: it leaves
+    raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Runs late: it leaves
     node 2 down."""
     timeout_s = 5.0
     script = cluster.shared / "failure.sh"
@@ -389,6 +389,49 @@ def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
         assert family == "torchhpc", error
         assert float(after) <= timeout_s + 5, f"took {after}s against a {timeout_s}s timeout: {error}"
     assert state in ("JobState=FAILED", "JobState=NODE_FAIL"), f"{state}\n{text}\n{cluster.logs()}"
+
+
+RESUME_STEPS, RESUME_EVERY = 400, 20
+
+
+def test_a_requeued_job_resumes_from_its_checkpoint_bitwise_equal(cluster: Cluster) -> None:
+    """examples/resumable_training.py under `sbatch --requeue` on 2 nodes: its second node is torn down (link cut,
+    every process killed) after the second checkpoint; Slurm ends the run NODE_FAIL and requeues it on the nodes
+    left, where it resumes from its newest finished checkpoint and ends with the parameters of a run never stopped,
+    bit for bit.  Runs after the node failure above (node 2 is down) and takes down one more node."""
+    def train(ckpt: Path) -> str:
+        return (f"{PYTHON} {ROOT}/examples/resumable_training.py --dir {ckpt} --steps {RESUME_STEPS} "
+                f"--every {RESUME_EVERY}")
+
+    digest = re.compile(rf"FINAL step {RESUME_STEPS} sha256 ([0-9a-f]{{64}})")
+    ref = cluster.ok(f"srun --mpi=pmix -N 2 --ntasks-per-node=1 -O {train(cluster.shared / 'resume-ref')}",
+                     timeout=300, env=RANK_ENV)
+    script, out_file = cluster.shared / "resume.sh", cluster.shared / "resume.out"
+    ckpt = cluster.shared / "resume-ckpt"
+    script.write_text(f"#!/bin/bash\nsrun --mpi=pmix {train(ckpt)}\n")
+    out_file.unlink(missing_ok=True)
+    job = cluster.ok(f"sbatch --parsable --requeue --open-mode=append -N 2 --ntasks-per-node=1 -O -o {out_file} "
+                     f"{script}", env=RANK_ENV).strip().splitlines()[-1]
+    deadline = time.monotonic() + 120
+    while not (ckpt / f"step-{2 * RESUME_EVERY:08d}").is_dir():
+        assert time.monotonic() < deadline, f"no second checkpoint\n{cluster.logs()}"
+        time.sleep(0.1)
+    nodes = cluster.ok(f"squeue -h -j {job} -o %N").strip()
+    victim = next(n for n in re.findall(r"node\d", cluster.ok(f"scontrol show hostnames {nodes}")) if n != "node1")
+    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", victim], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    state = ""
+    deadline = time.monotonic() + 240  # the node declared down, the requeue's delay, the rest of the run
+    while time.monotonic() < deadline:
+        state = cluster.ok(f"scontrol show job {job} | grep -o 'JobState=[A-Z_]*'").strip()
+        if state in ("JobState=COMPLETED", "JobState=FAILED", "JobState=CANCELLED"):
+            break
+        time.sleep(2)
+    text = out_file.read_text()
+    assert state == "JobState=COMPLETED", f"{state}\n{text[-5000:]}\n{cluster.logs()}"
+    resumed = [int(s) for s in re.findall(r"RESUMED at step (\d+) of \d+ on 2 ranks \(SLURM_RESTART_COUNT=1\)", text)]
+    assert len(resumed) == 1 and 2 * RESUME_EVERY <= resumed[0] < RESUME_STEPS, text[-5000:]
+    assert digest.findall(text) == digest.findall(ref) and len(digest.findall(ref)) == 1, text[-5000:]
 
 
 def test_cluster_up_is_idempotent_repairs_and_cleans_up_after_a_failed_start(cluster: Cluster) -> None:

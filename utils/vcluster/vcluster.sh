@@ -157,6 +157,8 @@ KillWait=5
 MinJobAge=600
 # a job on a failed node is reported failed (NODE_FAIL), not requeued behind the user's back
 JobRequeue=0
+# a job that asks for it (sbatch --requeue) starts again this long after its node failed (Slurm's default: 120 s)
+AuthInfo=cred_expire=10
 EOF
     for ((i = 1; i <= n; i++)); do
       printf 'NodeName=node%d NodeAddr=%s.%d CPUs=%d State=UNKNOWN\n' "$i" "$subnet" "$i" "$cpus"
