@@ -28,8 +28,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torchhpc import checkpoint
 from torchhpc.launcher import init_distributed
 
-# Restart counters of the launchers that restart jobs, for the log line only.
-RESTARTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "PBS_RUN_COUNT")
+# Restart counters that torchrun and Slurm give a restarted job, for the log line only (PBS keeps its
+# run_count in the job's record: `qstat -f`).
+RESTARTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
 
 def batch(step: int, rank: int, args: argparse.Namespace, teacher: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -67,10 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     found = checkpoint.latest(args.dir)
     start = checkpoint.load(state, found) if found is not None else 0
-    restarts = next((f"{v}={os.environ[v]}" for v in RESTARTS if v in os.environ), "first start")
+    restarts = "".join(f" ({v}={os.environ[v]})" for v in RESTARTS if v in os.environ)
     if rank == 0:
         print(f"{'RESUMED at' if found else 'STARTED at'} step {start} of {args.steps} on {info.world_size} "
-              f"ranks ({restarts})", flush=True)
+              f"ranks{restarts}", flush=True)
     losses = []
     for step in range(start, args.steps):
         x, y = batch(step, rank, args, teacher)

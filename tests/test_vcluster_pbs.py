@@ -297,3 +297,59 @@ def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Pat
                 assert rec.get("Account_Name") == "UABC0001", rec
             finally:
                 pbs.ok(f"qdel {job}")
+
+
+# ---- a rerunnable job survives its node (runs last: it takes node2 down) -------------------------------------
+
+
+def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster, prefix: Path) -> None:
+    """examples/resumable_training.py in a rerunnable job (`qsub -r y`, 2 ranks on one node) placed on node2,
+    which is torn down (link cut, every process killed) after the second checkpoint: the server requeues the
+    job once the mom is silent past node_fail_requeue, it runs again on node1, resumes from its newest finished
+    checkpoint and ends with the parameters of a run never stopped, bit for bit."""
+    steps, every = 400, 20
+
+    def job(name: str, ckpt: Path, rerun: str) -> Path:
+        script = prefix / f"{name}.pbs"
+        script.write_text(f"#!/bin/bash\n#PBS -N {name}\n#PBS -r {rerun}\n#PBS -l select=1:ncpus=2:mpiprocs=2\n"
+                          f"#PBS -l walltime=00:10:00\n#PBS -j oe\n#PBS -o {prefix}/{name}.out\n"
+                          f"source {shlex.quote(sys.prefix + '/bin/activate')}\nexport OMP_NUM_THREADS=1\n"
+                          f"mpiexec -n 2 -x OMP_NUM_THREADS python {ROOT}/examples/resumable_training.py "
+                          f"--dir {ckpt} --steps {steps} --every {every}\n")
+        return script
+
+    def output(name: str) -> str:
+        deadline = time.monotonic() + 30  # the mom copies the output back after the job ends
+        while time.monotonic() < deadline and not (prefix / f"{name}.out").exists():
+            time.sleep(0.2)
+        return (prefix / f"{name}.out").read_text()
+
+    digest = re.compile(rf"FINAL step {steps} sha256 ([0-9a-f]{{64}})")
+    pbs.ok(f"qsub -W block=true {job('ref', prefix / 'ref-ckpt', 'n')}", timeout=300)
+    want = digest.findall(output("ref"))
+    assert len(want) == 1, output("ref")
+    ckpt = prefix / "ckpt"
+    pbs.ok("pbsnodes -o node1")  # the job must start on node2, the node that fails
+    try:
+        jid = pbs.ok(f"qsub {job('resume', ckpt, 'y')}").strip().splitlines()[-1]
+        deadline = time.monotonic() + 120
+        while not (ckpt / f"step-{2 * every:08d}").is_dir():
+            assert time.monotonic() < deadline, f"no second checkpoint: {qstat_x(pbs, jid)}\n{pbs.logs()}"
+            time.sleep(0.1)
+    finally:
+        pbs.ok("pbsnodes -r node1")
+    assert qstat_x(pbs, jid)["exec_host"].startswith("node2"), qstat_x(pbs, jid)
+    killed = subprocess.run(["bash", str(ROOT / "utils/vcluster/vcluster.sh"), "kill-node", "node2"],
+                            capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    deadline = time.monotonic() + 240  # the mom found silent, node_fail_requeue, the rest of the run
+    rec = qstat_x(pbs, jid)
+    while time.monotonic() < deadline and rec["job_state"] != "F":
+        time.sleep(2)
+        rec = qstat_x(pbs, jid)
+    text = output("resume")
+    assert rec["job_state"] == "F" and rec.get("Exit_status") == 0, f"{rec}\n{text[-5000:]}\n{pbs.logs()}"
+    assert rec["run_count"] == 2 and rec["exec_host"].startswith("node1"), rec
+    resumed = [int(s) for s in re.findall(r"RESUMED at step (\d+) of \d+ on 2 ranks", text)]
+    assert len(resumed) == 1 and 2 * every <= resumed[0] < steps, text[-5000:]
+    assert digest.findall(text) == want, text[-5000:]

@@ -278,6 +278,8 @@ start_pbs() {
   # Finished jobs stay visible (qstat -x) for their exit status.
   enter node1 qmgr -c "set server acl_roots = root"
   enter node1 qmgr -c "set server job_history_enable = true"
+  # A rerunnable job on a node whose mom stopped answering is requeued after this many seconds (default 310).
+  enter node1 qmgr -c "set server node_fail_requeue = 15"
   for node in $(nodes); do
     enter node1 qmgr -c "list node $node" >/dev/null 2>&1 || enter node1 qmgr -c "create node $node"
   done
