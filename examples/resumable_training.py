@@ -5,7 +5,7 @@ directory every node sees) and goes on from its step::
 
     torchrun --nproc-per-node 2 --max-restarts 3 examples/resumable_training.py --dir ckpt
     sbatch --requeue -N 2 --wrap "srun --mpi=pmix python examples/resumable_training.py --dir ckpt"
-    qsub -r y -l select=2 -- mpiexec python examples/resumable_training.py --dir ckpt   # PBS: rerunnable
+    qsub -r y -l select=2:ncpus=1:mpiprocs=1 -- mpiexec python examples/resumable_training.py --dir ckpt
 
 A restart loses only the steps since the newest checkpoint: the model, the optimizer, the data position (batches
 are a function of the step) and every rank's random state are restored, so the final parameters equal those of
