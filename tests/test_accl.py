@@ -3,6 +3,7 @@ bfloat16, rendezvous fall-back, a one-rank group and engine errors (the benchmar
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -176,3 +177,25 @@ def test_environment_report_for_doctor() -> None:
     assert "pyaccl" in items["accl ACCL engine"]
 
 
+
+
+def test_a_stopped_peer_ends_the_job_instead_of_holding_it_at_exit() -> None:
+    """Rank 2 of 3 SIGSTOPs itself mid-loop (a node that stops answering without dying): the others raise
+    torchhpc's timeout naming the rank they wait on, and at exit, where MPI_Finalize would wait for the stopped
+    rank for ever, they give it the group timeout at a barrier, then end the job with MPI_Abort."""
+    import time
+
+    from _mpijob import run_mpi
+
+    start = time.monotonic()
+    res = run_mpi(3, [sys.executable, str(Path(__file__).parent / "vcluster" / "node_failure.py"), "2", "2"],
+                  timeout=120)
+    out = res.stdout + (res.stderr or "")
+    assert time.monotonic() - start < 60, out[-5000:]
+    assert res.returncode != 0 and "ending the job with MPI_Abort" in out, out[-5000:]
+    survivors = re.findall(r"SURVIVOR rank=([01]) host=\S+ after=([\d.]+)s cpu=[\d.]+s family=torchhpc "
+                           r"error=PeerTimeoutError: .* rank (\d) \(this rank was waiting on it\)", out)
+    assert sorted(r for r, *_ in survivors) == ["0", "1"], out[-5000:]
+    assert all(float(after) < 2 + 5 for _, after, _ in survivors), survivors
+    # the rank that waits on the stopped one names it (the other waits on that rank, which is stuck itself)
+    assert "2" in [peer for *_, peer in survivors], survivors

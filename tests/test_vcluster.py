@@ -355,24 +355,28 @@ def test_a_detached_job_is_followed_later_with_its_exit_status(cluster: Cluster)
     assert unknown.returncode != 0 and "no job named 'never' was submitted from here" in unknown.stdout
 
 
-def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster) -> None:
-    """Node 2 is torn down in the middle of all-reduces (link cut, every process killed): both ranks of node 1
-    raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Runs late: it leaves
-    node 2 down."""
-    timeout_s = 5.0
-    script = cluster.shared / "failure.sh"
+FAULT_TIMEOUT_S = 5.0
+
+
+def start_failure_job(cluster: Cluster, name: str) -> tuple[str, Path]:
+    """tests/vcluster/node_failure.py as a Slurm job, 2 ranks on each of node1 and node2, once every rank loops."""
+    script = cluster.shared / f"{name}.sh"
     script.write_text(f"#!/bin/bash\nmpiexec -n 4 -x PYTHONPATH -x OMP_NUM_THREADS {PYTHON} "
-                      f"{ROOT}/tests/vcluster/node_failure.py {timeout_s}\n")
-    out_file = cluster.shared / "failure.out"
+                      f"{ROOT}/tests/vcluster/node_failure.py {FAULT_TIMEOUT_S}\n")
+    out_file = cluster.shared / f"{name}.out"
     out_file.unlink(missing_ok=True)
-    job = cluster.ok(f"sbatch --parsable -N 2 --ntasks-per-node=2 -O -o {out_file} {script}",
+    job = cluster.ok(f"sbatch --parsable -N 2 -w node1,node2 --ntasks-per-node=2 -O -o {out_file} {script}",
                      env=RANK_ENV).strip().splitlines()[-1]
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not out_file.exists() or out_file.read_text().count("LOOPING") < 4):
         time.sleep(0.5)
     assert out_file.exists() and out_file.read_text().count("LOOPING") == 4, cluster.logs()
-    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", "node2"], capture_output=True, text=True)
-    assert killed.returncode == 0, killed.stderr
+    return job, out_file
+
+
+def check_survivors(cluster: Cluster, job: str, out_file: Path, ended: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """After the fault on node2: both ranks of node1 raise torchhpc's error within the group timeout, without
+    spinning through the wait, and the job ends in one of the states ``ended``.  Returns their records."""
     state = ""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -382,13 +386,52 @@ def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
         time.sleep(1)
     text = out_file.read_text()
     print(text)  # the survivors' lines, for the record (pytest -s)
-    survivors = re.findall(r"SURVIVOR rank=(\d) host=(node\d) after=([\d.]+)s family=(\w+) error=(.*)", text)
-    assert sorted((r, h) for r, h, *_ in survivors) == [("0", "node1"), ("1", "node1")], \
-        f"{state}\n{text}\n{cluster.logs()}"
-    for _, _, after, family, error in survivors:
+    survivors = re.findall(r"SURVIVOR rank=(\d) host=(node1) after=([\d.]+)s cpu=([\d.]+)s family=(\w+) error=(.*)",
+                           text)
+    assert sorted(r for r, *_ in survivors) == ["0", "1"], f"{state}\n{text}\n{cluster.logs()}"
+    for _, _, after, cpu, family, error in survivors:
         assert family == "torchhpc", error
-        assert float(after) <= timeout_s + 5, f"took {after}s against a {timeout_s}s timeout: {error}"
-    assert state in ("JobState=FAILED", "JobState=NODE_FAIL"), f"{state}\n{text}\n{cluster.logs()}"
+        assert float(after) <= FAULT_TIMEOUT_S + 5, f"took {after}s against a {FAULT_TIMEOUT_S}s timeout: {error}"
+        assert float(cpu) <= 0.5 * float(after) + 0.5, f"spun: {cpu}s of CPU in a {after}s wait: {error}"
+    assert state in ended, f"{state}\n{text}\n{cluster.logs()}"
+    return survivors
+
+
+@pytest.mark.parametrize("fault", ["stop", "cut"])
+def test_a_silent_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster, fault: str) -> None:
+    """Node 2 goes silent while everything in it lives: its ranks are SIGSTOPped, or its link is cut.  Both
+    ranks of node 1 raise torchhpc's error naming the silent ranks within the group timeout, the job ends,
+    and once node 2 answers again (SIGCONT, link up) a job across both nodes runs."""
+    job, out_file = start_failure_job(cluster, f"silent-{fault}")
+    vcluster = ["bash", str(VCLUSTER)]
+    action, undo = {"stop": (["signal-node", "node2", "STOP", "node_failure.py"],
+                             ["signal-node", "node2", "CONT", "node_failure.py"]),
+                    "cut": (["cut-link", "node2"], ["restore-link", "node2"])}[fault]
+    done = subprocess.run([*vcluster, *action], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    try:
+        survivors = check_survivors(cluster, job, out_file,
+                                    ("JobState=FAILED", "JobState=NODE_FAIL", "JobState=CANCELLED"))
+    finally:
+        subprocess.run([*vcluster, *undo], capture_output=True, text=True)
+    for *_, error in survivors:
+        assert re.search(r"rank [23] \(this rank was waiting on it\)", error), f"no silent rank named: {error}"
+    deadline = time.monotonic() + 90  # ReturnToService=2: node2 is back once its slurmd registers again
+    while "idle" not in cluster.ok("sinfo -h -n node2 -o %T"):
+        assert time.monotonic() < deadline, cluster.ok("sinfo -N") + cluster.logs()
+        time.sleep(1)
+    hosts = cluster.ok("srun -N 2 -w node1,node2 hostname", timeout=60).split()
+    assert sorted(hosts) == ["node1", "node2"], hosts
+
+
+def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster) -> None:
+    """Node 2 is torn down in the middle of all-reduces (link cut, every process killed): both ranks of node 1
+    raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Runs late: it leaves
+    node 2 down."""
+    job, out_file = start_failure_job(cluster, "failure")
+    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", "node2"], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    check_survivors(cluster, job, out_file, ("JobState=FAILED", "JobState=NODE_FAIL"))
 
 
 RESUME_STEPS, RESUME_EVERY = 400, 20

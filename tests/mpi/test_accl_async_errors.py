@@ -168,7 +168,9 @@ def test_group_timeout_when_a_peer_never_joins() -> None:
     g = dist.new_group(backend="accl", timeout=timedelta(seconds=2))
     if rank == 0:
         start = time.monotonic()
-        with pytest.raises(accl.AcclTimeoutError, match="did not complete within the group timeout of 2 s"):
+        # named: the peer it waits on (its partner in the header exchange's first round)
+        with pytest.raises(accl.AcclTimeoutError, match=r"did not complete within the group timeout of 2 s: "
+                                                        r"rank 1 \(this rank was waiting on it\) died, hung"):
             dist.all_reduce(torch.ones(4), group=g)
         assert time.monotonic() - start < 20
         with pytest.raises(dist.DistBackendError, match="aborted"):
@@ -180,8 +182,9 @@ def test_group_timeout_when_a_peer_never_joins() -> None:
         # partners after the first round, powers of two: rank 2 at 4 ranks) time out as it did, the others complete
         try:
             dist.all_reduce(torch.ones(4), group=g)
-        except accl.AcclTimeoutError:
+        except accl.AcclTimeoutError as e:
             assert rank >= 2 and rank & (rank - 1) == 0, f"rank {rank} never meets rank 0 after its first message"
+            assert "rank 0 (this rank was waiting on it)" in str(e), e
     dist.barrier()
     assert p >= 2
 

@@ -19,6 +19,11 @@
 #   vcluster.sh link RATE     shape every node's link with tc's token bucket (e.g. 10gbit, 1gbit; `none` clears)
 #   vcluster.sh kill-node NODE
 #                             a node failure: its link is cut and every process in it killed
+#   vcluster.sh cut-link NODE | restore-link NODE
+#                             a node that goes silent while everything in it lives: its link down, then up
+#   vcluster.sh signal-node NODE SIGNAL PATTERN
+#                             send SIGNAL (STOP, CONT, ...) to the node's processes whose command line
+#                             matches PATTERN (the nodes share one PID space: pkill would reach every node)
 #
 # Variables: VCLUSTER_DIR (shared state, default $TORCHHPC_PREFIX/vcluster or build/vcluster), VENV (.venv),
 # VCLUSTER_SUBNET (first three octets, default 10.212.0), VCLUSTER_CPUS (CPUs each node declares to
@@ -379,6 +384,26 @@ rate_bytes() {
   echo $((BASH_REMATCH[1] * mult[${BASH_REMATCH[2]}]))
 }
 
+cmd_cut_link() {
+  local node=${1:?usage: vcluster.sh cut-link|restore-link NODE} state=${2:-down}
+  node_pid "$node" >/dev/null
+  ip -n "$switch_ns" link set "port${node#node}" "$state"
+  say "$node: link $state"
+}
+
+cmd_signal_node() {
+  local node=${1:?usage: vcluster.sh signal-node NODE SIGNAL PATTERN} sig=${2:?signal} pattern=${3:?pattern}
+  local pid hit=0
+  node_pid "$node" >/dev/null
+  for pid in $(ip netns pids "$ns_prefix-$node"); do
+    if tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -q -- "$pattern"; then
+      kill -s "$sig" "$pid" 2>/dev/null && hit=$((hit + 1))
+    fi
+  done
+  say "$node: SIG$sig sent to $hit process(es) matching '$pattern'"
+  ((hit > 0))
+}
+
 cmd_kill_node() {
   local node=${1:?usage: vcluster.sh kill-node NODE}
   node_pid "$node" >/dev/null
@@ -396,6 +421,9 @@ main() {
     status) cmd_status ;;
     link) cmd_link "$@" ;;
     kill-node) cmd_kill_node "$@" ;;
+    cut-link) cmd_cut_link "${1:-}" down ;;
+    restore-link) cmd_cut_link "${1:-}" up ;;
+    signal-node) cmd_signal_node "$@" ;;
     exec)
       local node=node1
       if [[ "${1:-}" == -n ]]; then node=$2; shift 2; fi

@@ -17,8 +17,10 @@ failed makes every member raise (:class:`~torchhpc.errors.RemoteError` naming it
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import struct
+import sys
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -28,6 +30,7 @@ from mpi4py import MPI
 
 from ..errors import PeerTimeoutError, RemoteError
 from ..waiting import agree, agreed, wait_requests
+from . import core
 from .group import ProcessGroupACCL
 from .options import AcclOptions
 from .rendezvous import install_env_rendezvous
@@ -49,6 +52,8 @@ def _global_comm(group_rank: int, group_size: int, is_default: bool) -> MPI.Comm
     world = MPI.COMM_WORLD
     if is_default:
         comm = world if group_rank == world.Get_rank() else world.Split(0, group_rank)
+        if _ctl_comm is None:
+            atexit.register(_leave)
         _world_comm, _ctl_comm = comm, comm.Dup()
         return comm
     if _world_comm is not None:
@@ -161,6 +166,28 @@ def _lead(ctl: MPI.Comm, ranks: list[int], tag: int, mine: bytearray, digest: in
     wait_requests([ctl.Isend([answer, MPI.BYTE], r, tag) for r in others], timeout, what, keep=answer)
     status, _, text = _unpack(answer)
     return status, text
+
+
+def _leave() -> None:
+    """At exit, before MPI_Finalize (which waits for every rank, without a deadline): the ranks meet at a barrier.
+    A rank whose accl group lost peers (timed out on them, or saw them die) waits there at most that group's
+    timeout, then ends the job with MPI_Abort: a stopped node or a cut link must not hold the job for ever."""
+    comm = _ctl_comm
+    if comm is None or MPI.Is_finalized():
+        return
+    lost = core.load_backend().peers_lost_timeout()
+    request = comm.Ibarrier()
+    if not lost:
+        request.Wait()
+        return
+    try:
+        wait_requests([request], lost, "accl: the barrier at exit")
+    except PeerTimeoutError:
+        sys.stdout.flush()
+        sys.stderr.write(f"torchhpc.accl: rank {comm.Get_rank()} lost peers (the error above) and they did not "
+                         f"reach the exit within {lost:g} s either: ending the job with MPI_Abort\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
 
 
 def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:

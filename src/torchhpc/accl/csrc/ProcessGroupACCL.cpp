@@ -19,6 +19,14 @@
 namespace torchhpc::accl {
 namespace {
 
+std::atomic<double> gPeersLostTimeout{0.0};
+
+void notePeersLost(double timeoutS) {
+  double seen = gPeersLostTimeout.load();
+  while (seen < timeoutS && !gPeersLostTimeout.compare_exchange_weak(seen, timeoutS)) {
+  }
+}
+
 // torchhpc.waiting.Backoff: spin 64 polls, yield the core until 20 ms, then sleep from 50 us doubling to 1 ms
 struct Backoff {
   int polls = 0;
@@ -493,17 +501,21 @@ bool ProcessGroupACCL::testUntil(MPI_Request* reqs, int n, Clock::time_point dea
   }
 }
 
-void ProcessGroupACCL::waitRequest(MPI_Request* reqs, int n) {
-  if (!testUntil(reqs, n, deadline_)) expire(current_ ? wire::describe(current_->head) : "a collective");
+void ProcessGroupACCL::waitRequest(MPI_Request* reqs, int n, int peer) {
+  if (!testUntil(reqs, n, deadline_)) expire(current_ ? wire::describe(current_->head) : "a collective", peer);
 }
 
-void ProcessGroupACCL::expire(const std::string& what) {
+double peersLostTimeout() { return gPeersLostTimeout.load(); }
+
+void ProcessGroupACCL::expire(const std::string& what, int peer) {
+  const std::string who = peer >= 0 ? "rank " + std::to_string(peer) + " (this rank was waiting on it)" : "a peer rank";
   std::string msg = "accl: " + what + " in group '" + groupName() + "' (rank " + std::to_string(rank_) + " of " +
                     std::to_string(size_) + ") did not complete within the group timeout of " +
-                    seconds(opts_.timeout) +
-                    " s: a peer rank died, hung, or did not make the matching call. The group is aborted; later "
-                    "calls on it raise at once.";
+                    seconds(opts_.timeout) + " s: " + who +
+                    " died, hung, or did not make the matching call. The group is aborted; later calls on it raise "
+                    "at once.";
   PeerTimeoutError error(msg);
+  notePeersLost(std::chrono::duration<double>(opts_.timeout).count());
   abortWith(msg, std::make_exception_ptr(error));
   throw error;
 }
@@ -560,6 +572,7 @@ std::exception_ptr ProcessGroupACCL::mpiFailure(const MpiCallError& e, const std
                             ". The group is aborted; later calls on it raise at once. Restart the job (e.g. "
                             "from a checkpoint) or rebuild the group from the survivors.";
     auto error = std::make_exception_ptr(PeerFailedError(msg, ranks));
+    notePeersLost(std::chrono::duration<double>(opts_.timeout).count());
     abortWith(msg, error);
     return error;
   }

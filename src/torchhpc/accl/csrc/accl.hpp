@@ -224,6 +224,10 @@ class MpiEngine final : public Engine {
 // tensors through pinned host memory whatever it answers.
 bool cudaAwareMpi();
 
+// The longest timeout of the groups this process aborted because peers fell silent or died (0: none).  At exit
+// such a process waits for its peers that long at most before MPI_Finalize, which would wait for ever.
+double peersLostTimeout();
+
 // ------------------------------------------------------------------------------------------ staging
 // Device and strided tensors are staged through contiguous host buffers (pinned for device tensors), copied on the
 // caller's stream of issue (Call::stream): the copy out waits for the kernels queued before the call, and the
@@ -465,8 +469,9 @@ class ProcessGroupACCL : public c10d::Backend {
   [[noreturn]] void refuse(const Call& call);         // every rank's header gathered, then the MismatchError
   // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
   bool testUntil(MPI_Request* reqs, int n, Clock::time_point deadline);
-  void waitRequest(MPI_Request* reqs, int n = 1);  // the running call's requests, against its deadline
-  [[noreturn]] void expire(const std::string& what);
+  // the running call's requests against its deadline; ``peer``: the group rank they wait on, if one
+  void waitRequest(MPI_Request* reqs, int n = 1, int peer = -1);
+  [[noreturn]] void expire(const std::string& what, int peer = -1);
   // the error for a failed MPI call during `what`: a dead peer (ULFM) revokes the group's communicators, names
   // the dead ranks and aborts the group (PeerFailedError); anything else is a DistBackendError
   std::exception_ptr mpiFailure(const MpiCallError& e, const std::string& what);

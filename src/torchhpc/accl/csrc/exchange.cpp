@@ -139,7 +139,7 @@ void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result
   if (recv) ACCL_MPI(MPI_Irecv, in_.data(), static_cast<int>(in_.size()), MPI_BYTE, peer, kTagPrefix, ctl_, &reqs[0]);
   if (send) post(x, peer, out);
   if (recv) take(x, peer, reqs, result);
-  waitRequest(out, 1 + kMaxPieces);
+  waitRequest(out, 1 + kMaxPieces, peer);
 }
 
 void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
@@ -155,7 +155,7 @@ void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
 }
 
 void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
-  waitRequest(&reqs[0]);
+  waitRequest(&reqs[0], 1, peer);
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
   const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
@@ -171,7 +171,7 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
                &reqs[1 + k]);
     src = into;
   }
-  waitRequest(reqs, 2 + 2 * kMaxPieces);  // this rank's data is sent before it is reduced into
+  waitRequest(reqs, 2 + 2 * kMaxPieces, peer);  // this rank's data is sent before it is reduced into
   x.bad = !agreed;
   if (agreed && pre.bytes) absorb(x, pre, src, result);
 }

@@ -227,6 +227,8 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   m.def("cuda_aware", &accl::cudaAwareMpi,
         "whether this MPI library takes CUDA device buffers (the query of our PyTorch patch; reported only: accl "
         "stages device tensors through pinned host memory whatever it answers)");
+  m.def("peers_lost_timeout", &accl::peersLostTimeout,
+        "the longest timeout of the groups this process aborted because peers fell silent or died (0: none)");
   m.attr("torch_version") = TORCH_BUILT_FOR;
   m.attr("module") = ACCL_STR(ACCL_MODULE);
 }
