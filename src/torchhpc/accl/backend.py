@@ -52,8 +52,6 @@ def _global_comm(group_rank: int, group_size: int, is_default: bool) -> MPI.Comm
     world = MPI.COMM_WORLD
     if is_default:
         comm = world if group_rank == world.Get_rank() else world.Split(0, group_rank)
-        if _ctl_comm is None:
-            atexit.register(_leave)
         _world_comm, _ctl_comm = comm, comm.Dup()
         return comm
     if _world_comm is not None:
@@ -169,25 +167,35 @@ def _lead(ctl: MPI.Comm, ranks: list[int], tag: int, mine: bytearray, digest: in
 
 
 def _leave() -> None:
-    """At exit, before MPI_Finalize (which waits for every rank, without a deadline): the ranks meet at a barrier.
-    A rank whose accl group lost peers (timed out on them, or saw them die) waits there at most that group's
-    timeout, then ends the job with MPI_Abort: a stopped node or a cut link must not hold the job for ever."""
+    """At exit, before MPI_Finalize, which waits for every rank without a deadline: a process whose accl group saw
+    peers die ends the job with MPI_Abort at once; otherwise the ranks meet at a barrier, where one whose group
+    timed out on silent peers waits at most that group's timeout before MPI_Abort.  A stopped node or a cut link
+    must not hold the job for ever; ranks that recovered from a timeout all arrive and finalize as usual."""
+    if not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    died, silent_s = core.load_backend().peers_lost()
     comm = _ctl_comm
-    if comm is None or MPI.Is_finalized():
+    if not died and comm is not None:
+        request = comm.Ibarrier()
+        if not silent_s:
+            request.Wait()
+            return
+        try:
+            wait_requests([request], silent_s, "accl: the barrier at exit")
+            return
+        except PeerTimeoutError:
+            pass
+    elif not died and not silent_s:
         return
-    lost = core.load_backend().peers_lost_timeout()
-    request = comm.Ibarrier()
-    if not lost:
-        request.Wait()
-        return
-    try:
-        wait_requests([request], lost, "accl: the barrier at exit")
-    except PeerTimeoutError:
-        sys.stdout.flush()
-        sys.stderr.write(f"torchhpc.accl: rank {comm.Get_rank()} lost peers (the error above) and they did not "
-                         f"reach the exit within {lost:g} s either: ending the job with MPI_Abort\n")
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
+    sys.stdout.flush()
+    why = "saw peers die" if died else f"lost peers that did not reach the exit within {silent_s:g} s either"
+    sys.stderr.write(f"torchhpc.accl: this process {why} (the error above): ending the job with MPI_Abort, as "
+                     f"MPI_Finalize would wait for them for ever\n")
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(1)
+
+
+atexit.register(_leave)
 
 
 def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:

@@ -19,11 +19,12 @@
 namespace torchhpc::accl {
 namespace {
 
-std::atomic<double> gPeersLostTimeout{0.0};
+std::atomic<bool> gPeersDied{false};
+std::atomic<double> gPeersSilentTimeout{0.0};
 
-void notePeersLost(double timeoutS) {
-  double seen = gPeersLostTimeout.load();
-  while (seen < timeoutS && !gPeersLostTimeout.compare_exchange_weak(seen, timeoutS)) {
+void notePeersSilent(double timeoutS) {
+  double seen = gPeersSilentTimeout.load();
+  while (seen < timeoutS && !gPeersSilentTimeout.compare_exchange_weak(seen, timeoutS)) {
   }
 }
 
@@ -505,7 +506,8 @@ void ProcessGroupACCL::waitRequest(MPI_Request* reqs, int n, int peer) {
   if (!testUntil(reqs, n, deadline_)) expire(current_ ? wire::describe(current_->head) : "a collective", peer);
 }
 
-double peersLostTimeout() { return gPeersLostTimeout.load(); }
+bool peersDied() { return gPeersDied.load(); }
+double peersSilentTimeout() { return gPeersSilentTimeout.load(); }
 
 void ProcessGroupACCL::expire(const std::string& what, int peer) {
   const std::string who = peer >= 0 ? "rank " + std::to_string(peer) + " (this rank was waiting on it)" : "a peer rank";
@@ -515,7 +517,7 @@ void ProcessGroupACCL::expire(const std::string& what, int peer) {
                     " died, hung, or did not make the matching call. The group is aborted; later calls on it raise "
                     "at once.";
   PeerTimeoutError error(msg);
-  notePeersLost(std::chrono::duration<double>(opts_.timeout).count());
+  notePeersSilent(std::chrono::duration<double>(opts_.timeout).count());
   abortWith(msg, std::make_exception_ptr(error));
   throw error;
 }
@@ -572,7 +574,7 @@ std::exception_ptr ProcessGroupACCL::mpiFailure(const MpiCallError& e, const std
                             ". The group is aborted; later calls on it raise at once. Restart the job (e.g. "
                             "from a checkpoint) or rebuild the group from the survivors.";
     auto error = std::make_exception_ptr(PeerFailedError(msg, ranks));
-    notePeersLost(std::chrono::duration<double>(opts_.timeout).count());
+    gPeersDied = true;
     abortWith(msg, error);
     return error;
   }

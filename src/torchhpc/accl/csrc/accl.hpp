@@ -224,9 +224,11 @@ class MpiEngine final : public Engine {
 // tensors through pinned host memory whatever it answers.
 bool cudaAwareMpi();
 
-// The longest timeout of the groups this process aborted because peers fell silent or died (0: none).  At exit
-// such a process waits for its peers that long at most before MPI_Finalize, which would wait for ever.
-double peersLostTimeout();
+// Whether a group of this process saw peers die, and the longest timeout of its groups aborted because peers fell
+// silent (0: none).  MPI_Finalize would wait for such peers for ever: at exit torchhpc.accl ends the job with
+// MPI_Abort at once after a death, and after that long at a barrier after a silence.
+bool peersDied();
+double peersSilentTimeout();
 
 // ------------------------------------------------------------------------------------------ staging
 // Device and strided tensors are staged through contiguous host buffers (pinned for device tensors), copied on the

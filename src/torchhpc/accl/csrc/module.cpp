@@ -170,8 +170,6 @@ void translate(std::exception_ptr p) {
   } catch (const accl::PeerTimeoutError& e) {
     PyErr_SetObject(timeout.ptr(), timeout(e.msg()).ptr());
   } catch (const accl::PeerFailedError& e) {
-    // MPI_Finalize would wait for the dead rank forever: this process ends with MPI_Abort at exit instead
-    py::module_::import("mpi4py.run").attr("set_abort_status")(1);
     PyErr_SetObject(failed.ptr(), failed(e.msg(), e.failedRanks).ptr());
   } catch (const accl::MismatchError& e) {
     PyErr_SetObject(mismatch.ptr(), mismatch(e.msg()).ptr());
@@ -227,8 +225,9 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   m.def("cuda_aware", &accl::cudaAwareMpi,
         "whether this MPI library takes CUDA device buffers (the query of our PyTorch patch; reported only: accl "
         "stages device tensors through pinned host memory whatever it answers)");
-  m.def("peers_lost_timeout", &accl::peersLostTimeout,
-        "the longest timeout of the groups this process aborted because peers fell silent or died (0: none)");
+  m.def("peers_lost", [] { return py::make_tuple(accl::peersDied(), accl::peersSilentTimeout()); },
+        "(whether a group of this process saw peers die, the longest timeout of its groups aborted because peers "
+        "fell silent or 0)");
   m.attr("torch_version") = TORCH_BUILT_FOR;
   m.attr("module") = ACCL_STR(ACCL_MODULE);
 }
