@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 from mpi4py import MPI
+from mpi4py.run import set_abort_status
 
 from ..errors import PeerTimeoutError, RemoteError
 from ..waiting import agree, agreed, wait_requests
@@ -187,12 +188,12 @@ def _leave() -> None:
             pass
     elif not died and not silent_s:
         return
-    sys.stdout.flush()
     why = "saw peers die" if died else f"lost peers that did not reach the exit within {silent_s:g} s either"
     sys.stderr.write(f"torchhpc.accl: this process {why} (the error above): ending the job with MPI_Abort, as "
                      f"MPI_Finalize would wait for them for ever\n")
-    sys.stderr.flush()
-    MPI.COMM_WORLD.Abort(1)
+    # mpi4py calls MPI_Abort in place of MPI_Finalize, last thing at exit (called here, in atexit, two survivors
+    # aborting at once deadlocked Open MPI 5.0.11's prterun under ULFM in 3 of 6 runs)
+    set_abort_status(1)
 
 
 atexit.register(_leave)

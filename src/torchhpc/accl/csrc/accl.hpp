@@ -334,6 +334,7 @@ struct P2P {
   Engine* eng = nullptr;                // the payload's engine (null: MPI); the envelope is always MPI's
   std::optional<c10::Stream> stream;    // a device tensor: the caller's current stream at issue
   c10::intrusive_ptr<WorkACCL> work;
+  int waitedOn() const { return send || source < 0 ? peer : source; }  // the rank a timeout names
 };
 
 // ------------------------------------------------------------------------------------------ the backend

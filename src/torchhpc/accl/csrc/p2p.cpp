@@ -173,7 +173,7 @@ bool ProcessGroupACCL::advanceP2P(P2P& op) {
   }
   if (Clock::now() <= op.deadline) return false;
   try {
-    expire(op.work->what(), op.send || op.source < 0 ? op.peer : op.source);
+    expire(op.work->what(), op.waitedOn());
   } catch (...) {
     op.error = std::current_exception();
   }
