@@ -54,15 +54,20 @@ def save(state: dict[str, Any], root: str | os.PathLike[str], step: int, *, keep
     root = Path(root)
     final, partial = root / f"step-{step:08d}", root / f"step-{step:08d}.partial"
     rank = dist.get_rank()
-    _on_rank0(lambda: (root.mkdir(parents=True, exist_ok=True), shutil.rmtree(partial, ignore_errors=True)),
-              f"could not prepare {partial}")
-    dcp.save(_flat(state, rank), checkpoint_id=partial)  # DCP raises on every rank if any rank failed
+
+    def prepare() -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)  # left by a job killed while writing this step
+
     def commit() -> None:
         shutil.rmtree(final, ignore_errors=True)  # a finished one of the same step: this one replaces it
         os.rename(partial, final)
         _fsync_dir(root)
         for old in sorted((p for p in root.iterdir() if _DONE.fullmatch(p.name)), key=lambda p: p.name)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    _on_rank0(prepare, f"could not prepare {partial}")
+    dcp.save(_flat(state, rank), checkpoint_id=partial)  # DCP raises on every rank if any rank failed
     _on_rank0(commit, f"could not commit {partial}")
     return final
 

@@ -169,31 +169,36 @@ def _lead(ctl: MPI.Comm, ranks: list[int], tag: int, mine: bytearray, digest: in
 
 def _leave() -> None:
     """At exit, before MPI_Finalize, which waits for every rank without a deadline: a process whose accl group saw
-    peers die ends the job with MPI_Abort at once; otherwise the ranks meet at a barrier, where one whose group
-    timed out on silent peers waits at most that group's timeout before MPI_Abort.  A stopped node or a cut link
-    must not hold the job for ever; ranks that recovered from a timeout all arrive and finalize as usual."""
+    peers die ends the job with MPI_Abort; otherwise the ranks meet at a barrier, where one whose group timed out
+    on silent peers waits at most that group's timeout before MPI_Abort.  A stopped node or a cut link must not
+    hold the job for ever; ranks that recovered from a timeout all arrive and finalize as usual."""
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     died, silent_s = core.load_backend().peers_lost()
-    comm = _ctl_comm
-    if not died and comm is not None:
-        request = comm.Ibarrier()
-        if not silent_s:
-            request.Wait()
-            return
-        try:
-            wait_requests([request], silent_s, "accl: the barrier at exit")
-            return
-        except PeerTimeoutError:
-            pass
-    elif not died and not silent_s:
+    if not died and _met_at_exit(silent_s):
         return
     why = "saw peers die" if died else f"lost peers that did not reach the exit within {silent_s:g} s either"
     sys.stderr.write(f"torchhpc.accl: this process {why} (the error above): ending the job with MPI_Abort, as "
                      f"MPI_Finalize would wait for them for ever\n")
-    # mpi4py calls MPI_Abort in place of MPI_Finalize, last thing at exit (called here, in atexit, two survivors
-    # aborting at once deadlocked Open MPI 5.0.11's prterun under ULFM in 3 of 6 runs)
+    # mpi4py calls MPI_Abort in place of MPI_Finalize, last thing at exit (as this path always did for deaths).
+    # Open MPI 5.0.11's prterun can deadlock when two survivors abort at once under ULFM, by this path or not.
     set_abort_status(1)
+
+
+def _met_at_exit(silent_s: float) -> bool:
+    """Whether the ranks met at the barrier at exit: without a deadline, or within ``silent_s`` when this
+    process's group timed out on silent peers.  Without the default accl group there is none to meet at."""
+    if _ctl_comm is None:
+        return not silent_s
+    request = _ctl_comm.Ibarrier()
+    if not silent_s:
+        request.Wait()
+        return True
+    try:
+        wait_requests([request], silent_s, "accl: the barrier at exit")
+    except PeerTimeoutError:
+        return False
+    return True
 
 
 atexit.register(_leave)
