@@ -147,13 +147,13 @@ def fetch_rounds(args: argparse.Namespace, comm, buf, batch) -> dict:
     """Throughput of the buffer's remote fetch against raw ``MPI_Get`` s of the same bytes, in alternating rounds.
 
     Ours: the worker's ``remote_fetch`` stage (the Gets of the drawn records' label and sample
-    fields, ``Flush_all``, ``Unlock_all``) for one-sample batches submitted on all ranks at
+    fields, then ``Flush`` and ``Unlock`` per peer) for one-sample batches submitted on all ranks at
     once, so that the worker mostly fetches.  Raw: in the same round, on the same window (the
     buffer's storage), as many records as ours fetched, from peers and slots drawn uniformly
     (the distribution of our draws when every buffer is full), one contiguous ``Get`` of the
-    sample bytes per record into consecutive rows.  Same epoch structure: ``Lock_all``, the
-    peers' fill counts read and flushed (untimed, as in ours, where they are part of
-    sampling), then the timed Gets, ``Flush_all`` and ``Unlock_all``.  Same thread context: the
+    sample bytes per record into consecutive rows.  Same epoch structure: a shared ``Lock`` on
+    each peer, the peers' fill counts read and flushed (untimed, as in ours, where they are
+    part of sampling), then the timed Gets and each peer's ``Flush`` and ``Unlock``.  Same thread context: the
     raw Gets run in a thread at the worker's niceness while the main thread waits, as ours do;
     ``raw_main_gbs`` is the same raw read from the main thread, for reference.  Both count the
     sample bytes only (ours reads the labels in that time too).  Every peer's window is read
@@ -189,15 +189,18 @@ def fetch_rounds(args: argparse.Namespace, comm, buf, batch) -> dict:
     def raw_read(nrec: int) -> float:
         picks = [(int(rng.choice(peers)), lay.record_offset(int(rng.integers(0, num_slots))) + sample_off,
                   dst[j * sample_bytes : (j + 1) * sample_bytes]) for j in range(nrec)]
-        win.Lock_all()
+        for p in peers:
+            win.Lock(p, MPI.LOCK_SHARED)
         for i, p in enumerate(peers):
             win.Get(fills[i], p, target=(0, fills[i].nbytes, MPI.BYTE))
-        win.Flush_all()
+        for p in peers:
+            win.Flush(p)
         t0 = time.perf_counter()
         for peer, disp, piece in picks:
             win.Get(piece, peer, target=(disp, sample_bytes, MPI.BYTE))
-        win.Flush_all()
-        win.Unlock_all()
+        for p in peers:
+            win.Flush(p)
+            win.Unlock(p)
         return time.perf_counter() - t0
 
     def raw_in_thread(nrec: int) -> float:

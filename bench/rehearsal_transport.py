@@ -4,9 +4,10 @@ On every rank, two buffers of the same layout (``transport="mpi"`` and ``transpo
 filled with the same records.  Each round, all ranks together hand each buffer a one-sample batch (so
 the worker mostly fetches ``R`` representatives drawn from all ranks) and the worker's ``remote_fetch``
 stage is timed; then, in the same round, the main thread reads as many records (label + sample
-fields, one ``MPI_Get`` each, random peers and slots) from the MPI buffer's window inside
-``Lock_all``/``Flush_all``/``Unlock_all``: the floor of what one-sided MPI costs here.  Throughput is
-remote bytes per second of that stage; ratios are per rank and round against the MPI transport.
+fields, one ``MPI_Get`` each, random peers and slots) from the MPI buffer's window inside a
+shared ``Lock`` per peer, then each peer's ``Flush`` and ``Unlock`` (the buffer's own epoch): the
+floor of what one-sided MPI costs here.  Throughput is remote bytes per second of that stage;
+ratios are per rank and round against the MPI transport.
 
     python bench/rehearsal_transport.py --ranks 2 4
     python bench/rehearsal_transport.py --quick
@@ -67,13 +68,15 @@ def one_shape(args: argparse.Namespace, comm, shape: tuple[int, ...]) -> None:  
     def raw(nrec: int) -> float:
         picks = [(int(rng.choice(peers)), lay.record_offset(int(rng.integers(0, lay.num_slots))))
                  for _ in range(nrec)]
-        win.Lock_all()
+        for p in peers:
+            win.Lock(p, MPI.LOCK_SHARED)
         t0 = time.perf_counter()
         for j, (p, base) in enumerate(picks):
             for d, (off, nb) in zip(dst, spans, strict=True):
                 win.Get(d[j], p, target=(base + off, nb, MPI.BYTE))
-        win.Flush_all()
-        win.Unlock_all()
+        for p in peers:
+            win.Flush(p)
+            win.Unlock(p)
         return time.perf_counter() - t0
 
     totals = {"mpi": [0, 0.0], "thallium": [0, 0.0], "raw": [0, 0.0]}

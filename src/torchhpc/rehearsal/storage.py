@@ -6,7 +6,7 @@ the MPI library place it where peers read it without the owner's help (shared me
 node, registered memory for RDMA across nodes).
 
 Consistency: the owner rewrites records and the fill counts only inside an exclusive
-passive-target lock on its own window; readers fetch inside a shared lock.  MPI makes
+passive-target lock on its own window; readers fetch inside a shared lock on each peer.  MPI makes
 exclusive-lock epochs mutually exclusive with every other lock epoch on that target, so a
 reader sees a record either wholly before or wholly after an update: a sample can never
 come back paired with another sample's label or activation.
@@ -42,9 +42,11 @@ class SlotStorage:
                 self._pin(self.bytes)
             self.rank = comm.Get_rank()
             self.size = comm.Get_size()
+            self._peers = [r for r in range(self.size) if r != self.rank]  # every rank but this one, in order
         else:
             self.bytes = torch.empty(layout.total_bytes, dtype=torch.uint8, pin_memory=pin)
             self.rank, self.size = 0, 1
+            self._peers = []
         self.bytes.zero_()
         self.fills = layout.fills(self.bytes)
         self.labels = layout.view(self.bytes, layout.label)
@@ -124,13 +126,22 @@ class SlotStorage:
             torch.index_select(self.activations, 0, flat_slots, out=out["activation"])
 
     def begin_remote(self) -> None:
-        """Open a shared access epoch on every rank (blocks owners' updates only while it lasts)."""
+        """Open a shared access epoch on every other rank (blocks those owners' updates only while it lasts).
+
+        One shared ``Lock`` per peer, not ``Lock_all``: Open MPI's ``osc/rdma`` (the transport
+        across nodes) implements ``Lock_all`` as one count at a leader rank that any exclusive
+        lock anywhere must find empty, so every owner's update would wait for every reader in
+        the job, and readers and writers retrying against each other's counts livelocked for
+        minutes on two nodes.  Per-peer locks keep each owner's exclusion to its own readers.
+        """
         assert self.win is not None
-        self.win.Lock_all()
+        for r in self._peers:
+            self.win.Lock(r, MPI.LOCK_SHARED)
 
     def end_remote(self) -> None:
         assert self.win is not None
-        self.win.Unlock_all()
+        for r in self._peers:
+            self.win.Unlock(r)
 
     def remote_fills(self, ranks: list[int]) -> np.ndarray:
         """Fill counts of ``ranks`` (inside :meth:`begin_remote`); shape ``(len(ranks), K)``."""
@@ -139,7 +150,7 @@ class SlotStorage:
         out = np.empty((len(ranks), k), dtype=np.int64)
         for i, r in enumerate(ranks):
             self.win.Get(out[i], r, target=(0, 8 * k, MPI.BYTE))
-        self.win.Flush_all()
+        self.flush()
         return out
 
     def remote_read(self, ranks: np.ndarray, flat_slots: np.ndarray, out: dict[str, np.ndarray]) -> int:
@@ -166,8 +177,16 @@ class SlotStorage:
         return total
 
     def flush(self) -> None:
+        """Complete every read issued in this epoch.
+
+        ``Flush`` per peer, not ``Flush_all``: in Open MPI 5's ``osc/rdma`` (up to at least
+        5.0.11) ``Flush_all`` completes only ``Lock_all`` epochs and per-target locks kept in
+        its hash table, which jobs smaller than its array threshold do not use: it returned
+        at once and the fill counts read behind it were still garbage.
+        """
         assert self.win is not None
-        self.win.Flush_all()
+        for r in self._peers:
+            self.win.Flush(r)
 
     def free(self) -> None:
         """Release the window (collective when windowed) and any page-locking."""
