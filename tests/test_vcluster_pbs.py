@@ -82,11 +82,14 @@ def test_both_moms_are_free_and_cluster_up_is_idempotent(pbs: Cluster) -> None:
 
 
 def test_job_that_succeeds_comes_back_with_its_log(pbs: Cluster, prefix: Path) -> None:
-    rc, out = submit(pbs, prefix, "bash -c 'echo hello from $PBS_JOBID on $(hostname)'")
+    rc, out = submit(pbs, prefix, "bash -c 'echo hello from $PBS_JOBID on $(hostname) pyenv=${PYENV_ROOT:-unset}'")
     assert rc == 0, out
     job = job_id(out)
     log = (prefix / "jobs/t.log").read_text()
     assert f"hello from {job} on node1" in log, log
+    # The job's login shell read the cluster's profile, not this host's ~/.bashrc (whose pyenv init takes a
+    # lock that a job deleted mid-login leaves behind, stalling every later login).
+    assert "pyenv=unset" in log, log
     assert f"hello from {job}" in out, "the log is shown"
     assert f"(PBS job {job}) finished: exit status 0" in out
     script = (prefix / "jobs/t.pbs").read_text().splitlines()

@@ -124,6 +124,8 @@ EOF
       "$dir" >>"$dir/profile.sh"
     write_pbs_conf "$n"
   fi
+  printf '# torchhpc virtual cluster: the user'"'"'s dotfile (the login environment is in /etc/profile.d)\n' \
+    >"$dir/dotfile"
   # The nodes' /etc/profile.d: the host's, and the cluster's login environment for login shells (PBS jobs)
   cp -a /etc/profile.d/. "$dir/profile.d/" 2>/dev/null || true
   printf '# torchhpc virtual cluster\n. "%s"\n' "$dir/profile.sh" >"$dir/profile.d/zz-torchhpc-vcluster.sh"
@@ -213,6 +215,12 @@ node_init() {
   rmdir /tmp/.sys 2>/dev/null || true
   mount --bind "$dir/hosts" /etc/hosts
   mount --bind "$dir/profile.d" /etc/profile.d
+  # The cluster user's own dotfiles, not this host's: login shells (PBS jobs) must not run the host's
+  # ~/.bashrc, whose pyenv init takes a lock that a job killed mid-login leaves behind for every later one.
+  local f
+  for f in .bashrc .profile .bash_profile .bash_login; do
+    if [[ -f "${HOME:-/root}/$f" ]]; then mount --bind "$dir/dotfile" "${HOME:-/root}/$f"; fi
+  done
   echo $$ >"$dir/nodes/$name.pid"
   exec sleep infinity
 }
