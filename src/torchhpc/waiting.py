@@ -16,6 +16,7 @@ naming the rank and its error (the failing rank re-raises its own), all within a
 from __future__ import annotations
 
 import builtins
+import datetime
 import functools
 import os
 import time
@@ -23,10 +24,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import PeerTimeoutError, RemoteError
+from .errors import PeerTimeoutError, RemoteError, TorchhpcError
 
 __all__ = ["Backoff", "wait_until", "wait_requests", "barrier", "allgather_bytes", "allgather_object", "agree",
-           "agreed", "ABANDONED"]
+           "agreed", "ABANDONED", "wait_works"]
 
 # Requests given up at a deadline, with their buffers.  MPI may still complete them (a late peer writes
 # into a receive buffer; a nonblocking collective must never be freed or cancelled), so both stay
@@ -111,6 +112,24 @@ def wait_requests(requests: Sequence[Any], timeout: float, what: str | Callable[
                     req.Cancel()
             ABANDONED.append((pending, keep))
             raise PeerTimeoutError(text, pending)
+
+
+def wait_works(works: Sequence[Any], timeout: float, what: str) -> None:
+    """Complete torch.distributed ``works`` within ``timeout`` s in all, else :class:`PeerTimeoutError`.
+
+    Each waits through the backend's own deadline (gloo's send and receive requests report completion only
+    to it); given-up works stay alive in :data:`ABANDONED`."""
+    deadline = time.monotonic() + timeout
+    for i, work in enumerate(works):
+        left = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=left))
+        except RuntimeError as exc:
+            if isinstance(exc, TorchhpcError) or time.monotonic() < deadline:
+                raise
+            ABANDONED.append((list(works[i:]), None))
+            raise PeerTimeoutError(f"{what} did not complete within {timeout:g} s: the peer rank died, is stuck, "
+                                   f"or did not make the same call ({exc})", list(works[i:])) from None
 
 
 def barrier(comm: Any, timeout: float, what: str, message: Callable[[], str] | None = None) -> None:

@@ -20,10 +20,8 @@ on one rank makes every rank of that step raise.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import math
 import operator
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,8 +33,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ..errors import PeerTimeoutError, TorchhpcError
-from ..waiting import ABANDONED, agreed, allgather_object, barrier, wait_requests
+from ..waiting import agreed, allgather_object, barrier, wait_requests, wait_works
 from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
 from .options import DEFAULT_TIMEOUT, ChunkStoreOptions
@@ -634,20 +631,6 @@ class ChunkTensor:
         others raise :class:`~torchhpc.errors.RemoteError`, also of the failing rank's builtin type)."""
         return agreed(self.topo.comm, self.timeout, what, keep_type=True)
 
-    def _wait_work(self, work: dist.Work, what: str) -> None:
-        """Complete a torch.distributed transfer within the deadline, else PeerTimeoutError (kept alive).
-
-        The backend's own deadline wait, as gloo's send and receive requests report completion only to it."""
-        t0 = time.monotonic()
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as exc:
-            if isinstance(exc, TorchhpcError) or time.monotonic() - t0 < self.timeout:
-                raise
-            ABANDONED.append(([work], None))
-            raise PeerTimeoutError(f"{what} did not complete within {self.timeout:g} s: the peer rank died, is "
-                                   f"stuck, or did not make the same call ({exc})", [work]) from None
-
     def load_from_tensor(self, t: torch.Tensor | None, src: int | None = 0) -> None:
         """Fill from tensor ``t`` held by rank ``src`` (``src=None``: every rank passes the same ``t``).
 
@@ -701,10 +684,10 @@ class ChunkTensor:
         elif self.topo.rank == src:
             rows = t.index_select(0, self._ids_at(a, b).to(t.device)).contiguous()
             payload = self._as_bytes(rows).to(self.comm_device)
-            self._wait_work(dist.isend(payload, dst=leader, group=self.group), what)
+            wait_works([dist.isend(payload, dst=leader, group=self.group)], self.timeout, what)
         else:  # the writer, fed by src
             payload = torch.empty((b - a, self.row_bytes), dtype=torch.uint8, device=self.comm_device)
-            self._wait_work(dist.irecv(payload, src=src, group=self.group), what)
+            wait_works([dist.irecv(payload, src=src, group=self.group)], self.timeout, what)
             rows = payload.cpu().view(self.dtype).reshape(b - a, *self.row_shape)
             self._write_node_rows(a - lo, rows)
 
