@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import numpy as np
@@ -51,6 +52,25 @@ def make(comm: MPI.Comm, **kw) -> RehearsalBuffer:
                 sample_shapes=SHAPE, sample_dtypes=torch.float64, seed=11, comm=comm)
     args.update(kw)
     return RehearsalBuffer(**args)
+
+
+def test_the_default_transport_is_thallium_across_nodes_where_built(comm: MPI.Comm) -> None:
+    """``transport="auto"``: Thallium when the ranks span hosts and it is built everywhere, else one-sided MPI."""
+    hosts = set(comm.allgather(socket.gethostname()))
+    try:
+        load("thallium")
+        built = True
+    except EngineUnavailableError:
+        built = False
+    expected = "thallium" if len(hosts) > 1 and all(comm.allgather(built)) else "mpi"
+    with make(comm) as buf:
+        assert buf.transport == expected, (hosts, built)
+        y = torch.arange(6) % K
+        buf.accumulate(encode(y, torch.arange(6), comm.Get_rank()), y)
+        buf.wait()
+        comm.Barrier()
+    with make(comm, global_sampling=False) as buf:
+        assert buf.transport == "mpi"
 
 
 def test_global_sampling_reaches_every_rank(comm: MPI.Comm, transport: str) -> None:

@@ -27,8 +27,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..errors import PeerTimeoutError
-from ..waiting import agreed, barrier, wait_requests
+from .. import native
+from ..errors import EngineUnavailableError, PeerTimeoutError
+from ..waiting import agreed, allgather_object, barrier, wait_requests
 from .layout import RecordLayout
 from .options import TASKS, TRANSPORTS, RehearsalOptions
 from .reservoir import ClassReservoir
@@ -172,6 +173,9 @@ class RehearsalBuffer:
         peers, agree_s = _agreement(options, given, world)
         with agreed(peers, agree_s, "RehearsalBuffer()"):
             self._configure(RehearsalOptions.resolve(options, **given), world, launched=comm is None)
+        self.transport = self._choose_transport(world, self.options.transport)
+        with agreed(peers, agree_s, "RehearsalBuffer()"):
+            self._check_thread_level()
         self._open_transport(world)
         self._init_state()
 
@@ -180,7 +184,7 @@ class RehearsalBuffer:
         """Validate the settings and this rank's environment; derive what the later steps need (local)."""
         opts.validate()
         self.options = opts
-        self.task, self.mode, self.transport = opts.task, opts.mode, opts.transport
+        self.task, self.mode = opts.task, opts.mode
         self.K, self.N = int(opts.num_classes), int(opts.slots_per_class)
         self.C, self.R = int(opts.num_candidates), int(opts.num_representatives)
         self.stores_activations = opts.stores_activations
@@ -200,16 +204,38 @@ class RehearsalBuffer:
         self.rank, self.world_size = world.Get_rank(), world.Get_size()
         if launched and self.global_sampling:
             _check_launcher(self.rank, self.world_size)
-        # Thallium reads go through Argobots, not MPI: only the MPI transport needs THREAD_MULTIPLE.
+        self.layout = RecordLayout(
+            self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, self.activation_dtype
+        )
+
+    def _check_thread_level(self) -> None:
+        """Thallium reads go through Argobots, not MPI: only the MPI transport needs THREAD_MULTIPLE (local)."""
         if self.global_sampling and self.transport == "mpi" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError(
                 "global_sampling needs MPI initialised with MPI_THREAD_MULTIPLE (the worker thread "
                 "reads peers' buffers while the training thread may call MPI); set "
                 "mpi4py.rc.thread_level = 'multiple' before importing mpi4py.MPI"
             )
-        self.layout = RecordLayout(
-            self.K, self.N, self.sample_shapes, self.sample_dtypes, self.activation_shape, self.activation_dtype
-        )
+
+    def _choose_transport(self, world: MPI.Comm, transport: str) -> str:
+        """``transport``, or for ``"auto"``: Thallium across nodes where every rank has it built, else MPI
+        (collective, with global sampling)."""
+        if transport != "auto":
+            return transport
+        if not self.global_sampling or self.world_size == 1:
+            return "mpi"
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        one_node = node.Get_size() == self.world_size
+        node.Free()
+        if one_node:
+            return "mpi"
+        try:
+            native.load("thallium")
+            built = True
+        except EngineUnavailableError:
+            built = False
+        everywhere = all(allgather_object(world, built, self.timeout, "rehearsal buffer: choosing the transport"))
+        return "thallium" if everywhere else "mpi"
 
     def _open_transport(self, world: MPI.Comm) -> None:
         """Collective (with global sampling): this buffer's communicator, the progress policy and the storage."""
