@@ -9,7 +9,7 @@ For every link rate (``tc`` token bucket on each node's veth; ``none``: unshaped
    as a fraction of the link's goodput, next to a bare gloo ``all_to_all_single`` of the same bytes;
 4. rehearsal: remote fetch over the MPI transport and over Thallium (``ofi+tcp``) with raw MPI ``Get`` s
    (bench/rehearsal_transport.py) and the training loop's overhead with the peer on the other node
-   (bench/rehearsal.py), both one rank per node.
+   (bench/rehearsal.py, with either transport), both one rank per node.
 
 Needs root and a 2-node virtual cluster (``make cluster-up NODES=2``); prints Markdown tables::
 
@@ -186,8 +186,11 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
     quick = ["--quick"] if args.quick else []
     print("rehearsal remote fetch, 1 rank on each of 2 nodes (`bench/rehearsal_transport.py --hosts node1,node2`):\n")
     print(on_cluster(f"python bench/rehearsal_transport.py --hosts node1,node2 --ranks 2 {' '.join(quick)}"))
-    print("rehearsal training-loop overhead, 1 rank on each of 2 nodes (`bench/rehearsal.py --hosts node1,node2`):\n")
-    print(on_cluster(f"python bench/rehearsal.py --hosts node1,node2 --ranks 2 {' '.join(quick)}"))
+    for transport in ("mpi", "thallium"):
+        print(f"rehearsal training-loop overhead, 1 rank on each of 2 nodes (`bench/rehearsal.py --hosts "
+              f"node1,node2 --transport {transport}`):\n")
+        print(on_cluster(f"python bench/rehearsal.py --hosts node1,node2 --ranks 2 --transport {transport} "
+                         f"{' '.join(quick)}"))
 
 
 def main() -> None:

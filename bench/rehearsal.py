@@ -89,7 +89,8 @@ def worker(args: argparse.Namespace) -> None:
     def baseline(iters: int, split: dict[str, float]) -> float:
         return timed((full_batches[i % args.pool] for i in range(iters)), iters, split)
 
-    buf = RehearsalBuffer(k, n, args.candidates, r, shape, seed=1, comm=comm, worker_niceness=args.worker_niceness)
+    buf = RehearsalBuffer(k, n, args.candidates, r, shape, seed=1, comm=comm, worker_niceness=args.worker_niceness,
+                          transport=args.transport)
     # Fill every rank's buffer (outside the timings) so that every draw finds r representatives.
     for i in range(4 * k * n // args.candidates + 8):
         x, y = new_batches[i % args.pool]
@@ -266,7 +267,7 @@ def launch(args: argparse.Namespace) -> None:
           f"C={args.candidates}, "
           f"{args.slots_per_rank} slots/rank, step {args.step_ms} ms (sleep) + Allreduce, "
           f"{args.iters} iters x {args.repeats} repeats (median)"
-          + f", worker niceness {args.worker_niceness}"
+          + f", worker niceness {args.worker_niceness}, transport {args.transport}"
           + (f", GIL switch interval {args.switch_interval * 1e3:g} ms" if args.switch_interval else ""))
     print()
     print("| ranks | baseline ms/iter | rehearsal ms/iter | overhead | with spare rows ms/iter | overhead "
@@ -276,7 +277,7 @@ def launch(args: argparse.Namespace) -> None:
         over = row["rehearsal_ms"] / row["baseline_ms"] - 1
         spare = row["spare_ms"] / row["baseline_ms"] - 1
         ratio = row["fetch_gbs"] / row["raw_gbs"] if row["raw_gbs"] else float("nan")
-        raw = f"{row['raw_gbs']:.2f}" if row["raw_gbs"] else "n/a (1 rank)"
+        raw = f"{row['raw_gbs']:.2f}" if row["raw_gbs"] else "n/a (1 rank or no MPI window)"
         print(f"| {row['ranks']} | {row['baseline_ms']:.1f} | {row['rehearsal_ms']:.1f} | {100 * over:+.1f}% | "
               f"{row['spare_ms']:.1f} | {100 * spare:+.1f}% | {row['fetch_gbs']:.2f} | {raw} | {ratio:.2f} |")
     print()
@@ -303,7 +304,8 @@ def worker_args(args: argparse.Namespace) -> list[str]:
             "--slots-per-rank", str(args.slots_per_rank), "--shape", *map(str, args.shape),
             "--step-ms", str(args.step_ms), "--iters", str(args.iters), "--repeats", str(args.repeats),
             "--fetch-iters", str(args.fetch_iters), "--pool", str(args.pool),
-            "--switch-interval", str(args.switch_interval), "--worker-niceness", str(args.worker_niceness)]
+            "--switch-interval", str(args.switch_interval), "--worker-niceness", str(args.worker_niceness),
+            "--transport", args.transport]
 
 
 def main() -> None:
@@ -329,6 +331,8 @@ def main() -> None:
     p.add_argument("--hosts", default=None,
                    help="spread each job's ranks evenly over these hosts (comma list; mpiexec --host), e.g. the "
                         "virtual cluster's node1,node2")
+    p.add_argument("--transport", default="auto", choices=("auto", "mpi", "thallium"),
+                   help="RehearsalBuffer(transport=...); the raw Get comparison needs the MPI transport's window")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:
