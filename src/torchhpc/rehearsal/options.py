@@ -85,7 +85,7 @@ class RehearsalOptions:
       window), ``"thallium"`` (Mochi Thallium RPC + bulk transfers served by each owner's Argobots
       progress; needs ``make native-mochi``, else :class:`~torchhpc.errors.EngineUnavailableError`), or
       ``"auto"`` (default): Thallium when the job spans nodes and every rank has it built, MPI otherwise
-      (across TCP nodes Thallium fetched 1.9-2x faster than MPI's one-sided reads; on one node shared
+      (across TCP nodes Thallium fetched 1.5-2.5x faster than MPI's one-sided reads; on one node shared
       memory is faster).  Without ``global_sampling`` nothing is read remotely and neither is set up.
     - ``protocol``: the Thallium (Mercury) protocol: ``"na+sm"`` (one node), ``"ofi+tcp"``, ``"ofi+verbs"``
       or ``"ofi+cxi"`` (across nodes); ``None`` picks ``na+sm`` when all ranks share a node, else
