@@ -11,6 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("torchhpc.doctor", "check this environment for distributed training"),
     "bench": ("torchhpc.bench", "collective benchmarks: accl vs upstream MPI backend vs gloo vs raw MPI"),
     "jobscript": ("torchhpc.jobscript", "a PBS or Slurm job script for your own training command (--submit)"),
+    "frtrace": ("torchhpc.frtrace", "PyTorch's flight-recorder analyzer (torchfrtrace), accl's dumps accepted"),
 }
 
 

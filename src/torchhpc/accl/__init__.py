@@ -28,8 +28,19 @@ AcclPeerFailedError = PeerFailedError
 __all__ = [
     "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",
     "AcclPeerFailedError", "EngineUnavailableError", "mpi_cuda_aware",
-    "create_process_group", "register", "environment_report",
+    "create_process_group", "register", "environment_report", "dump_flight_record",
 ]
+
+
+def dump_flight_record() -> str:
+    """Write this process's record of accl calls now, in torch's flight-recorder format, to
+    ``$TORCH_FR_DUMP_TEMP_FILE<global rank>`` (torch's default ``/tmp/nccl_trace_rank_``); returns the file.
+
+    accl also writes it by itself when a call times out, a peer dies or the ranks' calls differ; read every
+    rank's file with ``torchhpc frtrace DIR``.  ``TORCH_FR_BUFFER_SIZE`` (default 2000 calls; 0: off) sizes it."""
+    import torch.distributed as dist
+
+    return core.load_backend().dump_flight_record(dist.get_rank() if dist.is_initialized() else 0)
 
 
 def __getattr__(name: str) -> object:

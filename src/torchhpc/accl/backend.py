@@ -245,7 +245,7 @@ def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
                 comm = base.Create_group(group, tag)
                 group.Free()
     with agreed(comm, timeout_s, f"accl: setting up group '{name}'"):
-        pg = ProcessGroupACCL(comm, rank, size, timeout, pg_options, name)
+        pg = ProcessGroupACCL(comm, rank, size, timeout, pg_options, name, global_ranks=ranks)
     return pg
 
 

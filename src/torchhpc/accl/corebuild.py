@@ -25,7 +25,7 @@ __all__ = ["build", "family_of", "default_mpicc", "default_mpicxx", "CSRC", "SOU
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: the backend's translation units (csrc/accl.hpp declares them all)
 SOURCES = ("wire.cpp", "reduction.cpp", "engine.cpp", "ProcessGroupACCL.cpp", "exchange.cpp", "collectives.cpp",
-           "ring.cpp", "p2p.cpp", "module.cpp")
+           "ring.cpp", "p2p.cpp", "flight.cpp", "module.cpp")
 
 
 def default_mpicc() -> str:
@@ -113,10 +113,13 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
     out = dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-O2", "-fPIC", "-std=c++20", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+    flags = ["-O2", "-fPIC", "-std=c++20", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-DFMT_HEADER_ONLY",
              "-Wno-missing-field-initializers", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DACCL_MODULE={name}",
              f'-DTORCH_BUILT_FOR="{torch.__version__}"', *(f"-isystem{p}" for p in cpp_extension.include_paths()),
-             f"-isystem{sysconfig.get_paths()['include']}"]
+             f"-isystem{sysconfig.get_paths()['include']}",
+             # nlohmann/json.hpp (torch's flight-recorder header needs it) from a Spack view or conda prefix
+             *(f"-isystem{d}" for d in {Path(sys.prefix) / "include", Path(sys.base_prefix) / "include"}
+               if (d / "nlohmann" / "json.hpp").exists())]
     stamp_file = dest / f"{name}.stamp"
     stamp = _stamp(mpicxx, flags)
     if not force and out.exists() and stamp_file.exists() and stamp_file.read_text().strip() == stamp:

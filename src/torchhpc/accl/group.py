@@ -25,7 +25,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
     """A process group whose calls all run in accl's C++ backend over an MPI communicator."""
 
     def __init__(self, comm: MPI.Comm, rank: int, size: int, timeout: timedelta,
-                 options: AcclOptions | None = None, group_name: str = "") -> None:
+                 options: AcclOptions | None = None, group_name: str = "",
+                 global_ranks: list[int] | None = None) -> None:
         super().__init__(rank, size)
         if comm.Get_rank() != rank or comm.Get_size() != size:
             raise RuntimeError(f"accl: MPI communicator is rank {comm.Get_rank()} of {comm.Get_size()} "
@@ -42,6 +43,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
             MPI._handleof(comm), opts.max_segment_bytes or 0, opts.check, opts.blocking_min_bytes, timeout_s,
             group_name, accl_engine, sorted(opts.sidestep),
             -1 if opts.ring_min_bytes is None else opts.ring_min_bytes)
+        if global_ranks:  # torch's global ranks (none for the world): the flight record names members by them
+            self._backend.set_global_ranks(list(global_ranks))
         kind = dist.ProcessGroup.BackendType.CUSTOM
         for device in ("cpu", "cuda"):
             self._register_backend(torch.device(device), kind, self._backend)

@@ -240,6 +240,9 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   int flag = 0;
   ACCL_MPI(MPI_Comm_get_attr, MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
   if (flag && ub != nullptr) tagUb_ = *static_cast<int*>(ub);
+  static std::atomic<size_t> groups{0};
+  frPgId_ = groups++;
+  for (int r = 0; r < size_; ++r) globalRanks_.push_back(r);
 }
 
 ProcessGroupACCL::~ProcessGroupACCL() {
@@ -393,8 +396,11 @@ int64_t ProcessGroupACCL::segmentFor(Coll coll) const {
 
 std::unique_ptr<Call> ProcessGroupACCL::newCall(wire::Kind kind, at::ScalarType dtype, const Reduction* red,
                                                 int64_t root, int64_t nbytes, int64_t numel,
-                                                std::vector<at::Tensor> outputs, c10d::OpType type) {
+                                                std::vector<at::Tensor> outputs, c10d::OpType type,
+                                                std::vector<at::Tensor> inputs) {
   auto c = std::make_unique<Call>();
+  c->inputs = inputs.empty() ? outputs : std::move(inputs);
+  c->outputs = outputs;
   c->head = {wire::kMagic, kind, 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes, numel, 0};
   c->header = needsHeader(nbytes);
   c->stream = callerStream(outputs);
@@ -408,6 +414,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::enqueue(std::unique_ptr<Call> c
   if (!aborted_.empty()) throwAborted();
   call->head.seq = seq_++;
   work->name(call->head, groupNameShared());
+  record(call->fr, frOpName(work->retrieveOpType()), call->inputs, call->outputs, call->head.seq, false);
   if (!asyncOp && queue_.empty() && !running_) {  // idle group, synchronous call: the caller's thread runs it
     runNow(lock, std::move(call));
     return work;
@@ -460,6 +467,7 @@ void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {
   if (!error) {
     try {
       run(*call);
+      call->fr.completed();
     } catch (const PeerTimeoutError&) {
       error = std::current_exception();
       abandoned_.push_back(std::move(call));  // MPI may still complete the given-up requests into its buffers
@@ -475,6 +483,7 @@ void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {
 
 void ProcessGroupACCL::run(Call& c) {
   current_ = &c;
+  c.fr.started();
   deadline_ = Clock::now() + opts_.timeout;
   c10::OptionalStreamGuard onCallerStream(c.stream);  // staging copies of device tensors (host())
   if (c.stage) c.stage();
@@ -519,6 +528,7 @@ void ProcessGroupACCL::expire(const std::string& what, int peer) {
   PeerTimeoutError error(msg);
   notePeersSilent(std::chrono::duration<double>(opts_.timeout).count());
   abortWith(msg, std::make_exception_ptr(error));
+  dumpFlightRecord();
   throw error;
 }
 
@@ -576,6 +586,7 @@ std::exception_ptr ProcessGroupACCL::mpiFailure(const MpiCallError& e, const std
     auto error = std::make_exception_ptr(PeerFailedError(msg, ranks));
     gPeersDied = true;
     abortWith(msg, error);
+    dumpFlightRecord();
     return error;
   }
 #endif

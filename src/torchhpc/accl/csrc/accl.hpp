@@ -27,6 +27,10 @@
 #include <thread>
 #include <vector>
 
+namespace c10d {
+struct ProcessGroupStatus;
+}
+
 namespace torchhpc::accl {
 
 using Clock = std::chrono::steady_clock;
@@ -291,6 +295,26 @@ class WorkACCL : public c10d::Work {
   std::atomic<int> source_{-1};
 };
 
+// ------------------------------------------------------------------------------------------ flight recorder
+// Every call in torch's FlightRecorder (flight.cpp), in the format torch's analyzer reads.
+struct FrEvent {  // what a CUDA event is to NCCL's recorder: a time, set once
+  std::atomic<int64_t> ns{0};
+  bool query() const { return ns.load(std::memory_order_acquire) != 0; }
+  void mark();
+};
+struct FrRecord {  // one call's entry, retired when the call is destroyed (the recorder points at its events)
+  std::optional<size_t> id;
+  FrEvent start, end;
+  std::shared_ptr<c10d::ProcessGroupStatus> status;  // collectives: the group's status they advance
+  int64_t seq = -1;
+  void started();
+  void completed();
+  ~FrRecord();
+};
+bool frBuilt();                         // whether accl was built with torch's recorder
+std::string frWrite(int globalRank);    // the whole record through torch's DebugInfoWriter; its file
+const char* frOpName(c10d::OpType type);  // the analyzer's name of a collective
+
 // ------------------------------------------------------------------------------------------ calls
 // How a small call's data rides in the header exchange (exchange.cpp): reduced (all_reduce, reduce_scatter), sent
 // from the root (broadcast), or every rank's block gathered (all_gather, all_to_all's byte matrix).
@@ -316,6 +340,8 @@ struct Call {
   std::function<void()> finish;                         // copy back, AVG's division (may be empty)
   std::optional<c10::Stream> stream;  // device tensors: the caller's current stream at issue (staging runs on it)
   c10::intrusive_ptr<WorkACCL> work;
+  std::vector<at::Tensor> inputs, outputs;  // for the flight record
+  FrRecord fr;
 };
 
 // A point-to-point op in flight: an envelope request, then (large payloads) the payload's requests.
@@ -334,6 +360,7 @@ struct P2P {
   Engine* eng = nullptr;                // the payload's engine (null: MPI); the envelope is always MPI's
   std::optional<c10::Stream> stream;    // a device tensor: the caller's current stream at issue
   c10::intrusive_ptr<WorkACCL> work;
+  FrRecord fr;
   int waitedOn() const { return send || source < 0 ? peer : source; }  // the rank a timeout names
 };
 
@@ -410,6 +437,10 @@ class ProcessGroupACCL : public c10d::Backend {
   void abort() override { shutdown(); }
 
   Stats& stats() { return stats_; }
+  // torch's global rank of each group rank, for the flight record's group membership (default: the group ranks)
+  void setGlobalRanks(std::vector<int64_t> ranks);
+  // this process's flight record to TORCH_FR_DUMP_TEMP_FILE + global rank (on timeouts, deaths, mismatches)
+  void dumpFlightRecord();
   // one round of point-to-point progress (Work::wait and the worker call it)
   void progressP2P();
 
@@ -456,12 +487,16 @@ class ProcessGroupACCL : public c10d::Backend {
 
   // ---- running calls
   std::unique_ptr<Call> newCall(wire::Kind kind, at::ScalarType dtype, const Reduction* red, int64_t root,
-                                int64_t nbytes, int64_t numel, std::vector<at::Tensor> outputs, c10d::OpType type);
+                                int64_t nbytes, int64_t numel, std::vector<at::Tensor> outputs, c10d::OpType type,
+                                std::vector<at::Tensor> inputs = {});  // inputs: none for in-place calls
   c10::intrusive_ptr<c10d::Work> enqueue(std::unique_ptr<Call> call, bool asyncOp);
   void workerLoop();
   void runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);  // marks the group busy meanwhile
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
   void run(Call& call);                      // stage, header, data, finish; throws
+  // ---- the flight recorder (flight.cpp): `op` in the analyzer's words ("all_reduce", "send 0->1")
+  void record(FrRecord& r, const std::string& op, const std::vector<at::Tensor>& in,
+              const std::vector<at::Tensor>& out, int64_t collSeq, bool p2p);
   // ---- the header exchange (exchange.cpp)
   bool exchange(Call& call);                 // true when the data rode with the header (the call is done)
   void doubling(Xchg& x);                    // recursive doubling, the ranks past a power of two folded in
@@ -554,6 +589,13 @@ class ProcessGroupACCL : public c10d::Backend {
   std::vector<std::unique_ptr<P2P>> p2p_;
   std::atomic<int> p2pPending_{0};
   std::vector<std::unique_ptr<Call>> abandoned_;  // calls given up at a deadline: MPI may still write them
+
+  std::mutex frMu_;                            // the recorder's per-group fields below
+  std::vector<int64_t> globalRanks_;           // torch's global rank of each group rank
+  size_t frPgId_ = 0;
+  std::tuple<std::string, std::string> frNamed_;  // (name, description) the ranks were recorded under
+  std::shared_ptr<c10d::ProcessGroupStatus> frStatus_;
+  int64_t p2pSeq_ = 0, opId_ = 0;
 };
 
 template <typename F>

@@ -195,7 +195,7 @@ std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, a
   // `output`: the p x n tensor (all_gather_into_tensor), or undefined: the rows go to `outputs` in order
   const int p = size_;
   const int64_t n = input.numel(), esz = input.element_size();
-  auto c = newCall(wire::kAllGather, input.scalar_type(), nullptr, 0, n * esz, n, outputs, type);
+  auto c = newCall(wire::kAllGather, input.scalar_type(), nullptr, 0, n * esz, n, outputs, type, {input});
   c->header = needsHeader(n * esz * p);
   Engine* eng = engineFor(Coll::kAllgather, input.scalar_type());
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
@@ -267,7 +267,7 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
                                                           const Reduction& red, c10d::OpType type) {
   const int p = size_;
   const int64_t n = output.numel(), esz = static_cast<int64_t>(red.esz);
-  auto c = newCall(wire::kReduceScatter, red.dtype, &red, 0, n * esz, n, {output}, type);
+  auto c = newCall(wire::kReduceScatter, red.dtype, &red, 0, n * esz, n, {output}, type, inputs);
   c->header = needsHeader(n * esz * p);
   Engine* eng = engineFor(Coll::kReduceScatter, red.dtype, red.op);
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
@@ -340,7 +340,7 @@ std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const std::v
   const int p = size_;
   const int64_t n = mine.numel(), esz = mine.element_size();
   auto c = newCall(kind, mine.scalar_type(), nullptr, root, n * esz, n, toRoot ? rows : std::vector{mine},
-                   toRoot ? c10d::OpType::GATHER : c10d::OpType::SCATTER);
+                   toRoot ? c10d::OpType::GATHER : c10d::OpType::SCATTER, toRoot ? std::vector{mine} : rows);
   if (!c->stream) c->stream = callerStream({mine});  // a gather's input off the root
   c->header = needsHeader(n * esz * p);
   Engine* eng = engineFor(toRoot ? Coll::kGather : Coll::kScatter, mine.scalar_type());
@@ -470,7 +470,7 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
                                                      c10d::OpType type) {
   const int p = size_;
   engineFor(Coll::kAlltoall);  // no engine has it: MPI's, if the engine may sidestep
-  auto c = newCall(wire::kAllToAll, inputs[0].scalar_type(), nullptr, 0, 0, 0, outputs, type);
+  auto c = newCall(wire::kAllToAll, inputs[0].scalar_type(), nullptr, 0, 0, 0, outputs, type, inputs);
   c->head.extra = p;
   c->compare = wire::kCompareCall;  // sizes are checked on the byte matrix
   c->header = true;                 // always: the matrix fixes the rounds and checks sends against receives

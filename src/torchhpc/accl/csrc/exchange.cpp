@@ -185,6 +185,7 @@ void ProcessGroupACCL::refuse(const Call& c) {
   doubling(x);
   std::vector<wire::Header> heads(size_);
   std::memcpy(heads.data(), ptr(*all), size_ * hb);
+  dumpFlightRecord();
   throw MismatchError(wire::describeMismatch(heads, c.compare, groupName()));
 }
 

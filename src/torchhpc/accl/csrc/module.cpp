@@ -208,6 +208,8 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
             pg.monitoredBarrier(o, waitAllRanks);
           },
           py::arg("timeout_s"), py::arg("wait_all_ranks") = false, py::call_guard<py::gil_scoped_release>())
+      .def("set_global_ranks", &ProcessGroupACCL::setGlobalRanks, py::arg("ranks"),
+           "torch's global rank of each group rank (the flight record's group membership)")
       .def_property_readonly("engine_name", &ProcessGroupACCL::engineName)
       .def_property_readonly("stats", &ProcessGroupACCL::stats, py::return_value_policy::reference_internal);
   // the Work of every call (torch's pybind11 bindings return the most derived registered type)
@@ -228,6 +230,9 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   m.def("peers_lost", [] { return py::make_tuple(accl::peersDied(), accl::peersSilentTimeout()); },
         "(whether a group of this process saw peers die, the longest timeout of its groups aborted because peers "
         "fell silent or 0)");
+  m.def("flight_recorder_built", &accl::frBuilt, "whether accl records its calls in torch's flight recorder");
+  m.def("dump_flight_record", &accl::frWrite, py::arg("global_rank"), py::call_guard<py::gil_scoped_release>(),
+        "every recorded call of this process, in torch's format, through torch's DebugInfoWriter; the file");
   m.attr("torch_version") = TORCH_BUILT_FOR;
   m.attr("module") = ACCL_STR(ACCL_MODULE);
 }

@@ -107,12 +107,16 @@ std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int
   op->tensor = t;
   op->eng = engineFor(type == c10d::OpType::SEND ? Coll::kSend : Coll::kRecv, t.scalar_type());
   op->work = c10::make_intrusive<WorkACCL>(rank_, type, std::move(what), std::vector<at::Tensor>{t}, this);
+  const bool send = type == c10d::OpType::SEND;
+  const std::string me = std::to_string(rank_), them = std::to_string(peer);
+  record(op->fr, send ? "send " + me + "->" + them : "recv " + me + "<-" + them, {t}, {t}, -1, true);
   return op;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op,
                                                           const std::function<void(P2P&)>& post) {
   op->deadline = Clock::now() + opts_.timeout;
+  op->fr.started();
   try {
     post(*op);
   } catch (const MpiCallError& e) {
@@ -146,7 +150,10 @@ void ProcessGroupACCL::progressP2P() {
     p2p_.erase(std::remove(p2p_.begin(), p2p_.end(), nullptr), p2p_.end());
     p2pPending_.fetch_sub(static_cast<int>(done.size()));
   }
-  for (auto& op : done) op->work->complete(op->error, op->source);
+  for (auto& op : done) {
+    if (!op->error) op->fr.completed();
+    op->work->complete(op->error, op->source);
+  }
 }
 
 bool ProcessGroupACCL::advanceP2P(P2P& op) {

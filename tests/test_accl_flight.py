@@ -1,0 +1,53 @@
+"""accl's calls in torch's flight recorder: every rank dumps on a mismatch, in torch's format, and torch's own
+analyzer (through ``torchhpc frtrace``) names the collective where the ranks diverged."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _mpijob import run_mpi
+
+from torchhpc.accl import core
+
+SCRIPT = Path(__file__).with_name("accl_flight.py")
+
+
+def _built() -> None:
+    if not core.load_backend().flight_recorder_built():
+        pytest.skip("accl was built without torch's flight recorder (nlohmann/json.hpp missing)")
+
+
+def test_a_skipped_collective_is_named_by_torchs_analyzer(tmp_path: Path) -> None:
+    _built()
+    proc = run_mpi(3, [sys.executable, str(SCRIPT), str(tmp_path / "accl_trace_rank_")], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for r in range(3):
+        assert f"RANK {r} MismatchError" in proc.stdout, proc.stdout[-4000:]
+    dumps = sorted(p.name for p in tmp_path.iterdir())
+    assert dumps == [f"accl_trace_rank_{r}" for r in range(3)], dumps
+    rank1 = pickle.loads((tmp_path / "accl_trace_rank_1").read_bytes())
+    names = [(e["profiling_name"], e["collective_seq_id"], e["p2p_seq_id"], e["state"]) for e in rank1["entries"]]
+    assert names == [("accl:all_reduce", 1, 0, "completed"), ("accl:all_reduce", 2, 0, "completed"),
+                     ("accl:all_gather", 3, 0, "completed"), ("accl:recv 1<-0", 0, 1, "completed"),
+                     ("accl:all_reduce", 4, 0, "started")], names
+    assert rank1["entries"][2]["input_sizes"] == [[4]] and rank1["entries"][2]["output_sizes"] == [[4]] * 3
+    assert rank1["pg_config"]["0"]["ranks"] == "[0, 1, 2]"
+    analyzer = subprocess.run([sys.executable, "-m", "torchhpc", "frtrace", str(tmp_path)], capture_output=True,
+                              text=True, timeout=120, check=False)
+    text = analyzer.stdout + analyzer.stderr
+    assert analyzer.returncode == 0, text
+    assert "Collective sequence number: 4 has errors" in text, text
+    assert "COLLECTIVE_TYPE_MISMATCH" in text and "'broadcast'" in text and "'all_reduce'" in text, text
+
+
+def test_torchs_buffer_size_zero_records_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _built()
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "0")
+    proc = run_mpi(2, [sys.executable, str(SCRIPT), str(tmp_path / "t_")], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    for r in range(2):
+        assert pickle.loads((tmp_path / f"t_{r}").read_bytes())["entries"] == []
