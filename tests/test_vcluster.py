@@ -361,7 +361,11 @@ FAULT_TIMEOUT_S = 5.0
 def start_failure_job(cluster: Cluster, name: str) -> tuple[str, Path]:
     """tests/vcluster/node_failure.py as a Slurm job, 2 ranks on each of node1 and node2, once every rank loops."""
     script = cluster.shared / f"{name}.sh"
-    script.write_text(f"#!/bin/bash\nmpiexec -n 4 -x PYTHONPATH -x OMP_NUM_THREADS {PYTHON} "
+    dumps = cluster.shared / f"{name}-fr"  # every rank's flight record, on the shared file system
+    shutil.rmtree(dumps, ignore_errors=True)
+    dumps.mkdir()
+    script.write_text(f"#!/bin/bash\nexport TORCH_FR_DUMP_TEMP_FILE={dumps}/rank_\n"
+                      f"mpiexec -n 4 -x PYTHONPATH -x OMP_NUM_THREADS -x TORCH_FR_DUMP_TEMP_FILE {PYTHON} "
                       f"{ROOT}/tests/vcluster/node_failure.py {FAULT_TIMEOUT_S}\n")
     out_file = cluster.shared / f"{name}.out"
     out_file.unlink(missing_ok=True)
@@ -397,6 +401,26 @@ def check_survivors(cluster: Cluster, job: str, out_file: Path, ended: tuple[str
     return survivors
 
 
+def check_flight_records(dumps: Path, stopped: bool) -> None:
+    """torch's analyzer (``torchhpc frtrace``) on the job's flight records.  Stopped ranks write nothing (no
+    thread of theirs runs), and the analyzer names them; behind a cut link every rank lives and writes, and the
+    entries show all four inside the same all_reduce, none completed: no rank diverged, the link failed."""
+    def frtrace(*args: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "torchhpc", "frtrace", *args, str(dumps)], capture_output=True,
+                              text=True, timeout=120)
+        return proc.stdout + proc.stderr
+
+    written = sorted(p.name for p in dumps.iterdir())
+    assert written == (["rank_0", "rank_1"] if stopped else [f"rank_{r}" for r in range(4)]), written
+    if stopped:
+        assert "Missing dump files from ranks {2, 3}" in frtrace(), frtrace()
+    else:
+        assert "has errors" not in frtrace(), frtrace()
+    table = frtrace("-j", "--allow-incomplete-ranks")
+    last = [line for line in table.splitlines() if "all_reduce(" in line][-1]
+    assert last.count("state=started") == len(written) and "completed" not in last, table[-3000:]
+
+
 @pytest.mark.parametrize("fault", ["stop", "cut"])
 def test_a_silent_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster, fault: str) -> None:
     """Node 2 goes silent while everything in it lives: its ranks are SIGSTOPped, or its link is cut.  Both
@@ -416,6 +440,7 @@ def test_a_silent_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
         subprocess.run([*vcluster, *undo], capture_output=True, text=True)
     for *_, error in survivors:
         assert re.search(r"rank [23] \(this rank was waiting on it\)", error), f"no silent rank named: {error}"
+    check_flight_records(cluster.shared / f"silent-{fault}-fr", stopped=fault == "stop")
     deadline = time.monotonic() + 90  # ReturnToService=2: node2 is back once its slurmd registers again
     while "idle" not in cluster.ok("sinfo -h -n node2 -o %T"):
         assert time.monotonic() < deadline, cluster.ok("sinfo -N") + cluster.logs()
