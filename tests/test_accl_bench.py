@@ -149,16 +149,21 @@ def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
     assert seen[0][0][-3:] == ["-m", "torchhpc.bench", "allreduce"]
 
 
-def test_the_docs_busbw_plot_is_drawn_from_its_data(tmp_path: Path) -> None:
-    """`make docs-plots` draws docs/img/accl-busbw.svg from docs/data: the same data gives the same file."""
+@pytest.mark.parametrize("plot", ["accl-busbw", "multinode-busbw-none", "multinode-busbw-10gbit",
+                                  "multinode-busbw-1gbit"])
+def test_the_docs_busbw_plots_are_drawn_from_their_data(tmp_path: Path, plot: str) -> None:
+    """`make docs-plots` draws each docs/img/*-busbw*.svg from docs/data: the same data gives the same file."""
     pytest.importorskip("matplotlib")
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path / "accl-busbw.svg"
-    data = [str(root / f"docs/data/accl-bench-{n}ranks.json") for n in (2, 4)]
+    out = tmp_path / f"{plot}.svg"
+    if plot == "accl-busbw":
+        data = [str(root / f"docs/data/accl-bench-{n}ranks.json") for n in (2, 4)]
+    else:
+        data = [str(root / f"docs/data/multinode-{plot.rsplit('-', 1)[1]}.json")]
     proc = subprocess.run([sys.executable, "-m", "torchhpc", "bench", "--from-json", *data, "--plot", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert out.read_bytes() == (root / "docs/img/accl-busbw.svg").read_bytes(), "run `make docs-plots`"
+    assert out.read_bytes() == (root / f"docs/img/{plot}.svg").read_bytes(), "run `make docs-plots`"
 
 
 @pytest.mark.parametrize("suffix", [".svg", ".png"])
