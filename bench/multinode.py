@@ -1,19 +1,22 @@
-"""Benchmarks across two nodes of the virtual cluster, at several link rates, each against a baseline of the same run.
+"""Benchmarks across nodes of the virtual cluster (2, or ``--nodes N``), at several link rates, each against a
+baseline of the same run.
 
 For every link rate (``tc`` token bucket on each node's veth; ``none``: unshaped) this measures, in order:
 
 1. the link itself: TCP goodput node1 -> node2 of one socket (the physical limit every ratio below uses);
 2. accl vs raw mpi4py vs gloo, all_reduce latency and busbw by size (``torchhpc bench``, one rank per node)
    and an SVG of busbw against size;
-3. chunkstore: random-row gathers whose rows all live on the other node (remote tier), GB/s of remote bytes
+3. chunkstore: random-row gathers whose rows all live on other nodes (remote tier), GB/s of remote bytes
    as a fraction of the link's goodput, next to a bare gloo ``all_to_all_single`` of the same bytes;
 4. rehearsal: remote fetch over the MPI transport and over Thallium (``ofi+tcp``) with raw MPI ``Get`` s
-   (bench/rehearsal_transport.py) and the training loop's overhead with the peer on the other node
+   (bench/rehearsal_transport.py) and the training loop's overhead with the peers on other nodes
    (bench/rehearsal.py, with either transport), both one rank per node.
 
-Needs root and a 2-node virtual cluster (``make cluster-up NODES=2``); prints Markdown tables::
+Needs root and a virtual cluster of at least ``--nodes`` nodes (``make cluster-up NODES=2``); prints Markdown
+tables::
 
-    python bench/multinode.py --rates none,10gbit,1gbit            # about 10 min on 2 cores
+    python bench/multinode.py --rates none,10gbit,1gbit            # about 8 min on 2 cores
+    python bench/multinode.py --rates 1gbit --nodes 4              # 4 nodes: files named *-1gbit-4nodes
     python bench/multinode.py --rates 1gbit --quick                # about 1 min
 """
 
@@ -47,10 +50,14 @@ def on_cluster(cmd: str, node: str = "node1", timeout: float = 900) -> str:
     return proc.stdout
 
 
-def mpiexec(argv: list[str]) -> str:
-    """One rank on node1 and one on node2."""
-    spread = across_hosts("node1,node2", 2, {"OMP_NUM_THREADS": "1"}, forward=("OMP_NUM_THREADS",))
-    return "OMP_NUM_THREADS=1 " + shlex.join(["mpiexec", "-n", "2", *spread, *argv])
+def hosts(nodes: int) -> str:
+    return ",".join(f"node{i}" for i in range(1, nodes + 1))
+
+
+def mpiexec(argv: list[str], nodes: int) -> str:
+    """One rank on each of node1 .. node<nodes>."""
+    spread = across_hosts(hosts(nodes), nodes, {"OMP_NUM_THREADS": "1"}, forward=("OMP_NUM_THREADS",))
+    return "OMP_NUM_THREADS=1 " + shlex.join(["mpiexec", "-n", str(nodes), *spread, *argv])
 
 
 # ---- 1. the link -------------------------------------------------------------------------------------------
@@ -118,10 +125,11 @@ def chunkstore_worker(rows: int, batch: int, rounds: int, iters: int) -> None:
     with ChunkTensor((rows, dim), torch.float32, 0) as ct:  # host tier only: every row is on its node's segment
         ct.load_from_tensor(data if rank == 0 else None)
         assert ct.topo.num_nodes == size, "one rank per node expected"
-        theirs = ct.split_index(torch.arange(rows)).remote.ids  # rows held by the other node
+        theirs = ct.split_index(torch.arange(rows)).remote.ids  # rows held by the other nodes
         row_bytes = dim * 4
-        send = torch.empty(2 * batch * dim)  # 2 ranks: half of it goes to the peer, the same bytes as the gather
-        recv = torch.empty(2 * batch * dim)
+        # equal splits, one of them to itself: the peers' share is the gather's remote bytes
+        per = -(-batch * dim // (size - 1))
+        send, recv = torch.empty(per * size), torch.empty(per * size)
         times: dict[str, list[float]] = {"gather": [], "a2a": []}
         for rnd in range(rounds + 1):
             for what in ("gather", "a2a"):
@@ -155,6 +163,8 @@ def spread(xs: list[float]) -> str:
 
 
 def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
+    n, on = args.nodes, f"1 rank on each of {args.nodes} nodes"
+    tag = rate if n == 2 else f"{rate}-{n}nodes"
     subprocess.run(["bash", str(VCLUSTER), "link", rate], check=True, capture_output=True)
     print(f"\n## link: {rate}\n")
     link = link_goodput(2.0 if not args.quick else 1.0, 3)
@@ -162,12 +172,12 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
     print(f"TCP goodput node1 -> node2, one stream: {spread(link)} GB/s (median [min-max] of {len(link)})\n")
 
     max_bytes = args.max_bytes if rate == "none" else min(args.max_bytes, 16 << 20)
-    plot = out_dir / f"multinode-busbw-{rate}.svg"
-    data = out_dir / f"multinode-{rate}.json"  # `make docs-plots` draws the plot again from it
+    plot = out_dir / f"multinode-busbw-{tag}.svg"
+    data = out_dir / f"multinode-{tag}.json"  # `make docs-plots` draws the plot again from it
     table = on_cluster(mpiexec(["torchhpc", "bench", "allreduce", "--min-bytes", "8", "--max-bytes",
                                 str(max_bytes), "--repeats", str(args.repeats), "--time-per-point",
-                                str(args.time_per_point), "--json", str(data), "--plot", str(plot)]))
-    print("all_reduce, 1 rank on each of 2 nodes (`torchhpc bench allreduce`):\n")
+                                str(args.time_per_point), "--json", str(data), "--plot", str(plot)], n))
+    print(f"all_reduce, {on} (`torchhpc bench allreduce`):\n")
     print("\n".join(ln for ln in table.splitlines() if ln.startswith(("|", "#", " ")) or "busbw" in ln))
     print(f"\nbusbw plot: {plot.relative_to(ROOT) if plot.is_relative_to(ROOT) else plot}\n")
 
@@ -177,25 +187,26 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for batch in args.batches:
         res = on_cluster(mpiexec([*me, "--chunkstore-worker", "--rows", str(args.rows), "--batch", str(batch),
-                                  "--rounds", str(args.repeats), "--iters", str(args.iters)]))
+                                  "--rounds", str(args.repeats), "--iters", str(args.iters)], n))
         row = json.loads(re.search(r"^RESULT (.*)$", res, re.MULTILINE).group(1))
         g, a = statistics.median(row["gather_gbs"]), statistics.median(row["a2a_gbs"])
         print(f"| {rate} | {batch} | {row['remote_bytes'] / 1e6:.2f} | {spread(row['gather_gbs'])} | "
               f"{spread(row['a2a_gbs'])} | {g / gbs:.2f} | {a / gbs:.2f} |")
     print()
     quick = ["--quick"] if args.quick else []
-    print("rehearsal remote fetch, 1 rank on each of 2 nodes (`bench/rehearsal_transport.py --hosts node1,node2`):\n")
-    print(on_cluster(f"python bench/rehearsal_transport.py --hosts node1,node2 --ranks 2 {' '.join(quick)}"))
+    print(f"rehearsal remote fetch, {on} (`bench/rehearsal_transport.py --hosts {hosts(n)}`):\n")
+    print(on_cluster(f"python bench/rehearsal_transport.py --hosts {hosts(n)} --ranks {n} {' '.join(quick)}"))
     for transport in ("mpi", "thallium"):
-        print(f"rehearsal training-loop overhead, 1 rank on each of 2 nodes (`bench/rehearsal.py --hosts "
-              f"node1,node2 --transport {transport}`):\n")
-        print(on_cluster(f"python bench/rehearsal.py --hosts node1,node2 --ranks 2 --transport {transport} "
+        print(f"rehearsal training-loop overhead, {on} (`bench/rehearsal.py --hosts {hosts(n)} "
+              f"--transport {transport}`):\n")
+        print(on_cluster(f"python bench/rehearsal.py --hosts {hosts(n)} --ranks {n} --transport {transport} "
                          f"{' '.join(quick)}"))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="none,10gbit,1gbit", help="comma list of tc rates; none: unshaped")
+    p.add_argument("--nodes", type=int, default=2, help="one rank on each of node1 .. nodeN (files get -Nnodes)")
     p.add_argument("--quick", action="store_true", help="fewer rounds and sizes (about a minute per rate)")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench",
                    help="where the SVGs go: a path every node sees (each node's /tmp is its own)")
@@ -219,6 +230,9 @@ def main() -> None:
         args.repeats, args.batches, args.max_bytes, args.time_per_point = 3, [4096], 4 << 20, 0.1
     if os.geteuid() != 0 or not (ROOT / "build" / "vcluster" / "nodes.list").exists():
         sys.exit("needs root and a virtual cluster: make cluster-up NODES=2")
+    have = len((ROOT / "build" / "vcluster" / "nodes.list").read_text().split())
+    if not 2 <= args.nodes <= have:
+        sys.exit(f"--nodes {args.nodes}: the virtual cluster has {have} nodes (make cluster-up NODES=...)")
     args.out.mkdir(parents=True, exist_ok=True)
     busy = subprocess.run(["ps", "-eo", "pid=,pcpu=,comm="], capture_output=True, text=True).stdout.splitlines()
     hot = [" ".join(ln.split()[1:]) for ln in busy
