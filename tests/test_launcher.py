@@ -222,3 +222,18 @@ def test_destroying_the_default_gloo_group_after_ddp_stops_its_workers() -> None
     assert out.returncode == 0, out.stderr[-3000:]
     before, after = map(int, out.stdout.split())
     assert after == before, f"{after - before} thread(s) of the destroyed gloo group still running"
+
+
+def test_oversubscription_is_judged_per_host_when_ranks_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 ranks over 4 hosts from a 2-core login node: no ``--oversubscribe`` (given it, Open MPI 5 piles every
+    rank onto the first host, seen on the virtual cluster); 4 ranks here, or 2 per host on 1-core hosts: it is."""
+    from torchhpc import mpirun
+
+    monkeypatch.setattr(mpirun, "available_cores", lambda: 2)
+    monkeypatch.setattr(mpirun, "mpi_flavor", lambda exe=None: "openmpi")
+    spread = ["--host", "node1:1,node2:1,node3:1,node4:1"]
+    assert "--oversubscribe" not in mpirun.mpiexec_argv(4, ["python"], mpiexec="mpiexec", extra=spread)
+    assert "--oversubscribe" in mpirun.mpiexec_argv(4, ["python"], mpiexec="mpiexec")
+    monkeypatch.setattr(mpirun, "available_cores", lambda: 1)
+    assert "--oversubscribe" in mpirun.mpiexec_argv(4, ["python"], mpiexec="mpiexec",
+                                                    extra=["--host", "node1:2,node2:2"])

@@ -87,8 +87,10 @@ def mpiexec_argv(
 ) -> list[str]:
     """Argument vector running ``command`` on ``nprocs`` local ranks, launched as users launch:
     ``mpiexec -n N`` and nothing else, except ``--oversubscribe`` (Open MPI) when there are more ranks
-    than cores (``oversubscribe=None``: decided from :func:`available_cores`).  No binding or mapping
-    flags: Open MPI's default mapping, and the local-rank order it gives, are part of what is tested.
+    than cores on a host (``oversubscribe=None``: decided from :func:`available_cores`, against the most ranks
+    ``extra``'s ``--host h:k,...`` puts on one host: Open MPI 5 given ``--oversubscribe`` fills the first
+    listed host past its ``k`` instead of spreading).  No binding or mapping flags: Open MPI's default mapping,
+    and the local-rank order it gives, are part of what is tested.
     ``fault_tolerant``: a rank's death does not kill the others (:func:`fault_tolerant_args`);
     ``extra``: further mpiexec options (e.g. a non-default ``--map-by``/``--rank-by``).
     """
@@ -98,12 +100,21 @@ def mpiexec_argv(
     argv = [exe, "-n", str(nprocs)]
     flavor = mpi_flavor(exe)
     if oversubscribe is None:
-        oversubscribe = nprocs > available_cores()
+        oversubscribe = _ranks_per_host(nprocs, extra) > available_cores()
     if oversubscribe and flavor == "openmpi":  # Hydra (MPICH) starts any number of ranks unasked
         argv.append("--oversubscribe")
     if fault_tolerant:
         argv += fault_tolerant_args(flavor)
     return argv + list(extra) + list(command)
+
+
+def _ranks_per_host(nprocs: int, extra: Sequence[str]) -> int:
+    """The most ranks one host gets: from Open MPI's ``--host h1:k1,h2:k2`` in ``extra``, else all ``nprocs``."""
+    args = list(extra)
+    if "--host" not in args or args.index("--host") + 1 >= len(args):
+        return nprocs
+    slots = [int(h.rsplit(":", 1)[1]) if ":" in h else 1 for h in args[args.index("--host") + 1].split(",") if h]
+    return min(nprocs, max(slots, default=nprocs))
 
 
 def across_hosts(hosts: str | None, nprocs: int, env: Mapping[str, str] | None = None, mpiexec: str | None = None,
