@@ -150,7 +150,7 @@ def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("plot", ["accl-busbw", "multinode-busbw-none", "multinode-busbw-10gbit",
-                                  "multinode-busbw-1gbit"])
+                                  "multinode-busbw-1gbit", "multinode-busbw-1gbit-4nodes"])
 def test_the_docs_busbw_plots_are_drawn_from_their_data(tmp_path: Path, plot: str) -> None:
     """`make docs-plots` draws each docs/img/*-busbw*.svg from docs/data: the same data gives the same file."""
     pytest.importorskip("matplotlib")
@@ -159,7 +159,7 @@ def test_the_docs_busbw_plots_are_drawn_from_their_data(tmp_path: Path, plot: st
     if plot == "accl-busbw":
         data = [str(root / f"docs/data/accl-bench-{n}ranks.json") for n in (2, 4)]
     else:
-        data = [str(root / f"docs/data/multinode-{plot.rsplit('-', 1)[1]}.json")]
+        data = [str(root / f"docs/data/{plot.replace('-busbw', '')}.json")]
     proc = subprocess.run([sys.executable, "-m", "torchhpc", "bench", "--from-json", *data, "--plot", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
