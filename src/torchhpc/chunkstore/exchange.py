@@ -92,14 +92,19 @@ class RowExchange:
             raise RuntimeError("an earlier cross-node gather of this ChunkTensor timed out waiting for its "
                                "peers; the ranks no longer agree on the exchange, so it cannot be used again")
         req = self.comm.Ialltoall([self._send_counts, MPI.INT64_T], [self._recv_counts, MPI.INT64_T])
+        self._wait(req, what, (self._send_counts, self._recv_counts))
+        return self._recv_counts
+
+    def _wait(self, req: MPI.Request, what: str, keep: tuple) -> None:
+        """One step's collective within the deadline; a step given up leaves the exchange unusable (the ranks no
+        longer agree on which step is which), as :meth:`_exchange_counts` then says."""
         try:
-            wait_requests([req], self.timeout, what, keep=(self._send_counts, self._recv_counts))
+            wait_requests([req], self.timeout, what, keep=keep)
         except PeerTimeoutError as e:
             self._abandoned.append(req)
             raise PeerTimeoutError(f"{e}. A ChunkTensor spanning several nodes gathers collectively: every rank "
                                    f"must call index() (or the sampler) the same number of times, with any "
                                    f"number of ids (also none)", e.requests) from None
-        return self._recv_counts
 
     # ------------------------------------------------------------------ the collective steps
     def fail(self, error: BaseException) -> None:
@@ -147,7 +152,7 @@ class RowExchange:
         # and with more ranks than cores the spinning ranks hold the cores their peers need (measured: 4 nodes'
         # ranks on 2 cores, 1,024-row gathers 4x slower)
         req = self.comm.Ialltoallv([send_pos, (sc, sd), MPI.INT64_T], [req_pos, (rc, rd), MPI.INT64_T])
-        wait_requests([req], self.timeout, "collective gather: the requested ids", keep=(send_pos, req_pos, sd, rd))
+        self._wait(req, "collective gather: the requested ids", (send_pos, req_pos, sd, rd))
         send = self._buffer("send", m)
         if m:
             serve(torch.from_numpy(req_pos), send)

@@ -35,7 +35,7 @@ from .options import TASKS, TRANSPORTS, RehearsalOptions
 from .reservoir import ClassReservoir
 from .sampler import draw_representatives
 from .storage import SlotStorage
-from .thallium import ThalliumSlotStorage, default_protocol
+from .thallium import ThalliumSlotStorage, default_protocol, spans_nodes
 
 __all__ = ["AugmentedBatch", "RehearsalBuffer", "TASKS", "STAGES", "TRANSPORTS"]
 
@@ -173,6 +173,8 @@ class RehearsalBuffer:
         peers, agree_s = _agreement(options, given, world)
         with agreed(peers, agree_s, "RehearsalBuffer()"):
             self._configure(RehearsalOptions.resolve(options, **given), world, launched=comm is None)
+        # collective, once: whether remote reads cross nodes (the default transport, MPI's progress polling)
+        self._spans_nodes = self.global_sampling and self.world_size > 1 and spans_nodes(world)
         self.transport = self._choose_transport(world, self.options.transport)
         with agreed(peers, agree_s, "RehearsalBuffer()"):
             self._check_thread_level()
@@ -222,12 +224,7 @@ class RehearsalBuffer:
         (collective, with global sampling)."""
         if transport != "auto":
             return transport
-        if not self.global_sampling or self.world_size == 1:
-            return "mpi"
-        node = world.Split_type(MPI.COMM_TYPE_SHARED)
-        one_node = node.Get_size() == self.world_size
-        node.Free()
-        if one_node:
+        if not self._spans_nodes:
             return "mpi"
         try:
             native.load("thallium")
@@ -260,10 +257,7 @@ class RehearsalBuffer:
             return float(self.options.progress_interval)
         if thallium or self._comm is None:
             return 0.0  # Argobots serves Thallium's peers: no MPI progress to drive
-        node = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-        multi_node = node.Get_size() < self._comm.Get_size()
-        node.Free()
-        return 0.002 if multi_node else 0.0
+        return 0.002 if self._spans_nodes else 0.0
 
     def _init_state(self) -> None:
         """The reservoir, random stream, output pools and timers; then start the worker (local)."""

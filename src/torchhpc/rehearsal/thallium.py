@@ -25,7 +25,7 @@ from .layout import RecordLayout
 from .options import PROTOCOLS
 from .storage import SlotStorage
 
-__all__ = ["PROTOCOLS", "ThalliumSlotStorage", "default_protocol"]
+__all__ = ["PROTOCOLS", "ThalliumSlotStorage", "default_protocol", "spans_nodes"]
 
 _ADDR_BYTES = 256
 # Margo: a progress execution stream of its own (never the training thread) that also runs the RPC
@@ -51,12 +51,17 @@ def margo_config() -> str:
 _WHAT = "RehearsalBuffer(transport='thallium')"
 
 
-def default_protocol(comm: MPI.Comm) -> str:
-    """``na+sm`` when every rank of ``comm`` shares this node, else ``ofi+tcp`` (collective)."""
+def spans_nodes(comm: MPI.Comm) -> bool:
+    """Whether the ranks of ``comm`` are on more than one node (collective)."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
     one_node = node.Get_size() == comm.Get_size()
     node.Free()
-    return "na+sm" if one_node else "ofi+tcp"
+    return not one_node
+
+
+def default_protocol(comm: MPI.Comm) -> str:
+    """``na+sm`` when every rank of ``comm`` shares this node, else ``ofi+tcp`` (collective)."""
+    return "ofi+tcp" if spans_nodes(comm) else "na+sm"
 
 
 class ThalliumSlotStorage(SlotStorage):

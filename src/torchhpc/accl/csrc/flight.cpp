@@ -91,7 +91,7 @@ void ProcessGroupACCL::setGlobalRanks(std::vector<int64_t> ranks) {
 }
 
 void ProcessGroupACCL::dumpFlightRecord() {
-  if (!frBuilt() || globalRanks_.empty()) return;
+  if (!frBuilt()) return;
   try {
     frWrite(static_cast<int>(globalRanks_[rank_]));
   } catch (const std::exception& e) {  // a failed dump must not hide the error that asked for it
