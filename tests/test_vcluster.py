@@ -412,10 +412,11 @@ def check_flight_records(dumps: Path, stopped: bool) -> None:
 
     written = sorted(p.name for p in dumps.iterdir())
     assert written == (["rank_0", "rank_1"] if stopped else [f"rank_{r}" for r in range(4)]), written
+    analysis = frtrace()
     if stopped:
-        assert "Missing dump files from ranks {2, 3}" in frtrace(), frtrace()
+        assert "Missing dump files from ranks {2, 3}" in analysis, analysis
     else:
-        assert "has errors" not in frtrace(), frtrace()
+        assert "has errors" not in analysis, analysis
     table = frtrace("-j", "--allow-incomplete-ranks")
     last = [line for line in table.splitlines() if "all_reduce(" in line][-1]
     assert last.count("state=started") == len(written) and "completed" not in last, table[-3000:]
