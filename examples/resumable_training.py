@@ -51,11 +51,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", default="gloo")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds any collective waits for its peers before every rank raises")
     args = p.parse_args(argv)
     if args.steps < 1 or args.every < 1:
         p.error("--steps and --every must be positive")
 
-    info = init_distributed(args.backend)
+    info = init_distributed(args.backend, timeout=args.timeout)
     rank = info.rank
     torch.manual_seed(args.seed)  # the same initial model and teacher on every rank
     teacher = torch.randn(args.width, 8) / args.width ** 0.5

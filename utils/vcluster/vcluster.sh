@@ -19,6 +19,8 @@
 #   vcluster.sh link RATE     shape every node's link with tc's token bucket (e.g. 10gbit, 1gbit; `none` clears)
 #   vcluster.sh kill-node NODE
 #                             a node failure: its link is cut and every process in it killed
+#   vcluster.sh revive-node NODE
+#                             the failed node boots again: fresh namespaces, its daemons, back in service
 #   vcluster.sh cut-link NODE | restore-link NODE
 #                             a node that goes silent while everything in it lives: its link down, then up
 #   vcluster.sh signal-node NODE SIGNAL PATTERN
@@ -256,15 +258,19 @@ sinfo_idle() {
   [[ "$n" -eq $(nodes | wc -l) ]]
 }
 
+# slurm_daemons NODE: what a node of the Slurm cluster runs (munged, slurmd; node1 also slurmctld).
+slurm_daemons() {
+  local node=$1
+  enter "$node" munged --force --key-file="$dir/munge/munge.key" --log-file="$dir/log/munged-$node.log" \
+    --seed-file=/run/munge/seed
+  wait_for "munged on $node" 15 enter "$node" test -S /run/munge/munge.socket.2
+  if [[ "$node" == node1 ]]; then enter node1 slurmctld -i; fi
+  enter "$node" slurmd
+}
+
 start_slurm() {
   local node
-  for node in $(nodes); do
-    enter "$node" munged --force --key-file="$dir/munge/munge.key" --log-file="$dir/log/munged-$node.log" \
-      --seed-file=/run/munge/seed
-  done
-  for node in $(nodes); do wait_for "munged on $node" 15 enter "$node" test -S /run/munge/munge.socket.2; done
-  enter node1 slurmctld -i
-  for node in $(nodes); do enter "$node" slurmd; done
+  for node in $(nodes); do slurm_daemons "$node"; done
   wait_for "all nodes idle in sinfo" 60 sinfo_idle
 }
 
@@ -274,17 +280,11 @@ pbs_all_free() {
   [[ "$n" -eq $(nodes | wc -l) ]]
 }
 
-# OpenPBS as a site runs it: PBS_HOME made by pbs_habitat on every node, the moms told that the server's
-# host may command them and that job files go to the shared file system by cp ($usecp, instead of scp),
-# the daemons started by pbs_init.d; then the server is set up with qmgr as an administrator would.
+# OpenPBS as a site runs it: PBS_HOME made on every node (pbs_habitat), the daemons started by pbs_init.d;
+# then the server is set up with qmgr as an administrator would.
 start_pbs() {
   local node
-  for node in $(nodes); do
-    enter "$node" env LANG=C "$pbs_exec/libexec/pbs_habitat" >"$dir/log/pbs-habitat-$node.log" 2>&1
-    # every path but the node-local /tmp, /run and /dev/shm is on the one shared file system
-    # shellcheck disable=SC2016  # the mom's own syntax
-    printf '$clienthost node1\n$usecp *:/ /\n' | enter "$node" tee -a /run/pbs/mom_priv/config >/dev/null
-  done
+  for node in $(nodes); do pbs_habitat "$node"; done
   enter node1 env LANG=C "$pbs_exec/libexec/pbs_init.d" start >"$dir/log/pbs-start-node1.log" 2>&1
   wait_for "PBS server on node1" 60 enter node1 qstat -B
   # Jobs run as root here (the only user of this host): the server accepts root's jobs only when told to.
@@ -296,11 +296,24 @@ start_pbs() {
   for node in $(nodes); do
     enter node1 qmgr -c "list node $node" >/dev/null 2>&1 || enter node1 qmgr -c "create node $node"
   done
-  for node in $(nodes | tail -n +2); do
-    enter "$node" env LANG=C "$pbs_exec/libexec/pbs_init.d" start >"$dir/log/pbs-start-$node.log" 2>&1
-  done
+  for node in $(nodes | tail -n +2); do pbs_start "$node"; done
   wait_for "all nodes free in pbsnodes" 60 pbs_all_free
   wait_for "the PBS server to accept root's jobs" 30 pbs_takes_jobs
+}
+
+# pbs_habitat NODE: the node's PBS_HOME, its mom told that the server's host may command it and that job
+# files go to the shared file system by cp ($usecp, instead of scp).
+pbs_habitat() {
+  local node=$1
+  enter "$node" env LANG=C "$pbs_exec/libexec/pbs_habitat" >"$dir/log/pbs-habitat-$node.log" 2>&1
+  # every path but the node-local /tmp, /run and /dev/shm is on the one shared file system
+  # shellcheck disable=SC2016  # the mom's own syntax
+  printf '$clienthost node1\n$usecp *:/ /\n' | enter "$node" tee -a /run/pbs/mom_priv/config >/dev/null
+}
+
+# pbs_start NODE: the node's PBS daemons (node1: server, scheduler, comm and mom; the others a mom).
+pbs_start() {
+  enter "$1" env LANG=C "$pbs_exec/libexec/pbs_init.d" start >"$dir/log/pbs-start-$1.log" 2>&1
 }
 
 # A held job of root's is accepted (then deleted with its history): the server is ready for users.
@@ -370,19 +383,25 @@ cmd_status() {
 }
 
 cmd_link() {
-  local rate=${1:?usage: vcluster.sh link RATE|none} node bytes burst
+  local rate=${1:?usage: vcluster.sh link RATE|none} node
   [[ -f "$dir/nodes.list" ]] || die "no virtual cluster is up"
-  for node in $(nodes); do
-    if [[ "$rate" == none ]]; then
-      tc -n "$ns_prefix-$node" qdisc del dev eth0 root 2>/dev/null || true
-      continue
-    fi
-    bytes=$(rate_bytes "$rate") || die "RATE must look like 10gbit, 1gbit or 500mbit, got '$rate'"
-    # A bucket of 4 ms at the rate (at least 256 KiB: veth hands tc 64 KiB GSO segments); 50 ms of queue.
-    burst=$((bytes / 250 > 262144 ? bytes / 250 : 262144))
-    tc -n "$ns_prefix-$node" qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
-  done
+  [[ "$rate" == none ]] || rate_bytes "$rate" >/dev/null || die "RATE must look like 10gbit, 1gbit or 500mbit, got '$rate'"
+  for node in $(nodes); do shape "$node" "$rate"; done
+  echo "$rate" >"$dir/link.rate"  # a revived node's link is shaped the same
   say "links: ${rate}"
+}
+
+# shape NODE RATE: tc's token bucket on NODE's link (RATE none: unshaped).
+shape() {
+  local node=$1 rate=$2 bytes burst
+  if [[ "$rate" == none ]]; then
+    tc -n "$ns_prefix-$node" qdisc del dev eth0 root 2>/dev/null || true
+    return 0
+  fi
+  bytes=$(rate_bytes "$rate")
+  # A bucket of 4 ms at the rate (at least 256 KiB: veth hands tc 64 KiB GSO segments); 50 ms of queue.
+  burst=$((bytes / 250 > 262144 ? bytes / 250 : 262144))
+  tc -n "$ns_prefix-$node" qdisc replace dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms
 }
 
 # rate_bytes RATE: bytes per second of a tc rate written as <number><kbit|mbit|gbit>.
@@ -420,6 +439,38 @@ cmd_kill_node() {
   say "$node: link cut, every process killed"
 }
 
+# cmd_revive_node NODE: a failed node boots again: a fresh node in place of the dead one's namespaces, its link
+# shaped as the others', its scheduler daemons started; returns once the scheduler has it back in service.
+cmd_revive_node() {
+  local node=${1:?usage: vcluster.sh revive-node NODE} i
+  grep -qx "$node" "$dir/nodes.list" 2>/dev/null || die "no node '$node' in the virtual cluster (have: $(nodes | xargs))"
+  [[ -z $(ip netns pids "$ns_prefix-$node" 2>/dev/null) ]] ||
+    die "$node is up (kill-node $node first; restore-link undoes a cut-link)"
+  i=${node#node}
+  ip -n "$switch_ns" link del "port$i" 2>/dev/null || true
+  ip netns del "$ns_prefix-$node" 2>/dev/null || true
+  make_node "$i"
+  shape "$node" "$(cat "$dir/link.rate" 2>/dev/null || echo none)"
+  if [[ $(scheduler) == slurm ]]; then
+    slurm_daemons "$node"
+    # ReturnToService=2: a node that was DOWN for not responding is back in service once its slurmd registers
+    wait_for "$node idle in sinfo" 60 node_in_service "$node"
+  else
+    pbs_habitat "$node"
+    pbs_start "$node"
+    wait_for "$node free in pbsnodes" 60 node_in_service "$node"
+  fi
+  say "$node: revived"
+}
+
+node_in_service() {
+  if [[ $(scheduler) == slurm ]]; then
+    [[ $(enter node1 sinfo -h -n "$1" -o %T) == idle ]]
+  else
+    enter node1 pbsnodes "$1" | grep -q '^ *state = free$'
+  fi
+}
+
 main() {
   local cmd=${1:-}
   shift || true
@@ -429,6 +480,7 @@ main() {
     status) cmd_status ;;
     link) cmd_link "$@" ;;
     kill-node) cmd_kill_node "$@" ;;
+    revive-node) cmd_revive_node "$@" ;;
     cut-link) cmd_cut_link "${1:-}" down ;;
     restore-link) cmd_cut_link "${1:-}" up ;;
     signal-node) cmd_signal_node "$@" ;;

@@ -42,18 +42,19 @@ _lock = threading.Lock()
 _world_comm: MPI.Comm | None = None  # MPI ranks ordered as torch's global ranks
 _ctl_comm: MPI.Comm | None = None  # its duplicate, for creation handshakes (no user traffic on it)
 _created: dict[tuple[int, ...], int] = {}  # groups created per exact member list (hashed names only)
+_exit_timeout_s = 0.0  # the default group's timeout: how long the barrier at exit waits for the other ranks
 
 _MSG = struct.Struct("=qq")  # status (0 ok, 1 failed), digest of the member list; then error text
 _MSG_BYTES = 1024
 
 
-def _global_comm(group_rank: int, group_size: int, is_default: bool) -> MPI.Comm:
+def _global_comm(group_rank: int, group_size: int, is_default: bool, timeout_s: float = 0.0) -> MPI.Comm:
     """A communicator whose rank i is torch's global rank i."""
-    global _world_comm, _ctl_comm
+    global _world_comm, _ctl_comm, _exit_timeout_s
     world = MPI.COMM_WORLD
     if is_default:
         comm = world if group_rank == world.Get_rank() else world.Split(0, group_rank)
-        _world_comm, _ctl_comm = comm, comm.Dup()
+        _world_comm, _ctl_comm, _exit_timeout_s = comm, comm.Dup(), timeout_s
         return comm
     if _world_comm is not None:
         return _world_comm
@@ -169,16 +170,19 @@ def _lead(ctl: MPI.Comm, ranks: list[int], tag: int, mine: bytearray, digest: in
 
 def _leave() -> None:
     """At exit, before MPI_Finalize, which waits for every rank without a deadline: a process whose accl group saw
-    peers die ends the job with MPI_Abort; otherwise the ranks meet at a barrier, where one whose group timed out
-    on silent peers waits at most that group's timeout before MPI_Abort.  A stopped node or a cut link must not
-    hold the job for ever; ranks that recovered from a timeout all arrive and finalize as usual."""
+    peers die ends the job with MPI_Abort; otherwise the ranks meet at a barrier, where each waits at most the
+    default group's timeout (or the timeout of its group that timed out on silent peers) before MPI_Abort.  A
+    stopped node or a cut link must not hold the job for ever, also when the ranks noticed it outside accl (a
+    rehearsal or chunkstore deadline) or not at all (the peer stopped after the last collective); ranks that
+    recovered from a timeout all arrive and finalize as usual."""
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
     died, silent_s = core.load_backend().peers_lost()
     if not died and _met_at_exit(silent_s):
         return
-    why = "saw peers die" if died else f"lost peers that did not reach the exit within {silent_s:g} s either"
-    sys.stderr.write(f"torchhpc.accl: this process {why} (the error above): ending the job with MPI_Abort, as "
+    why = "saw peers die" if died else \
+        f"waited {silent_s or _exit_timeout_s:g} s at exit for peers that did not come (stopped, cut off or dead)"
+    sys.stderr.write(f"torchhpc.accl: this process {why}: ending the job with MPI_Abort, as "
                      f"MPI_Finalize would wait for them for ever\n")
     # mpi4py calls MPI_Abort in place of MPI_Finalize, last thing at exit (as this path always did for deaths).
     # Open MPI 5.0.11's prterun can deadlock when two survivors abort at once under ULFM, by this path or not.
@@ -186,16 +190,13 @@ def _leave() -> None:
 
 
 def _met_at_exit(silent_s: float) -> bool:
-    """Whether the ranks met at the barrier at exit: without a deadline, or within ``silent_s`` when this
-    process's group timed out on silent peers.  Without the default accl group there is none to meet at."""
+    """Whether the ranks met at the barrier at exit within ``silent_s`` when this process's group timed out on
+    silent peers, else within the default group's timeout.  Without the default accl group there is none to
+    meet at."""
     if _ctl_comm is None:
         return not silent_s
-    request = _ctl_comm.Ibarrier()
-    if not silent_s:
-        request.Wait()
-        return True
     try:
-        wait_requests([request], silent_s, "accl: the barrier at exit")
+        wait_requests([_ctl_comm.Ibarrier()], silent_s or _exit_timeout_s, "accl: the barrier at exit")
     except PeerTimeoutError:
         return False
     return True
@@ -229,7 +230,7 @@ def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
             agree(world, error, timeout_s, "accl: init_process_group")
             if error is not None:
                 raise error
-            comm = _global_comm(rank, size, is_default=True)
+            comm = _global_comm(rank, size, is_default=True, timeout_s=timeout_s)
         else:
             base = _global_comm(rank, size, is_default=False)
             ctl = _ctl_comm if base is _world_comm and _ctl_comm is not None else base
