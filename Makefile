@@ -94,7 +94,7 @@ RATE  ?= none
 NODE  ?= node1
 VCLUSTER  = VENV="$(VENV)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)" bash utils/vcluster/vcluster.sh
 
-.PHONY: cluster-up cluster-down cluster-exec cluster-shell cluster-status cluster-link openpbs
+.PHONY: cluster-up cluster-down cluster-exec cluster-shell cluster-status cluster-link openpbs fault-soak
 
 cluster-up: $(PY) ## A virtual cluster of NODES=2 nodes (namespaces) on this host, SCHEDULER=slurm|pbs across them (root)
 	@$(VCLUSTER) up "$(NODES)" "$(or $(SCHEDULER),slurm)"
@@ -117,6 +117,12 @@ cluster-status: ## The virtual cluster's nodes, addresses and sinfo
 
 cluster-link: ## Shape every virtual node's link to RATE=10gbit|1gbit|... with tc (none: unshaped)
 	@$(VCLUSTER) link "$(RATE)"
+
+SOAK_MINUTES ?= 9
+SOAK_SEED    ?= 0
+fault-soak: $(PY) ## Random faults on a 4-node virtual cluster for SOAK_MINUTES=9 (kills, stops, cut links; jobs requeued); its table
+	@$(VCLUSTER) up 4 slurm
+	@$(PY) tests/vcluster/soak.py --minutes "$(SOAK_MINUTES)" --seed "$(SOAK_SEED)" --json "$(TORCHHPC_PREFIX)/fault-soak.json"
 
 # ---- cluster builds: config_env.sh, utils/sites/<site>.sh, utils/pytorch_versions.tsv ----------------
 # SITE=<profile> picks a site (default: detected, else generic).  DETACH=1 submits a job and returns (follow

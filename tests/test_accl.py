@@ -199,3 +199,36 @@ def test_a_stopped_peer_ends_the_job_instead_of_holding_it_at_exit() -> None:
     assert all(float(after) < 2 + 5 for _, after, _ in survivors), survivors
     # the rank that waits on the stopped one names it (the other waits on that rank, which is stuck itself)
     assert "2" in [peer for *_, peer in survivors], survivors
+
+
+def test_a_peer_stopped_after_the_last_collective_ends_the_job_at_exit() -> None:
+    """Rank 2 of 3 SIGSTOPs itself right after its last collective: the others finish without an error, and
+    at exit wait for it at most the default group's timeout (2 s) instead of in MPI_Finalize for ever."""
+    import time
+
+    from _mpijob import run_mpi
+
+    start = time.monotonic()
+    res = run_mpi(3, [sys.executable, str(Path(__file__).parent / "vcluster" / "node_failure.py"), "2", "2",
+                      "--steps", "20"], timeout=120)
+    out = res.stdout + (res.stderr or "")
+    assert time.monotonic() - start < 60, out[-5000:]
+    assert sorted(re.findall(r"DONE rank=([01]) ", out)) == ["0", "1"] and "SURVIVOR" not in out, out[-5000:]
+    assert res.returncode != 0 and "waited 2 s at exit for peers that did not come" in out, out[-5000:]
+
+
+def test_a_peer_stopped_inside_a_blocking_collective_ends_the_job() -> None:
+    """Rank 2 of 3 stops inside MPI's blocking data phase of a large all_reduce (after the header proved that
+    every rank arrived): MPI cannot interrupt the others' call, so accl's watchdog ends the job a second past
+    the group timeout, naming the call, instead of leaving it to hang."""
+    import time
+
+    from _mpijob import run_mpi
+
+    start = time.monotonic()
+    res = run_mpi(3, [sys.executable, str(Path(__file__).parent / "accl_stopped_in_data.py")], timeout=120)
+    out = res.stdout + (res.stderr or "")
+    assert time.monotonic() - start < 60, out[-5000:]
+    assert res.returncode != 0 and "COMPLETED" not in out, out[-5000:]
+    assert re.search(r"all_reduce\(float32, 134217728 elements, SUM\) as call #\d+ in group '\S+' \(rank [01] of 3\) "
+                     r"is still inside MPI's blocking collective", out), out[-5000:]

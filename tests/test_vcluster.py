@@ -452,12 +452,17 @@ def test_a_silent_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
 
 def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster) -> None:
     """Node 2 is torn down in the middle of all-reduces (link cut, every process killed): both ranks of node 1
-    raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Runs late: it leaves
-    node 2 down."""
+    raise torchhpc's error within the group timeout, and Slurm reports the job failed.  Then the node boots
+    again (`vcluster.sh revive-node`): back in service, it runs a job across every node."""
     job, out_file = start_failure_job(cluster, "failure")
     killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", "node2"], capture_output=True, text=True)
     assert killed.returncode == 0, killed.stderr
     check_survivors(cluster, job, out_file, ("JobState=FAILED", "JobState=NODE_FAIL"))
+    revived = subprocess.run(["bash", str(VCLUSTER), "revive-node", "node2"], capture_output=True, text=True,
+                             timeout=120)
+    assert revived.returncode == 0, revived.stderr + cluster.logs()
+    hosts = cluster.ok(f"srun -N {NODES} hostname", timeout=60).split()
+    assert sorted(hosts) == [f"node{i + 1}" for i in range(NODES)], hosts
 
 
 RESUME_STEPS, RESUME_EVERY = 400, 20
@@ -467,7 +472,7 @@ def test_a_requeued_job_resumes_from_its_checkpoint_bitwise_equal(cluster: Clust
     """examples/resumable_training.py under `sbatch --requeue` on 2 nodes: its second node is torn down (link cut,
     every process killed) after the second checkpoint; Slurm ends the run NODE_FAIL and requeues it on the nodes
     left, where it resumes from its newest finished checkpoint and ends with the parameters of a run never stopped,
-    bit for bit.  Runs after the node failure above (node 2 is down) and takes down one more node."""
+    bit for bit.  Takes down one of the job's nodes."""
     def train(ckpt: Path) -> str:
         return (f"{PYTHON} {ROOT}/examples/resumable_training.py --dir {ckpt} --steps {RESUME_STEPS} "
                 f"--every {RESUME_EVERY}")

@@ -3,6 +3,8 @@
 // exchange -> the engine calls -> the copy-back; every wait polled against the group deadline, every MPI error
 // turned into the package's errors in one place (mpiFailure).  The collectives are in collectives.cpp,
 // point-to-point and the monitored barrier in p2p.cpp.
+#include <Python.h>  // the GIL, released around MPI's blocking calls
+
 #include "accl.hpp"
 
 #if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
@@ -13,6 +15,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -26,6 +29,28 @@ void notePeersSilent(double timeoutS) {
   double seen = gPeersSilentTimeout.load();
   while (seen < timeoutS && !gPeersSilentTimeout.compare_exchange_weak(seen, timeoutS)) {
   }
+}
+
+// The watchdog: MPI cannot interrupt a blocking call, and a peer lost after the header proved that every rank
+// arrived (stopped, cut off, dead without ULFM) holds the data phase for ever.  One thread per process looks at
+// every group's blocked call and ends the job once one overstays its deadline.
+std::mutex gWatchMu;
+std::vector<ProcessGroupACCL*> gWatched;
+
+void watch(ProcessGroupACCL* pg, bool on) {
+  static std::once_flag started;
+  std::call_once(started, [] {
+    std::thread([] {
+      while (true) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        std::lock_guard<std::mutex> lock(gWatchMu);
+        for (auto* g : gWatched) g->checkBlocked();
+      }
+    }).detach();
+  });
+  std::lock_guard<std::mutex> lock(gWatchMu);
+  if (on) gWatched.push_back(pg);
+  else gWatched.erase(std::remove(gWatched.begin(), gWatched.end(), pg), gWatched.end());
 }
 
 // torchhpc.waiting.Backoff: spin 64 polls, yield the core until 20 ms, then sleep from 50 us doubling to 1 ms
@@ -243,9 +268,11 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   static std::atomic<size_t> groups{0};
   frPgId_ = groups++;
   for (int r = 0; r < size_; ++r) globalRanks_.push_back(r);
+  watch(this, true);
 }
 
 ProcessGroupACCL::~ProcessGroupACCL() {
+  watch(this, false);
   shutdown();
 }
 
@@ -489,8 +516,36 @@ void ProcessGroupACCL::run(Call& c) {
   if (c.stage) c.stage();
   mpi_->mode = c.header ? Mode::kBlocking : Mode::kNonblocking;
   const bool done = c.header && exchange(c);
-  if (!done && c.data) c.data();
+  if (!done && c.data && c.header) {  // MPI's blocking calls: watched, and without the caller's GIL (threads run on)
+    blockedHead_ = c.head;
+    blockedUntil_.store((deadline_ + std::chrono::seconds(1)).time_since_epoch().count(), std::memory_order_release);
+    struct Unblock {
+      std::atomic<Clock::rep>& until;
+      PyThreadState* gil = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+      ~Unblock() {
+        until.store(0, std::memory_order_release);
+        if (gil) PyEval_RestoreThread(gil);
+      }
+    } unblock{blockedUntil_};
+    c.data();
+  } else if (!done && c.data) {
+    c.data();
+  }
   if (c.finish) c.finish();
+}
+
+void ProcessGroupACCL::checkBlocked() {
+  const Clock::rep until = blockedUntil_.load(std::memory_order_acquire);
+  if (until == 0 || Clock::now().time_since_epoch().count() < until) return;
+  std::fprintf(stderr, "accl: %s in group '%s' (rank %d of %d) is still inside MPI's blocking collective a second "
+               "past the group timeout of %s s: a peer stopped, died or was cut off after every rank had entered "
+               "the call, and MPI cannot interrupt a blocking call. Ending the job (MPI_Abort).\n",
+               wire::describe(blockedHead_).c_str(), groupName().c_str(), rank_, size_, seconds(opts_.timeout).c_str());
+  std::fflush(stderr);
+  notePeersSilent(std::chrono::duration<double>(opts_.timeout).count());
+  dumpFlightRecord();
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
 }
 
 bool ProcessGroupACCL::testUntil(MPI_Request* reqs, int n, Clock::time_point deadline) {

@@ -443,6 +443,8 @@ class ProcessGroupACCL : public c10d::Backend {
   void dumpFlightRecord();
   // one round of point-to-point progress (Work::wait and the worker call it)
   void progressP2P();
+  // the watchdog's look (every 200 ms): a blocking data phase a second past its deadline ends the job
+  void checkBlocked();
 
  private:
   // ---- argument checks, written once
@@ -584,6 +586,9 @@ class ProcessGroupACCL : public c10d::Backend {
   std::thread worker_;
   const Call* current_ = nullptr;          // the collective running now, and its deadline
   Clock::time_point deadline_;
+  // while MPI's blocking data phase runs (after the header): when the watchdog gives up on it (else 0), and the call
+  std::atomic<Clock::rep> blockedUntil_{0};
+  wire::Header blockedHead_{};
 
   std::mutex p2pMu_;
   std::vector<std::unique_ptr<P2P>> p2p_;
