@@ -61,9 +61,12 @@ def main(argv: list[str] | None = None) -> dict:
     rank = info.rank
     torch.manual_seed(args.seed)  # the same initial model and teacher on every rank
     teacher = torch.randn(args.width, 8) / args.width ** 0.5
+    # find_unused_parameters keeps DDP's first gradient buckets: it otherwise regroups them after the first step
+    # a run takes, so a resumed run's first step would sum in another order (other bits from 3 ranks on)
     model = DistributedDataParallel(nn.Sequential(
         nn.Linear(args.width, args.width), nn.ReLU(), nn.Dropout(0.1),
-        nn.Linear(args.width, args.width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(args.width, 8)))
+        nn.Linear(args.width, args.width), nn.ReLU(), nn.Dropout(0.1), nn.Linear(args.width, 8)),
+        find_unused_parameters=True)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     state = {"model": model, "optim": opt}
     torch.manual_seed(args.seed * 1000 + 1 + rank)  # each rank's own dropout stream
