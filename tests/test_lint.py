@@ -38,8 +38,9 @@ def test_complexity_at_most_grade_c() -> None:
 # accl's csrc/*.cpp in lizard's NLOC: 1,736 when the first bound (1,800) was set; 1,975 once small collectives ran
 # as accl's own recursive doubling with the header and large reductions as its own ring (PyTorch's
 # ProcessGroupMPI.cpp: 886; the breakdown is in docs/development.md); 2,107 with every call in torch's flight
-# recorder (flight.cpp, 94).  Growth past it should buy something a user can name.
-CSRC_NLOC_BOUND = 2150
+# recorder (flight.cpp, 94); 2,153 with the watchdog that ends a job whose blocking collective lost a peer (no
+# hang).  Growth past it should buy something a user can name.
+CSRC_NLOC_BOUND = 2170
 
 
 def test_accl_backend_shape() -> None:

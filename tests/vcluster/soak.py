@@ -38,7 +38,9 @@ FAULTS = ("kill-rank", "kill-node", "stop-node", "cut-link")
 WORKLOADS = ("allreduce", "checkpoint", "rehearsal", "chunkstore")
 NODES = ("node1", "node2", "node3", "node4")
 DEADLINE_S = 6.0  # accl's (and each workload's) deadline on its peers
-HANG_MARGIN_S = 20.0  # past the deadline, a rank still alive is a hang
+# past the deadline, a rank still alive this much later is a hang: the barrier at exit waits one more deadline,
+# then MPI_Abort gets accl's ABORT_GRACE_S (10 s) to end the job through the launcher
+HANG_MARGIN_S = 30.0
 FINISH_S = 240.0  # the requeued job's bound: Slurm noticing the node, the requeue's delay, the rest of the run
 STEPS = {"allreduce": 300, "rehearsal": 150, "chunkstore": 150}
 TRAIN_STEPS, TRAIN_EVERY = 120, 5
@@ -86,6 +88,18 @@ def rank_pids(script: Path, nodes: tuple[str, ...] = NODES) -> dict[int, str]:
             if state != "Z" and Path(argv[0].decode()).name.startswith("python") and str(script).encode() in argv:
                 found[int(pid)] = node
     return found
+
+
+def stacks(pid: int) -> str:
+    """Every thread's stack of ``pid``: py-spy's Python and native frames, else gdb's (a process past Python's
+    finalization, e.g. inside MPI_Abort, has no interpreter left for py-spy)."""
+    spy = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--native", "--pid", str(pid)],
+                         capture_output=True, text=True, timeout=60)
+    if spy.returncode == 0 or shutil.which("gdb") is None:
+        return spy.stdout + spy.stderr
+    gdb = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 20"], capture_output=True,
+                         text=True, timeout=60)
+    return gdb.stdout
 
 
 def vcluster(*args: str) -> subprocess.CompletedProcess[str]:
@@ -185,10 +199,8 @@ class Soak:
             trial.ranks_gone_s = round(time.monotonic() - fault_at, 1)
             return
         for pid, node in left.items():
-            stacks = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--native", "--pid",
-                                     str(pid)], capture_output=True, text=True, timeout=60)
             trial.notes.append(f"hang: pid {pid} on {node}")
-            self.say(f"HANG pid {pid} on {node}:\n{stacks.stdout}{stacks.stderr}")
+            self.say(f"HANG pid {pid} on {node}:\n{stacks(pid)}")
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)

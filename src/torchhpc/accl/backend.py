@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import signal
 import struct
 import sys
 import threading
@@ -42,6 +43,7 @@ _lock = threading.Lock()
 _world_comm: MPI.Comm | None = None  # MPI ranks ordered as torch's global ranks
 _ctl_comm: MPI.Comm | None = None  # its duplicate, for creation handshakes (no user traffic on it)
 _created: dict[tuple[int, ...], int] = {}  # groups created per exact member list (hashed names only)
+ABORT_GRACE_S = 10  # seconds MPI_Abort may take to end the job through the launcher before the process ends itself
 _exit_timeout_s = 0.0  # the default group's timeout: how long the barrier at exit waits for the other ranks
 
 _MSG = struct.Struct("=qq")  # status (0 ok, 1 failed), digest of the member list; then error text
@@ -187,6 +189,10 @@ def _leave() -> None:
     # mpi4py calls MPI_Abort in place of MPI_Finalize, last thing at exit (as this path always did for deaths).
     # Open MPI 5.0.11's prterun can deadlock when two survivors abort at once under ULFM, by this path or not.
     set_abort_status(1)
+    # MPI_Abort asks the launcher to end the job and waits for its answer, for ever where the launcher is out of
+    # reach (this node's link cut: PMIx_Abort under srun); past ABORT_GRACE_S the process ends itself (SIGALRM)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(ABORT_GRACE_S)
 
 
 def _met_at_exit(silent_s: float) -> bool:

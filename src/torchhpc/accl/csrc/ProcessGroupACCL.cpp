@@ -14,7 +14,10 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <sstream>
@@ -516,19 +519,17 @@ void ProcessGroupACCL::run(Call& c) {
   if (c.stage) c.stage();
   mpi_->mode = c.header ? Mode::kBlocking : Mode::kNonblocking;
   const bool done = c.header && exchange(c);
-  if (!done && c.data && c.header) {  // MPI's blocking calls: watched, and without the caller's GIL (threads run on)
+  if (!done && c.data) {  // after a header, MPI's blocking calls: watched, without the caller's GIL (threads run on)
     blockedHead_ = c.head;
-    blockedUntil_.store((deadline_ + std::chrono::seconds(1)).time_since_epoch().count(), std::memory_order_release);
+    blockedUntil_.store(c.header ? (deadline_ + std::chrono::seconds(1)).time_since_epoch().count() : 0);
     struct Unblock {
       std::atomic<Clock::rep>& until;
-      PyThreadState* gil = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+      PyThreadState* gil;
       ~Unblock() {
-        until.store(0, std::memory_order_release);
+        until.store(0);
         if (gil) PyEval_RestoreThread(gil);
       }
-    } unblock{blockedUntil_};
-    c.data();
-  } else if (!done && c.data) {
+    } unblock{blockedUntil_, c.header && Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr};
     c.data();
   }
   if (c.finish) c.finish();
@@ -544,6 +545,8 @@ void ProcessGroupACCL::checkBlocked() {
   std::fflush(stderr);
   notePeersSilent(std::chrono::duration<double>(opts_.timeout).count());
   dumpFlightRecord();
+  std::signal(SIGALRM, SIG_DFL);  // MPI_Abort waits for the launcher's answer, for ever behind a cut link
+  alarm(10);                      // (torchhpc.accl.backend.ABORT_GRACE_S): then the process ends itself
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::_Exit(1);
 }
