@@ -358,15 +358,22 @@ def test_a_detached_job_is_followed_later_with_its_exit_status(cluster: Cluster)
 FAULT_TIMEOUT_S = 5.0
 
 
+def records(cluster: Cluster, name: str) -> Path:
+    """Where the survivors of the failure job ``name`` write their lines: files on the shared file system,
+    which a scheduler ending the job cannot lose on the way (stdout passes through the launcher)."""
+    return cluster.shared / f"{name}-survivors"
+
+
 def start_failure_job(cluster: Cluster, name: str) -> tuple[str, Path]:
     """tests/vcluster/node_failure.py as a Slurm job, 2 ranks on each of node1 and node2, once every rank loops."""
     script = cluster.shared / f"{name}.sh"
     dumps = cluster.shared / f"{name}-fr"  # every rank's flight record, on the shared file system
-    shutil.rmtree(dumps, ignore_errors=True)
-    dumps.mkdir()
+    for d in (dumps, records(cluster, name)):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir()
     script.write_text(f"#!/bin/bash\nexport TORCH_FR_DUMP_TEMP_FILE={dumps}/rank_\n"
                       f"mpiexec -n 4 -x PYTHONPATH -x OMP_NUM_THREADS -x TORCH_FR_DUMP_TEMP_FILE {PYTHON} "
-                      f"{ROOT}/tests/vcluster/node_failure.py {FAULT_TIMEOUT_S}\n")
+                      f"{ROOT}/tests/vcluster/node_failure.py {FAULT_TIMEOUT_S} --record {records(cluster, name)}\n")
     out_file = cluster.shared / f"{name}.out"
     out_file.unlink(missing_ok=True)
     job = cluster.ok(f"sbatch --parsable -N 2 -w node1,node2 --ntasks-per-node=2 -O -o {out_file} {script}",
@@ -389,10 +396,11 @@ def check_survivors(cluster: Cluster, job: str, out_file: Path, ended: tuple[str
             break
         time.sleep(1)
     text = out_file.read_text()
-    print(text)  # the survivors' lines, for the record (pytest -s)
+    print(text)  # the job's output, for the record (pytest -s)
+    lines = "".join(p.read_text() for p in sorted(records(cluster, out_file.stem).iterdir()))
     survivors = re.findall(r"SURVIVOR rank=(\d) host=(node1) after=([\d.]+)s cpu=([\d.]+)s family=(\w+) error=(.*)",
-                           text)
-    assert sorted(r for r, *_ in survivors) == ["0", "1"], f"{state}\n{text}\n{cluster.logs()}"
+                           lines)
+    assert sorted(r for r, *_ in survivors) == ["0", "1"], f"{state}\n{lines}\n{text}\n{cluster.logs()}"
     for _, _, after, cpu, family, error in survivors:
         assert family == "torchhpc", error
         assert float(after) <= FAULT_TIMEOUT_S + 5, f"took {after}s against a {FAULT_TIMEOUT_S}s timeout: {error}"

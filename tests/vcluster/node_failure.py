@@ -79,6 +79,8 @@ def main() -> None:
     p.add_argument("stop_rank", type=int, nargs="?", default=-1, help="this rank SIGSTOPs itself after 20 steps")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="allreduce")
     p.add_argument("--steps", type=int, default=0, help="steps to run, then exit 0 (0: until a failure)")
+    p.add_argument("--record", help="a directory every node sees: the SURVIVOR line also goes to survivor-RANK "
+                   "there (stdout passes through the launcher, which the scheduler may kill first)")
     args = p.parse_args()
     info = init_distributed(backend="accl", timeout=args.timeout)
     host = socket.gethostname()
@@ -103,8 +105,12 @@ def main() -> None:
         faulthandler.cancel_dump_traceback_later()
         waited, cpu = time.monotonic() - last_ok, time.process_time() - cpu_ok
         family = "torchhpc" if isinstance(exc, TorchhpcError) else "other"
-        print(f"SURVIVOR rank={info.rank} host={host} after={waited:.1f}s cpu={cpu:.1f}s family={family} "
-              f"error={type(exc).__name__}: {str(exc).splitlines()[0][:400]}", flush=True)
+        line = (f"SURVIVOR rank={info.rank} host={host} after={waited:.1f}s cpu={cpu:.1f}s family={family} "
+                f"error={type(exc).__name__}: {str(exc).splitlines()[0][:400]}")
+        print(line, flush=True)
+        if args.record:
+            with open(os.path.join(args.record, f"survivor-{info.rank}"), "w") as f:
+                f.write(line + "\n")
         sys.exit(3)
 
 
