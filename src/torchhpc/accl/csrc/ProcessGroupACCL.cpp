@@ -37,8 +37,9 @@ void notePeersSilent(double timeoutS) {
 // The watchdog: MPI cannot interrupt a blocking call, and a peer lost after the header proved that every rank
 // arrived (stopped, cut off, dead without ULFM) holds the data phase for ever.  One thread per process looks at
 // every group's blocked call and ends the job once one overstays its deadline.
-std::mutex gWatchMu;
-std::vector<ProcessGroupACCL*> gWatched;
+// (never destroyed: the detached thread may still look at them while the process exits)
+std::mutex& gWatchMu = *new std::mutex;
+std::vector<ProcessGroupACCL*>& gWatched = *new std::vector<ProcessGroupACCL*>;
 
 void watch(ProcessGroupACCL* pg, bool on) {
   static std::once_flag started;
