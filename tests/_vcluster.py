@@ -19,6 +19,8 @@ from _mpijob import kill_session
 
 ROOT = Path(__file__).resolve().parents[1]
 VCLUSTER = ROOT / "utils" / "vcluster" / "vcluster.sh"
+# what every rank needs beyond the login environment: the tests' helpers, one thread per rank (2 cores here)
+RANK_ENV = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
 # The daemons and namespace holders that reap() leaves alone, per scheduler.
 DAEMONS = {"slurm": {"munged", "slurmctld", "slurmd", "sleep"},
            "pbs": {"pbs_server.bin", "pbs_sched", "pbs_comm", "pbs_mom", "postgres", "sleep"}}
@@ -78,6 +80,12 @@ class Cluster:
         return "\n".join(out)
 
 
+def state_dir() -> Path:
+    """The cluster's state directory, as vcluster.sh picks it (VCLUSTER_DIR, else $TORCHHPC_PREFIX/vcluster)."""
+    prefix = Path(os.environ.get("TORCHHPC_PREFIX") or ROOT / "build")
+    return Path(os.environ.get("VCLUSTER_DIR") or prefix / "vcluster")
+
+
 @contextlib.contextmanager
 def cluster_up(nodes: int, scheduler: str, timeout: float = 180) -> Iterator[Cluster]:
     """A cluster of ``nodes`` nodes running ``scheduler`` for the caller's lifetime; skips where vcluster.sh's
@@ -89,10 +97,8 @@ def cluster_up(nodes: int, scheduler: str, timeout: float = 180) -> Iterator[Clu
         pytest.skip(up.stderr.strip().splitlines()[-1])
     if up.returncode != 0:
         pytest.fail(f"the virtual cluster did not come up:\n{up.stdout}\n{up.stderr}")
-    prefix = Path(os.environ.get("TORCHHPC_PREFIX") or ROOT / "build")
-    state = Path(os.environ.get("VCLUSTER_DIR") or prefix / "vcluster")
     try:
-        yield Cluster(state, scheduler)
+        yield Cluster(state_dir(), scheduler)
     finally:
         down = subprocess.run(["bash", str(VCLUSTER), "down"], capture_output=True, text=True, timeout=120)
         assert down.returncode == 0, down.stderr

@@ -24,15 +24,13 @@ from pathlib import Path
 import pytest
 from _mpijob import STACKS_MARGIN, inner_pytest_argv
 from _upstream import tagged_upstream
-from _vcluster import ROOT, VCLUSTER, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
+from _vcluster import RANK_ENV, ROOT, VCLUSTER, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
 from test_readme import readme_cluster_lines
 
 from torchhpc.mpirun import side_mpich
 
 NODES = 4
 PYTHON = "python"  # the venv's, first on the nodes' PATH
-# what every rank needs beyond the login environment: the tests' helpers, one thread per rank (2 cores here)
-RANK_ENV = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
 
 
 def launch(cluster: Cluster, how: str, layout: list[int], argv: list[str], mpi: str = "openmpi",

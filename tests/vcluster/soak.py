@@ -32,21 +32,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _vcluster import ROOT, VCLUSTER, Cluster  # noqa: E402
+from _vcluster import RANK_ENV, ROOT, VCLUSTER, Cluster, state_dir  # noqa: E402
 
 FAULTS = ("kill-rank", "kill-node", "stop-node", "cut-link")
 WORKLOADS = ("allreduce", "checkpoint", "rehearsal", "chunkstore")
 NODES = ("node1", "node2", "node3", "node4")
 DEADLINE_S = 6.0  # accl's (and each workload's) deadline on its peers
 # past the deadline, a rank still alive this much later is a hang: the barrier at exit waits one more deadline,
-# then MPI_Abort gets accl's ABORT_GRACE_S (10 s) to end the job through the launcher
+# then MPI_Abort gets accl's ABORT_GRACE_S (10 s, torchhpc.accl's native module) to end the job
 HANG_MARGIN_S = 30.0
 FINISH_S = 240.0  # the requeued job's bound: Slurm noticing the node, the requeue's delay, the rest of the run
 STEPS = {"allreduce": 300, "rehearsal": 150, "chunkstore": 150}
 TRAIN_STEPS, TRAIN_EVERY = 120, 5
 FAILURE = ROOT / "tests" / "vcluster" / "node_failure.py"
 TRAIN = ROOT / "examples" / "resumable_training.py"
-RANK_ENV = {"PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
+FINAL = re.compile(r"FINAL step \d+ sha256 ([0-9a-f]{64})")  # the training's digest of its final parameters
 
 
 @dataclass
@@ -74,10 +74,10 @@ class Trial:
                 and self.bitwise_equal is not False)
 
 
-def rank_pids(script: Path, nodes: tuple[str, ...] = NODES) -> dict[int, str]:
-    """The job's rank processes (a python running ``script``) on ``nodes``: pid -> node."""
+def rank_pids(script: Path) -> dict[int, str]:
+    """The job's rank processes (a python running ``script``) on every node: pid -> node."""
     found = {}
-    for node in nodes:
+    for node in NODES:
         pids = subprocess.run(["ip", "netns", "pids", f"torchhpc-{node}"], capture_output=True, text=True).stdout
         for pid in pids.split():
             try:
@@ -107,8 +107,8 @@ def vcluster(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 class Soak:
-    def __init__(self, cluster: Cluster, work: Path, log: Path) -> None:
-        self.cluster, self.work, self.log = cluster, work, log
+    def __init__(self, cluster: Cluster, work: Path) -> None:
+        self.cluster, self.work, self.log = cluster, work, work / "soak.log"
         self.reference: str | None = None
 
     def say(self, text: str) -> None:
@@ -123,10 +123,11 @@ class Soak:
                     f"--width 256 --backend accl --timeout {DEADLINE_S}", TRAIN)
         return f"python {FAILURE} {DEADLINE_S} --workload {workload} --steps {STEPS[workload]}", FAILURE
 
-    def submit(self, workload: str, tag: str) -> tuple[str, Path]:
+    def submit(self, workload: str, tag: str) -> tuple[str, Path, Path]:
         """The job as a user writes one that survives faults: requeue-able, every rank ended when one fails
-        (srun -K), and requeued by its own script when the step fails on a node that lives."""
-        cmd, _ = self.command(workload, tag)
+        (srun -K), and requeued by its own script when the step fails on a node that lives.  Returns the job's
+        id, its output file and the script its ranks run."""
+        cmd, ranks_run = self.command(workload, tag)
         (self.work / tag).mkdir(parents=True)
         script, out = self.work / tag / "job.sh", self.work / tag / "job.out"
         script.write_text("#!/bin/bash\n"
@@ -136,14 +137,14 @@ class Soak:
                           "exit 1\n")
         job = self.cluster.ok(f"sbatch --parsable --requeue --open-mode=append -N 4 --ntasks-per-node=1 -O "
                               f"-o {out} {script}", env=RANK_ENV).strip().splitlines()[-1]
-        return job, out
+        return job, out, ranks_run
 
     def uninterrupted(self) -> str:
         """The training's final digest when nothing fails (the reference for bitwise equality)."""
         cmd, _ = self.command("checkpoint", "reference")
         (self.work / "reference").mkdir(parents=True)
         out = self.cluster.ok(f"srun --mpi=pmix -N 4 --ntasks-per-node=1 -O {cmd}", timeout=300, env=RANK_ENV)
-        return re.findall(r"FINAL step \d+ sha256 ([0-9a-f]{64})", out)[-1]
+        return FINAL.findall(out)[-1]
 
     def wait_running(self, trial: Trial, out: Path, ckpt: Path) -> None:
         """Until the workload is in full swing; the checkpoint workload until a checkpoint is being written
@@ -189,23 +190,20 @@ class Soak:
 
     def wait_ranks_gone(self, trial: Trial, script: Path, fault_at: float) -> None:
         """Every rank process ends within the deadline (plus the margin); what is left then is a hang."""
-        while time.monotonic() - fault_at < DEADLINE_S + HANG_MARGIN_S:
-            if not rank_pids(script):
-                trial.ranks_gone_s = round(time.monotonic() - fault_at, 1)
+        while left := rank_pids(script):
+            if time.monotonic() - fault_at > DEADLINE_S + HANG_MARGIN_S:
+                for pid, node in left.items():
+                    trial.notes.append(f"hang: pid {pid} on {node}")
+                    self.say(f"HANG pid {pid} on {node}:\n{stacks(pid)}")
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, 9)
                 return
             time.sleep(0.2)
-        left = rank_pids(script)
-        if not left:
-            trial.ranks_gone_s = round(time.monotonic() - fault_at, 1)
-            return
-        for pid, node in left.items():
-            trial.notes.append(f"hang: pid {pid} on {node}")
-            self.say(f"HANG pid {pid} on {node}:\n{stacks(pid)}")
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, 9)
+        trial.ranks_gone_s = round(time.monotonic() - fault_at, 1)
 
-    def wait_finished(self, trial: Trial, job: str, out: Path) -> None:
+    def wait_finished(self, trial: Trial, job: str, out: Path) -> str:
+        """Until the job has ended (the requeued run finished, or failed); returns its whole output."""
         deadline = time.monotonic() + FINISH_S
         state = ""
         while time.monotonic() < deadline:
@@ -220,21 +218,20 @@ class Soak:
             trial.notes.append(f"job ended {state or 'unknown'}")
             self.cluster.run(f"scancel {job}")
             self.say(f"UNFINISHED {state}:\n{text[-4000:]}")
+        return text
 
-    def check_training(self, trial: Trial, out: Path) -> None:
-        text = out.read_text()
+    def check_training(self, trial: Trial, text: str) -> None:
         resumed = [int(s) for s in re.findall(r"RESUMED at step (\d+)", text)]
         trial.resumed_at = resumed[-1] if resumed else None
         if trial.finished and (trial.resumed_at or 0) < trial.newest_at_fault:
             trial.lost = 1
-        digest = re.findall(r"FINAL step \d+ sha256 ([0-9a-f]{64})", text)
+        digest = FINAL.findall(text)
         trial.bitwise_equal = bool(digest) and digest[-1] == self.reference
 
     def run(self, trial: Trial, index: int) -> Trial:
         start = time.monotonic()
         tag = f"t{index:03d}-{trial.workload}-{trial.fault}"
-        job, out = self.submit(trial.workload, tag)
-        _, script = self.command(trial.workload, tag)
+        job, out, script = self.submit(trial.workload, tag)
         ckpt = self.work / tag / "ckpt"
         try:
             self.wait_running(trial, out, ckpt)
@@ -246,11 +243,10 @@ class Soak:
             self.wait_ranks_gone(trial, script, fault_at)
         finally:
             self.undo(trial, script)
-        self.wait_finished(trial, job, out)
-        text = out.read_text()
+        text = self.wait_finished(trial, job, out)
         trial.raised = len(re.findall(r"SURVIVOR .*family=torchhpc", text))
         if trial.workload == "checkpoint":
-            self.check_training(trial, out)
+            self.check_training(trial, text)
         trial.seconds = round(time.monotonic() - start, 1)
         return trial
 
@@ -300,14 +296,14 @@ def main() -> int:
     for name, given, known in (("--workloads", workloads, WORKLOADS), ("--faults", faults, FAULTS)):
         if not given or not set(given) <= set(known):
             p.error(f"{name} must be a comma-separated subset of {','.join(known)}, got {','.join(given)!r}")
-    state = Path(os.environ.get("VCLUSTER_DIR", ROOT / "build" / "vcluster"))
+    state = state_dir()
     if not (state / "nodes.list").exists() or len((state / "nodes.list").read_text().split()) != 4:
         p.error("needs the 4-node Slurm virtual cluster up: make cluster-up NODES=4")
     cluster = Cluster(state, "slurm")
     work = cluster.shared / "soak"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
-    soak = Soak(cluster, work, work / "soak.log")
+    soak = Soak(cluster, work)
     rng = random.Random(args.seed)
     random.seed(args.seed)
     began = time.monotonic()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import signal
 import struct
 import sys
 import threading
@@ -43,20 +42,19 @@ _lock = threading.Lock()
 _world_comm: MPI.Comm | None = None  # MPI ranks ordered as torch's global ranks
 _ctl_comm: MPI.Comm | None = None  # its duplicate, for creation handshakes (no user traffic on it)
 _created: dict[tuple[int, ...], int] = {}  # groups created per exact member list (hashed names only)
-ABORT_GRACE_S = 10  # seconds MPI_Abort may take to end the job through the launcher before the process ends itself
 _exit_timeout_s = 0.0  # the default group's timeout: how long the barrier at exit waits for the other ranks
 
 _MSG = struct.Struct("=qq")  # status (0 ok, 1 failed), digest of the member list; then error text
 _MSG_BYTES = 1024
 
 
-def _global_comm(group_rank: int, group_size: int, is_default: bool, timeout_s: float = 0.0) -> MPI.Comm:
+def _global_comm(group_rank: int, group_size: int, is_default: bool) -> MPI.Comm:
     """A communicator whose rank i is torch's global rank i."""
-    global _world_comm, _ctl_comm, _exit_timeout_s
+    global _world_comm, _ctl_comm
     world = MPI.COMM_WORLD
     if is_default:
         comm = world if group_rank == world.Get_rank() else world.Split(0, group_rank)
-        _world_comm, _ctl_comm, _exit_timeout_s = comm, comm.Dup(), timeout_s
+        _world_comm, _ctl_comm = comm, comm.Dup()
         return comm
     if _world_comm is not None:
         return _world_comm
@@ -189,10 +187,7 @@ def _leave() -> None:
     # mpi4py calls MPI_Abort in place of MPI_Finalize, last thing at exit (as this path always did for deaths).
     # Open MPI 5.0.11's prterun can deadlock when two survivors abort at once under ULFM, by this path or not.
     set_abort_status(1)
-    # MPI_Abort asks the launcher to end the job and waits for its answer, for ever where the launcher is out of
-    # reach (this node's link cut: PMIx_Abort under srun); past ABORT_GRACE_S the process ends itself (SIGALRM)
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(ABORT_GRACE_S)
+    core.load_backend().arm_abort_grace()  # MPI_Abort cannot reach a launcher behind a cut link
 
 
 def _met_at_exit(silent_s: float) -> bool:
@@ -215,6 +210,7 @@ def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
     """``Backend.register_backend`` creator (extended API): builds the group's MPI communicator.
 
     Called by torch on the group's members only; every member either gets the group or raises."""
+    global _exit_timeout_s
     ranks = list(dist_opts.global_ranks_in_group)
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout: timedelta = dist_opts.timeout if dist_opts.timeout is not None else timedelta(minutes=30)
@@ -236,7 +232,8 @@ def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
             agree(world, error, timeout_s, "accl: init_process_group")
             if error is not None:
                 raise error
-            comm = _global_comm(rank, size, is_default=True, timeout_s=timeout_s)
+            comm = _global_comm(rank, size, is_default=True)
+            _exit_timeout_s = timeout_s
         else:
             base = _global_comm(rank, size, is_default=False)
             ctl = _ctl_comm if base is _world_comm and _ctl_comm is not None else base

@@ -546,8 +546,7 @@ void ProcessGroupACCL::checkBlocked() {
   std::fflush(stderr);
   notePeersSilent(std::chrono::duration<double>(opts_.timeout).count());
   dumpFlightRecord();
-  std::signal(SIGALRM, SIG_DFL);  // MPI_Abort waits for the launcher's answer, for ever behind a cut link
-  alarm(10);                      // (torchhpc.accl.backend.ABORT_GRACE_S): then the process ends itself
+  armAbortGrace();
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::_Exit(1);
 }
@@ -572,6 +571,11 @@ bool ProcessGroupACCL::testUntil(MPI_Request* reqs, int n, Clock::time_point dea
 
 void ProcessGroupACCL::waitRequest(MPI_Request* reqs, int n, int peer) {
   if (!testUntil(reqs, n, deadline_)) expire(current_ ? wire::describe(current_->head) : "a collective", peer);
+}
+
+void armAbortGrace() {
+  std::signal(SIGALRM, SIG_DFL);
+  alarm(kAbortGraceS);
 }
 
 bool peersDied() { return gPeersDied.load(); }

@@ -230,9 +230,13 @@ bool cudaAwareMpi();
 
 // Whether a group of this process saw peers die, and the longest timeout of its groups aborted because peers fell
 // silent (0: none).  MPI_Finalize would wait for such peers for ever: at exit torchhpc.accl ends the job with
-// MPI_Abort at once after a death, and after that long at a barrier after a silence.
+// MPI_Abort at once after a death, and otherwise after that long (or the default group's timeout) at a barrier.
 bool peersDied();
 double peersSilentTimeout();
+// MPI_Abort asks the launcher to end the job and waits for its answer, for ever where the launcher is out of reach
+// (this node's link cut: PMIx_Abort under srun): armed before any abort, SIGALRM ends the process this much later
+constexpr unsigned kAbortGraceS = 10;
+void armAbortGrace();
 
 // ------------------------------------------------------------------------------------------ staging
 // Device and strided tensors are staged through contiguous host buffers (pinned for device tensors), copied on the
