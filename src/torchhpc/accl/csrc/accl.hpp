@@ -205,6 +205,7 @@ class MpiEngine final : public Engine {
   void scatter(const Seg& rows, const Seg& recv, int root) override;
   void reduceScatter(const Seg& rows, const Seg& recv, const Reduction& r) override;
   // MPI only: byte counts and displacements
+  void alltoall(const void* src, int bytes, void* dst);  // `bytes` to and from every rank
   void alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd);
   void allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs);
   void barrier();

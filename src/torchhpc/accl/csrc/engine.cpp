@@ -134,6 +134,10 @@ void MpiEngine::reduceScatter(const Seg& rows, const Seg& recv, const Reduction&
             r.mpiOp, comm_);
 }
 
+void MpiEngine::alltoall(const void* src, int bytes, void* dst) {
+  ACCL_BOTH(MPI_Alltoall, MPI_Ialltoall, src, bytes, MPI_BYTE, dst, bytes, MPI_BYTE, comm_);
+}
+
 void MpiEngine::alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd) {
   ACCL_BOTH(MPI_Alltoallv, MPI_Ialltoallv, src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_);
 }
