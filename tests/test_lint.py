@@ -39,8 +39,9 @@ def test_complexity_at_most_grade_c() -> None:
 # as accl's own recursive doubling with the header and large reductions as its own ring (PyTorch's
 # ProcessGroupMPI.cpp: 886; the breakdown is in docs/development.md); 2,107 with every call in torch's flight
 # recorder (flight.cpp, 94); 2,153 with the watchdog that ends a job whose blocking collective lost a peer (no
-# hang).  Growth past it should buy something a user can name.
-CSRC_NLOC_BOUND = 2170
+# hang); 2,175 with MPI_Alltoall for even all_to_all splits (MPICH's Alltoallv is 2-3x slower at 1-4 MiB).
+# Growth past it should buy something a user can name.
+CSRC_NLOC_BOUND = 2180
 
 
 def test_accl_backend_shape() -> None:

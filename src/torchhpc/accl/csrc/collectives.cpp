@@ -450,6 +450,16 @@ int64_t checkAlltoallMatrix(const int64_t* rows, int64_t stride, int p, bool* ev
   return most;
 }
 
+// bytes [done, done + per) of every rank's block of `bytes`: their counts and displacements for MPI_Alltoallv
+void alltoallSegment(const std::vector<int64_t>& bytes, int64_t done, int64_t per, std::vector<int>& count,
+                     std::vector<int>& displ) {
+  int64_t at = 0;
+  for (size_t j = 0; j < bytes.size(); at += bytes[j], ++j) {
+    count[j] = static_cast<int>(std::clamp<int64_t>(bytes[j] - done, 0, per));
+    displ[j] = static_cast<int>(at + std::min(done, bytes[j]));
+  }
+}
+
 // the sends that rode in the exchange's blocks (kPay bytes a rank: its matrix row, then its sends) into `dst` in
 // rank order; false (nothing taken) unless every rank's sends fit `most` bytes
 bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t most) {
@@ -515,12 +525,8 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
     forSegments(Coll::kAlltoall, *most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
       // even splits in one segment: MPI_Alltoall, which MPICH runs 2-3x faster than its Alltoallv at 1-4 MiB
       if (*even && per >= *most) return mpi_->alltoall(ptr(*src), static_cast<int>(*most), ptr(*dst));
-      for (int64_t j = 0, so = 0, ro = 0; j < p; so += sb[j], ro += rb[j], ++j) {
-        sc[j] = static_cast<int>(std::clamp<int64_t>(sb[j] - done, 0, per));
-        sd[j] = static_cast<int>(so + std::min(done, sb[j]));
-        rc[j] = static_cast<int>(std::clamp<int64_t>(rb[j] - done, 0, per));
-        rd[j] = static_cast<int>(ro + std::min(done, rb[j]));
-      }
+      alltoallSegment(sb, done, per, sc, sd);
+      alltoallSegment(rb, done, per, rc, rd);
       mpi_->alltoallv(ptr(*src), sc.data(), sd.data(), ptr(*dst), rc.data(), rd.data());
     });
   };
