@@ -7,11 +7,13 @@ A gather of rows held by other nodes is collective over the job and takes three 
    instead of hanging its peers).  A negative count tells the peers that this rank's gather
    failed (bad index, ...): every rank then raises, nobody is left waiting.
 2. ids: the requested storage positions (``MPI_Ialltoallv`` of int64, waited on with the same deadline).
-3. rows: the serving ranks gather the rows into a reused buffer and one
-   ``torch.distributed.all_to_all_single`` over the group moves them as raw bytes (so every
-   dtype works with every backend, and NCCL moves them GPU to GPU).  When the caller's output
-   is contiguous, on the transport's device, and the rows arrive in its order, they are
-   received straight into it.
+3. rows: the serving ranks gather the rows into a reused buffer, which moves as raw bytes (every dtype alike):
+   host rows by ``MPI_Ialltoallv`` over the same communicator, in whole rows (a contiguous datatype, so no
+   count overflows), waited on with the deadline; with an NCCL group, by one
+   ``torch.distributed.all_to_all_single`` GPU to GPU.  When the caller's output is contiguous, on the
+   transport's device, and the rows arrive in its order, they are received straight into it.  MPI rather than
+   the group's gloo for host rows: across a 10 Gbit/s link gloo's exchange gathered 0.61-0.65 GB/s of 8 MB
+   calls where MPI's gathered 0.96-0.98.
 
 Counts and ids are small host-side metadata: MPI moves them in microseconds (shared memory on a
 node, the fabric's eager protocol across nodes), where a gloo collective costs hundreds.
@@ -70,6 +72,7 @@ class RowExchange:
         self._recv_counts = np.zeros(self.size, dtype=np.int64)
         self._bufs: dict[str, torch.Tensor] = {}
         self._abandoned: list[MPI.Request] = []  # a timed-out step: the exchange is unusable after it
+        self._row = MPI.BYTE.Create_contiguous(row_bytes).Commit() if row_bytes else None  # one row, for MPI
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -160,9 +163,28 @@ class RowExchange:
             got = out_bytes
         else:
             got = self._buffer("recv", n)
-        dist.all_to_all_single(got, send, output_split_sizes=sc.tolist(), input_split_sizes=rc.tolist(),
-                               group=self.group)
+        self._move_rows(send, rc, got, sc)
         return got, order
+
+    def _move_rows(self, send: torch.Tensor, send_rows: np.ndarray, got: torch.Tensor, got_rows: np.ndarray) -> None:
+        """Step 3: ``send_rows[j]`` rows of ``send`` to rank j, ``got_rows[j]`` rows from it into ``got``."""
+        if self.comm_device.type != "cpu":
+            dist.all_to_all_single(got, send, output_split_sizes=got_rows.tolist(),
+                                   input_split_sizes=send_rows.tolist(), group=self.group)
+            return
+        if not self.row_bytes:  # rows of zero bytes: nothing moves
+            return
+        if self._row is None:
+            raise RuntimeError("this ChunkTensor's row exchange is closed")
+        sd, rd = np.zeros_like(send_rows), np.zeros_like(got_rows)
+        np.cumsum(send_rows[:-1], out=sd[1:])
+        np.cumsum(got_rows[:-1], out=rd[1:])
+        out, into = send.detach().numpy(), got.detach().numpy()
+        req = self.comm.Ialltoallv([out, (send_rows, sd), self._row], [into, (got_rows, rd), self._row])
+        self._wait(req, "collective gather: the rows", (out, into, send_rows, got_rows, sd, rd))
 
     def close(self) -> None:
         self._bufs.clear()
+        if self._row is not None:
+            self._row.Free()
+            self._row = None
