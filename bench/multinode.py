@@ -163,7 +163,7 @@ def spread(xs: list[float]) -> str:
 
 
 def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
-    n, on = args.nodes, f"1 rank on each of {args.nodes} nodes"
+    n = args.nodes
     tag = rate if n == 2 else f"{rate}-{n}nodes"
     subprocess.run(["bash", str(VCLUSTER), "link", rate], check=True, capture_output=True)
     print(f"\n## link: {rate}\n")
@@ -171,6 +171,17 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
     gbs = statistics.median(link)
     print(f"TCP goodput node1 -> node2, one stream: {spread(link)} GB/s (median [min-max] of {len(link)})\n")
 
+    parts = set(args.parts.split(","))
+    if "allreduce" in parts:
+        all_reduce_table(rate, tag, args, out_dir)
+    if "chunkstore" in parts:
+        chunkstore_table(rate, gbs, args)
+    if "rehearsal" in parts:
+        rehearsal_tables(args)
+
+
+def all_reduce_table(rate: str, tag: str, args: argparse.Namespace, out_dir: Path) -> None:
+    n, on = args.nodes, f"1 rank on each of {args.nodes} nodes"
     max_bytes = args.max_bytes if rate == "none" else min(args.max_bytes, 16 << 20)
     plot = out_dir / f"multinode-busbw-{tag}.svg"
     data = out_dir / f"multinode-{tag}.json"  # `make docs-plots` draws the plot again from it
@@ -181,6 +192,9 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
     print("\n".join(ln for ln in table.splitlines() if ln.startswith(("|", "#", " ")) or "busbw" in ln))
     print(f"\nbusbw plot: {plot.relative_to(ROOT) if plot.is_relative_to(ROOT) else plot}\n")
 
+
+def chunkstore_table(rate: str, gbs: float, args: argparse.Namespace) -> None:
+    n = args.nodes
     me = [sys.executable, str(Path(__file__).resolve())]
     print("| chunkstore remote gather | batch | remote MB/call | gather GB/s | gloo all_to_all GB/s "
           "| gather / link | a2a / link |")
@@ -193,6 +207,10 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
         print(f"| {rate} | {batch} | {row['remote_bytes'] / 1e6:.2f} | {spread(row['gather_gbs'])} | "
               f"{spread(row['a2a_gbs'])} | {g / gbs:.2f} | {a / gbs:.2f} |")
     print()
+
+
+def rehearsal_tables(args: argparse.Namespace) -> None:
+    n, on = args.nodes, f"1 rank on each of {args.nodes} nodes"
     quick = ["--quick"] if args.quick else []
     print(f"rehearsal remote fetch, {on} (`bench/rehearsal_transport.py --hosts {hosts(n)}`):\n")
     print(on_cluster(f"python bench/rehearsal_transport.py --hosts {hosts(n)} --ranks {n} {' '.join(quick)}"))
@@ -210,6 +228,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer rounds and sizes (about a minute per rate)")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench",
                    help="where the SVGs go: a path every node sees (each node's /tmp is its own)")
+    p.add_argument("--parts", default="allreduce,chunkstore,rehearsal",
+                   help="comma list of what to run after the link's goodput: allreduce, chunkstore, rehearsal")
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--batches", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--repeats", type=int, default=5)
@@ -233,6 +253,9 @@ def main() -> None:
     have = len((ROOT / "build" / "vcluster" / "nodes.list").read_text().split())
     if not 2 <= args.nodes <= have:
         sys.exit(f"--nodes {args.nodes}: the virtual cluster has {have} nodes (make cluster-up NODES=...)")
+    unknown = set(args.parts.split(",")) - {"allreduce", "chunkstore", "rehearsal"}
+    if unknown:
+        sys.exit(f"--parts: unknown {sorted(unknown)}; choose from allreduce, chunkstore, rehearsal")
     args.out.mkdir(parents=True, exist_ok=True)
     busy = subprocess.run(["ps", "-eo", "pid=,pcpu=,comm="], capture_output=True, text=True).stdout.splitlines()
     hot = [" ".join(ln.split()[1:]) for ln in busy

@@ -234,12 +234,14 @@ def test_options_object_and_keywords_are_one_convention():
     opts.validate()
     with ChunkTensor((10, 4), torch.float32, options=opts) as ct:
         assert (ct.capacity_per_device, ct.timeout) == (64, 30.0) and ct.options == opts
-    with ChunkTensor((10, 4), torch.float32, 32, options=opts) as ct:  # the keyword wins
-        assert (ct.capacity_per_device, ct.timeout) == (32, 30.0)
+    with ChunkTensor((10, 4), torch.float32, 32, options=opts, row_transport="group") as ct:  # keywords win
+        assert (ct.capacity_per_device, ct.timeout, ct.options.row_transport) == (32, 30.0, "group")
+    assert opts.row_transport == "mpi"
     for bad, typ, field in ((ChunkStoreOptions(capacity_per_device="1k"), TypeError, "capacity_per_device"),
                             (ChunkStoreOptions(capacity_per_device=-1), ValueError, "capacity_per_device"),
                             (ChunkStoreOptions(ranks_per_node=0), ValueError, "ranks_per_node"),
-                            (ChunkStoreOptions(timeout=-1.0), ValueError, "timeout")):
+                            (ChunkStoreOptions(timeout=-1.0), ValueError, "timeout"),
+                            (ChunkStoreOptions(row_transport="tcp"), ValueError, "row_transport")):
         with pytest.raises(typ, match=field):
             bad.validate()
         with pytest.raises(typ, match=field):

@@ -150,12 +150,15 @@ def test_split_index_and_tier_gathers(comm):
                 assert sp.remote.ids.numel() == 0
 
 
-def test_remote_gathers_with_uneven_requests(comm):
-    """Some ranks ask for nothing, others for many remote rows: the exchange stays collective and exact."""
+@pytest.mark.parametrize("rows_by", ["mpi", "group"])
+def test_remote_gathers_with_uneven_requests(comm, rows_by):
+    """Some ranks ask for nothing, others for many remote rows: the exchange stays collective and exact, whether
+    the rows travel by MPI or over the torch.distributed group."""
     if comm.size < 2:
         pytest.skip("needs two nodes")
     t = _data((97, 4), torch.float64, 4)
-    with ChunkTensor(t.shape, t.dtype, 0, ranks_per_node=1) as ct:
+    with ChunkTensor(t.shape, t.dtype, 0, ranks_per_node=1, row_transport=rows_by) as ct:
+        assert ct._exchange.by_mpi == (rows_by == "mpi")
         ct.load_from_tensor(t)
         idx = torch.arange(97) if comm.rank % 2 else torch.empty(0, dtype=torch.int64)
         for _ in range(3):

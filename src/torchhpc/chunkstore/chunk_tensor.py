@@ -130,10 +130,11 @@ class ChunkTensor:
         ranks_per_node: int | None = None,
         use_cuda: bool | None = None,
         timeout: float | None = None,
+        row_transport: str | None = None,
         options: ChunkStoreOptions | None = None,
     ):
         given = {"capacity_per_device": capacity_per_device, "ranks_per_node": ranks_per_node,
-                 "use_cuda": use_cuda, "timeout": timeout}
+                 "use_cuda": use_cuda, "timeout": timeout, "row_transport": row_transport}
         comm = MPI.COMM_WORLD if comm is None else comm
         self._closed = False
         self._segments: list[Segment] = []
@@ -148,7 +149,7 @@ class ChunkTensor:
         self._exchange: RowExchange | None = None
         if self.topo.num_nodes > 1:
             self._exchange = RowExchange(self.topo.comm, self.group, self.comm_device, self.row_bytes,
-                                         self.timeout)
+                                         self.timeout, self.options.row_transport)
         self._open_memory(hot_order)
         self._init_index()
 

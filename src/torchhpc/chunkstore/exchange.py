@@ -1,4 +1,4 @@
-"""Cross-node row fetches: ids over MPI, rows over torch.distributed, one exchange of each.
+"""Cross-node row fetches: ids over MPI, rows over MPI (or torch.distributed), one exchange of each.
 
 A gather of rows held by other nodes is collective over the job and takes three all-to-all steps:
 
@@ -7,13 +7,14 @@ A gather of rows held by other nodes is collective over the job and takes three 
    instead of hanging its peers).  A negative count tells the peers that this rank's gather
    failed (bad index, ...): every rank then raises, nobody is left waiting.
 2. ids: the requested storage positions (``MPI_Ialltoallv`` of int64, waited on with the same deadline).
-3. rows: the serving ranks gather the rows into a reused buffer, which moves as raw bytes (every dtype alike):
-   host rows by ``MPI_Ialltoallv`` over the same communicator, in whole rows (a contiguous datatype, so no
-   count overflows), waited on with the deadline; with an NCCL group, by one
-   ``torch.distributed.all_to_all_single`` GPU to GPU.  When the caller's output is contiguous, on the
-   transport's device, and the rows arrive in its order, they are received straight into it.  MPI rather than
-   the group's gloo for host rows: across a 10 Gbit/s link gloo's exchange gathered 0.61-0.65 GB/s of 8 MB
-   calls where MPI's gathered 0.96-0.98.
+3. rows: the serving ranks gather the rows into a reused buffer, which moves as raw bytes (every dtype alike).
+   Host rows go by ``MPI_Ialltoallv`` over the same communicator, in whole rows (a contiguous datatype, so no
+   count overflows), waited on with the deadline; with ``row_transport="group"``, and always with an NCCL
+   group, by one ``torch.distributed.all_to_all_single`` over the group (GPU to GPU with NCCL).  When the
+   caller's output is contiguous, on the transport's device, and the rows arrive in its order, they are
+   received straight into it.  MPI rather than the group's gloo for host rows: across a 10 Gbit/s link gloo's
+   exchange gathered 0.61-0.83 GB/s of 8 MB calls where MPI's gathered 1.01-1.06 (one rank per core; with 4
+   ranks sharing 2 cores the other way round: 0.25 against 0.82).
 
 Counts and ids are small host-side metadata: MPI moves them in microseconds (shared memory on a
 node, the fabric's eager protocol across nodes), where a gloo collective costs hundreds.
@@ -61,7 +62,7 @@ class RowExchange:
     """
 
     def __init__(self, comm: MPI.Comm, group: dist.ProcessGroup | None, comm_device: torch.device,
-                 row_bytes: int, timeout: float):
+                 row_bytes: int, timeout: float, row_transport: str = "mpi"):
         self.comm = comm
         self.group = group
         self.comm_device = comm_device
@@ -72,7 +73,8 @@ class RowExchange:
         self._recv_counts = np.zeros(self.size, dtype=np.int64)
         self._bufs: dict[str, torch.Tensor] = {}
         self._abandoned: list[MPI.Request] = []  # a timed-out step: the exchange is unusable after it
-        self._row = MPI.BYTE.Create_contiguous(row_bytes).Commit() if row_bytes else None  # one row, for MPI
+        self.by_mpi = comm_device.type == "cpu" and row_transport == "mpi"  # else over the group
+        self._row = MPI.BYTE.Create_contiguous(row_bytes).Commit() if row_bytes and self.by_mpi else None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -168,7 +170,7 @@ class RowExchange:
 
     def _move_rows(self, send: torch.Tensor, send_rows: np.ndarray, got: torch.Tensor, got_rows: np.ndarray) -> None:
         """Step 3: ``send_rows[j]`` rows of ``send`` to rank j, ``got_rows[j]`` rows from it into ``got``."""
-        if self.comm_device.type != "cpu":
+        if not self.by_mpi:
             dist.all_to_all_single(got, send, output_split_sizes=got_rows.tolist(),
                                    input_split_sizes=send_rows.tolist(), group=self.group)
             return

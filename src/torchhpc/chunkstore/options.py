@@ -10,7 +10,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ChunkStoreOptions", "DEFAULT_TIMEOUT"]
+__all__ = ["ChunkStoreOptions", "DEFAULT_TIMEOUT", "ROW_TRANSPORTS"]
+
+ROW_TRANSPORTS = ("mpi", "group")
+"""How a cross-node gather's host rows may travel (:attr:`ChunkStoreOptions.row_transport`)."""
 
 DEFAULT_TIMEOUT = 600.0
 """Seconds a collective step of a ChunkTensor waits for its peers by default."""
@@ -28,12 +31,17 @@ class ChunkStoreOptions:
     - ``use_cuda``: device chunks in GPU memory (``None``: when CUDA is available).
     - ``timeout``: seconds a collective step (construction, loading, reports, cross-node gathers) waits
       for its peers; past it :class:`~torchhpc.errors.PeerTimeoutError` (a ``TimeoutError``) is raised.
+    - ``row_transport``: how a cross-node gather's host rows travel: ``"mpi"`` (``MPI_Ialltoallv`` over the
+      ChunkTensor's communicator, the default: twice gloo's rate across a 10 Gbit/s link) or ``"group"``
+      (``all_to_all_single`` over the torch.distributed group, e.g. gloo, whose transfer threads fare better
+      where ranks share cores).  With an NCCL group rows always go over the group, GPU to GPU.
     """
 
     capacity_per_device: int = 0
     ranks_per_node: int | None = None
     use_cuda: bool | None = None
     timeout: float = DEFAULT_TIMEOUT
+    row_transport: str = "mpi"
 
     @classmethod
     def resolve(cls, options: ChunkStoreOptions | None, **given: Any) -> ChunkStoreOptions:
@@ -65,3 +73,5 @@ class ChunkStoreOptions:
             raise ValueError(f"ranks_per_node must be >= 1, got {self.ranks_per_node}")
         if not isinstance(self.timeout, int | float) or not self.timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout}")
+        if self.row_transport not in ROW_TRANSPORTS:
+            raise ValueError(f"row_transport must be one of {ROW_TRANSPORTS}, got {self.row_transport!r}")
