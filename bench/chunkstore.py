@@ -128,7 +128,7 @@ def worker(args: argparse.Namespace) -> None:
             remote.host_view().copy_(private[remote.host_ids()])
         comm.Barrier()
         other = remote.topo.node_ranks[1 - remote.topo.node][0]
-        tiers["remote node (gloo)"] = comm.allgather(remote.host_ids())[other]
+        tiers["remote node"] = comm.allgather(remote.host_ids())[other]
     if args.tiers:
         tiers = {k: v for k, v in tiers.items() if any(t in k for t in args.tiers)}
     for batch in args.batches:

@@ -108,8 +108,9 @@ def link_goodput(seconds: float, rounds: int) -> list[float]:
 
 
 def chunkstore_worker(rows: int, batch: int, rounds: int, iters: int) -> None:
-    """One rank per node: gathers of ``batch`` random rows that all live on the other node, against a bare gloo
-    ``all_to_all_single`` moving the same bytes, interleaved round by round; rank 0 prints one JSON line."""
+    """One rank per node: gathers of ``batch`` random rows that all live on other nodes, their rows moved by MPI
+    (the default) and over the gloo group, against a bare gloo ``all_to_all_single`` moving the same bytes,
+    interleaved round by round; rank 0 prints one JSON line."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
@@ -122,36 +123,39 @@ def chunkstore_worker(rows: int, batch: int, rounds: int, iters: int) -> None:
     dim = 128
     data = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(rank)
-    with ChunkTensor((rows, dim), torch.float32, 0) as ct:  # host tier only: every row is on its node's segment
+    # host tier only: every row is on its node's segment
+    cts = {by: ChunkTensor((rows, dim), torch.float32, 0, row_transport=by) for by in ("mpi", "group")}
+    for ct in cts.values():
         ct.load_from_tensor(data if rank == 0 else None)
         assert ct.topo.num_nodes == size, "one rank per node expected"
-        theirs = ct.split_index(torch.arange(rows)).remote.ids  # rows held by the other nodes
-        row_bytes = dim * 4
-        # equal splits, one of them to itself: the peers' share is the gather's remote bytes
-        per = -(-batch * dim // (size - 1))
-        send, recv = torch.empty(per * size), torch.empty(per * size)
-        times: dict[str, list[float]] = {"gather": [], "a2a": []}
-        for rnd in range(rounds + 1):
-            for what in ("gather", "a2a"):
-                idx = theirs[torch.randint(len(theirs), (batch,), generator=gen)]
-                comm.Barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    if what == "gather":
-                        got = ct.remote_index(idx)
-                    else:
-                        dist.all_to_all_single(recv, send)
-                dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters
-                if rnd:
-                    times[what].append(dt)
-                elif what == "gather":
-                    assert torch.equal(got, data[idx]), "remote rows differ"
+    theirs = cts["mpi"].split_index(torch.arange(rows)).remote.ids  # rows held by the other nodes
+    row_bytes = dim * 4
+    # equal splits, one of them to itself: the peers' share is the gather's remote bytes
+    per = -(-batch * dim // (size - 1))
+    send, recv = torch.empty(per * size), torch.empty(per * size)
+    times: dict[str, list[float]] = {"mpi": [], "group": [], "a2a": []}
+    for rnd in range(rounds + 1):
+        for what in times:
+            idx = theirs[torch.randint(len(theirs), (batch,), generator=gen)]
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                if what == "a2a":
+                    dist.all_to_all_single(recv, send)
+                else:
+                    got = cts[what].remote_index(idx)
+            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters
+            if rnd:
+                times[what].append(dt)
+            elif what != "a2a":
+                assert torch.equal(got, data[idx]), "remote rows differ"
+    for ct in cts.values():
+        ct.close()
     if rank == 0:
         remote = batch * row_bytes
-        print("RESULT " + json.dumps({
-            "batch": batch, "remote_bytes": remote,
-            "gather_gbs": [remote / t / 1e9 for t in times["gather"]],
-            "a2a_gbs": [remote / t / 1e9 for t in times["a2a"]]}), flush=True)
+        print("RESULT " + json.dumps({"batch": batch, "remote_bytes": remote,
+                                      **{f"{k}_gbs": [remote / t / 1e9 for t in v] for k, v in times.items()}}),
+              flush=True)
     dist.destroy_process_group()
 
 
@@ -196,16 +200,17 @@ def all_reduce_table(rate: str, tag: str, args: argparse.Namespace, out_dir: Pat
 def chunkstore_table(rate: str, gbs: float, args: argparse.Namespace) -> None:
     n = args.nodes
     me = [sys.executable, str(Path(__file__).resolve())]
-    print("| chunkstore remote gather | batch | remote MB/call | gather GB/s | gloo all_to_all GB/s "
-          "| gather / link | a2a / link |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| chunkstore remote gather | batch | remote MB/call | gather GB/s, rows by MPI | rows by gloo "
+          "| gloo all_to_all GB/s | gather / link: MPI | gloo | a2a / link |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for batch in args.batches:
         res = on_cluster(mpiexec([*me, "--chunkstore-worker", "--rows", str(args.rows), "--batch", str(batch),
                                   "--rounds", str(args.repeats), "--iters", str(args.iters)], n))
         row = json.loads(re.search(r"^RESULT (.*)$", res, re.MULTILINE).group(1))
-        g, a = statistics.median(row["gather_gbs"]), statistics.median(row["a2a_gbs"])
-        print(f"| {rate} | {batch} | {row['remote_bytes'] / 1e6:.2f} | {spread(row['gather_gbs'])} | "
-              f"{spread(row['a2a_gbs'])} | {g / gbs:.2f} | {a / gbs:.2f} |")
+        m, g, a = (statistics.median(row[f"{k}_gbs"]) for k in ("mpi", "group", "a2a"))
+        print(f"| {rate} | {batch} | {row['remote_bytes'] / 1e6:.2f} | {spread(row['mpi_gbs'])} | "
+              f"{spread(row['group_gbs'])} | {spread(row['a2a_gbs'])} | {m / gbs:.2f} | {g / gbs:.2f} | "
+              f"{a / gbs:.2f} |")
     print()
 
 

@@ -12,9 +12,8 @@ A gather of rows held by other nodes is collective over the job and takes three 
    count overflows), waited on with the deadline; with ``row_transport="group"``, and always with an NCCL
    group, by one ``torch.distributed.all_to_all_single`` over the group (GPU to GPU with NCCL).  When the
    caller's output is contiguous, on the transport's device, and the rows arrive in its order, they are
-   received straight into it.  MPI rather than the group's gloo for host rows: across a 10 Gbit/s link gloo's
-   exchange gathered 0.61-0.83 GB/s of 8 MB calls where MPI's gathered 1.01-1.06 (one rank per core; with 4
-   ranks sharing 2 cores the other way round: 0.25 against 0.82).
+   received straight into it.  MPI rather than the group's gloo for host rows: across a 10 Gbit/s link
+   gathers of 1-8 MB per call ran at 1.0 GB/s with MPI and 0.58-0.70 with gloo (docs/vcluster.md).
 
 Counts and ids are small host-side metadata: MPI moves them in microseconds (shared memory on a
 node, the fabric's eager protocol across nodes), where a gloo collective costs hundreds.

@@ -32,9 +32,9 @@ class ChunkStoreOptions:
     - ``timeout``: seconds a collective step (construction, loading, reports, cross-node gathers) waits
       for its peers; past it :class:`~torchhpc.errors.PeerTimeoutError` (a ``TimeoutError``) is raised.
     - ``row_transport``: how a cross-node gather's host rows travel: ``"mpi"`` (``MPI_Ialltoallv`` over the
-      ChunkTensor's communicator, the default: twice gloo's rate across a 10 Gbit/s link) or ``"group"``
-      (``all_to_all_single`` over the torch.distributed group, e.g. gloo, whose transfer threads fare better
-      where ranks share cores).  With an NCCL group rows always go over the group, GPU to GPU.
+      ChunkTensor's communicator, the default: 1.4-2.5x gloo's rate across a 10 Gbit/s link) or ``"group"``
+      (``all_to_all_single`` over the torch.distributed group, through whatever backend it has).  With an
+      NCCL group rows always go over the group, GPU to GPU.
     """
 
     capacity_per_device: int = 0
