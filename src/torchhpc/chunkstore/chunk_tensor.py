@@ -107,13 +107,14 @@ class ChunkTensor:
     ``capacity_per_device`` bytes, spread evenly), the rest of the node's rows to its shared host tier; with
     several nodes the rows are sharded evenly by node.  ``hot_order`` (a permutation of row ids, hottest
     first; read on rank 0) places the hottest rows in the fastest tiers while callers keep using the
-    original ids.  ``group`` is the torch.distributed group that carries rows between nodes (default: the
-    default group); its ranks must be the ranks of ``comm``, which carries the small metadata.
+    original ids.  ``comm`` carries the metadata of cross-node gathers and, by default, their host rows;
+    ``group`` (default: the default group; the ranks of ``comm``) carries the rows with an NCCL group or
+    ``row_transport="group"``.
 
-    The settings (``capacity_per_device``, ``ranks_per_node``, ``use_cuda``, ``timeout``) are the fields of
-    :class:`~torchhpc.chunkstore.ChunkStoreOptions`, each documented there: given as keywords, or as
-    ``options=ChunkStoreOptions(...)``, or both (keywords that are not ``None`` override the options'
-    fields).  No collective step (construction, loading, reports, cross-node gathers) waits for its peers
+    The settings (``capacity_per_device``, ``ranks_per_node``, ``use_cuda``, ``timeout``, ``row_transport``)
+    are the fields of :class:`~torchhpc.chunkstore.ChunkStoreOptions`, each documented there: given as
+    keywords, or as ``options=ChunkStoreOptions(...)``, or both (keywords that are not ``None`` override the
+    options' fields).  No collective step (construction, loading, reports, cross-node gathers) waits for its peers
     longer than ``timeout`` seconds; past it a :class:`~torchhpc.errors.PeerTimeoutError` (a
     ``TimeoutError``) is raised, and an error on one rank of a step is raised on every rank of it.
     """

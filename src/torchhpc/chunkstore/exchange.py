@@ -164,11 +164,13 @@ class RowExchange:
             got = out_bytes
         else:
             got = self._buffer("recv", n)
-        self._move_rows(send, rc, got, sc)
+        self._move_rows(send, (rc, rd), got, (sc, sd))  # each rank's ids come back as rows, the other way round
         return got, order
 
-    def _move_rows(self, send: torch.Tensor, send_rows: np.ndarray, got: torch.Tensor, got_rows: np.ndarray) -> None:
-        """Step 3: ``send_rows[j]`` rows of ``send`` to rank j, ``got_rows[j]`` rows from it into ``got``."""
+    def _move_rows(self, send: torch.Tensor, sends: tuple[np.ndarray, np.ndarray], got: torch.Tensor,
+                   gets: tuple[np.ndarray, np.ndarray]) -> None:
+        """Step 3: ``sends`` = (rows, first row) of ``send`` for each rank, ``gets`` likewise into ``got``."""
+        (send_rows, sd), (got_rows, rd) = sends, gets
         if not self.by_mpi:
             dist.all_to_all_single(got, send, output_split_sizes=got_rows.tolist(),
                                    input_split_sizes=send_rows.tolist(), group=self.group)
@@ -177,9 +179,6 @@ class RowExchange:
             return
         if self._row is None:
             raise RuntimeError("this ChunkTensor's row exchange is closed")
-        sd, rd = np.zeros_like(send_rows), np.zeros_like(got_rows)
-        np.cumsum(send_rows[:-1], out=sd[1:])
-        np.cumsum(got_rows[:-1], out=rd[1:])
         out, into = send.detach().numpy(), got.detach().numpy()
         req = self.comm.Ialltoallv([out, (send_rows, sd), self._row], [into, (got_rows, rd), self._row])
         self._wait(req, "collective gather: the rows", (out, into, send_rows, got_rows, sd, rd))
