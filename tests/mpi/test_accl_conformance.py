@@ -270,6 +270,22 @@ def test_all_to_all_single_even_and_uneven(groups, group_name: str) -> None:
         assert torch.equal(recv, torch.cat([block(i, rank, dtype) for i in range(p)]))
 
 
+def test_all_to_all_single_even_on_some_ranks_only(groups) -> None:
+    """Rank 0's splits are all equal, the others' are not: accl decides MPI_Alltoall against MPI_Alltoallv from the
+    agreed byte matrix, so every rank makes the same call (a rank deciding alone would hang its peers)."""
+    rank, p = dist.get_rank(), dist.get_world_size()
+    c = 1000  # int64 elements: past the exchange's payload slot, so the data moves by MPI's call
+
+    def n(i: int, j: int) -> int:  # what rank i sends rank j: c, but ranks above 0 send themselves more
+        return c + i if i == j and i > 0 else c
+
+    send = torch.cat([torch.full((n(rank, j),), 100 * rank + j, dtype=torch.int64) for j in range(p)])
+    recv = torch.empty(sum(n(i, rank) for i in range(p)), dtype=torch.int64)
+    dist.all_to_all_single(recv, send, [n(i, rank) for i in range(p)], [n(rank, j) for j in range(p)])
+    assert torch.equal(recv, torch.cat([torch.full((n(i, rank),), 100 * i + rank, dtype=torch.int64)
+                                        for i in range(p)]))
+
+
 def test_all_to_all_list_uneven(groups) -> None:
     rank, p = dist.get_rank(), dist.get_world_size()
     ins = [torch.full((rank + j + 1,), float(10 * rank + j)) for j in range(p)]
