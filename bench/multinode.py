@@ -6,8 +6,9 @@ For every link rate (``tc`` token bucket on each node's veth; ``none``: unshaped
 1. the link itself: TCP goodput node1 -> node2 of one socket (the physical limit every ratio below uses);
 2. accl vs raw mpi4py vs gloo, all_reduce latency and busbw by size (``torchhpc bench``, one rank per node)
    and an SVG of busbw against size;
-3. chunkstore: random-row gathers whose rows all live on other nodes (remote tier), GB/s of remote bytes
-   as a fraction of the link's goodput, next to a bare gloo ``all_to_all_single`` of the same bytes;
+3. chunkstore: random-row gathers whose rows all live on other nodes (remote tier), their rows moved by MPI
+   (the default) and by gloo, GB/s of remote bytes as a fraction of the link's goodput, next to a bare gloo
+   ``all_to_all_single`` of the same bytes;
 4. rehearsal: remote fetch over the MPI transport and over Thallium (``ofi+tcp``) with raw MPI ``Get`` s
    (bench/rehearsal_transport.py) and the training loop's overhead with the peers on other nodes
    (bench/rehearsal.py, with either transport), both one rank per node.
@@ -18,6 +19,7 @@ tables::
     python bench/multinode.py --rates none,10gbit,1gbit            # about 8 min on 2 cores
     python bench/multinode.py --rates 1gbit --nodes 4              # 4 nodes: files named *-1gbit-4nodes
     python bench/multinode.py --rates 1gbit --quick                # about 1 min
+    python bench/multinode.py --rates 10gbit --parts chunkstore    # the link, then only the gathers
 """
 
 from __future__ import annotations
