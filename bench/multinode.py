@@ -25,6 +25,7 @@ tables::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -125,34 +126,34 @@ def chunkstore_worker(rows: int, batch: int, rounds: int, iters: int) -> None:
     dim = 128
     data = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(rank)
-    # host tier only: every row is on its node's segment
-    cts = {by: ChunkTensor((rows, dim), torch.float32, 0, row_transport=by) for by in ("mpi", "group")}
-    for ct in cts.values():
-        ct.load_from_tensor(data if rank == 0 else None)
-        assert ct.topo.num_nodes == size, "one rank per node expected"
-    theirs = cts["mpi"].split_index(torch.arange(rows)).remote.ids  # rows held by the other nodes
     row_bytes = dim * 4
     # equal splits, one of them to itself: the peers' share is the gather's remote bytes
     per = -(-batch * dim // (size - 1))
     send, recv = torch.empty(per * size), torch.empty(per * size)
     times: dict[str, list[float]] = {"mpi": [], "group": [], "a2a": []}
-    for rnd in range(rounds + 1):
-        for what in times:
-            idx = theirs[torch.randint(len(theirs), (batch,), generator=gen)]
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                if what == "a2a":
-                    dist.all_to_all_single(recv, send)
-                else:
-                    got = cts[what].remote_index(idx)
-            dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters
-            if rnd:
-                times[what].append(dt)
-            elif what != "a2a":
-                assert torch.equal(got, data[idx]), "remote rows differ"
-    for ct in cts.values():
-        ct.close()
+    with contextlib.ExitStack() as stack:  # both closed on the way out, also when a check fails
+        # host tier only: every row is on its node's segment
+        cts = {by: stack.enter_context(ChunkTensor((rows, dim), torch.float32, 0, row_transport=by))
+               for by in ("mpi", "group")}
+        for ct in cts.values():
+            ct.load_from_tensor(data if rank == 0 else None)
+            assert ct.topo.num_nodes == size, "one rank per node expected"
+        theirs = cts["mpi"].split_index(torch.arange(rows)).remote.ids  # rows held by the other nodes
+        for rnd in range(rounds + 1):
+            for what in times:
+                idx = theirs[torch.randint(len(theirs), (batch,), generator=gen)]
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    if what == "a2a":
+                        dist.all_to_all_single(recv, send)
+                    else:
+                        got = cts[what].remote_index(idx)
+                dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / iters
+                if rnd:
+                    times[what].append(dt)
+                elif what != "a2a":
+                    assert torch.equal(got, data[idx]), "remote rows differ"
     if rank == 0:
         remote = batch * row_bytes
         print("RESULT " + json.dumps({"batch": batch, "remote_bytes": remote,
@@ -162,6 +163,9 @@ def chunkstore_worker(rows: int, batch: int, rounds: int, iters: int) -> None:
 
 
 # ---- the run -----------------------------------------------------------------------------------------------
+
+
+PARTS = ("allreduce", "chunkstore", "rehearsal")  # what a rate runs after the link's goodput, in this order
 
 
 def spread(xs: list[float]) -> str:
@@ -177,7 +181,7 @@ def run_rate(rate: str, args: argparse.Namespace, out_dir: Path) -> None:
     gbs = statistics.median(link)
     print(f"TCP goodput node1 -> node2, one stream: {spread(link)} GB/s (median [min-max] of {len(link)})\n")
 
-    parts = set(args.parts.split(","))
+    parts = args.parts.split(",")
     if "allreduce" in parts:
         all_reduce_table(rate, tag, args, out_dir)
     if "chunkstore" in parts:
@@ -235,8 +239,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer rounds and sizes (about a minute per rate)")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "bench",
                    help="where the SVGs go: a path every node sees (each node's /tmp is its own)")
-    p.add_argument("--parts", default="allreduce,chunkstore,rehearsal",
-                   help="comma list of what to run after the link's goodput: allreduce, chunkstore, rehearsal")
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help="comma list of what to run after the link's goodput: " + ", ".join(PARTS))
     p.add_argument("--rows", type=int, default=200_000)
     p.add_argument("--batches", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--repeats", type=int, default=5)
@@ -260,9 +264,9 @@ def main() -> None:
     have = len((ROOT / "build" / "vcluster" / "nodes.list").read_text().split())
     if not 2 <= args.nodes <= have:
         sys.exit(f"--nodes {args.nodes}: the virtual cluster has {have} nodes (make cluster-up NODES=...)")
-    unknown = set(args.parts.split(",")) - {"allreduce", "chunkstore", "rehearsal"}
+    unknown = set(args.parts.split(",")) - set(PARTS)
     if unknown:
-        sys.exit(f"--parts: unknown {sorted(unknown)}; choose from allreduce, chunkstore, rehearsal")
+        sys.exit(f"--parts: unknown {sorted(unknown)}; choose from {', '.join(PARTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     busy = subprocess.run(["ps", "-eo", "pid=,pcpu=,comm="], capture_output=True, text=True).stdout.splitlines()
     hot = [" ".join(ln.split()[1:]) for ln in busy

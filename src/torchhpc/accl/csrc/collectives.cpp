@@ -521,10 +521,10 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
       mpi_->allgather(seg(mine, 0, 2 * p), seg(matrix, 0, 2 * p, p, 2 * p));
       *most = checkAlltoallMatrix(matrix.data_ptr<int64_t>(), 2 * p, p, even.get());
     }
-    std::vector<int> sc(p), sd(p), rc(p), rd(p);
     forSegments(Coll::kAlltoall, *most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
       // even splits in one segment: MPI_Alltoall, which MPICH runs 2-3x faster than its Alltoallv at 1-4 MiB
       if (*even && per >= *most) return mpi_->alltoall(ptr(*src), static_cast<int>(*most), ptr(*dst));
+      std::vector<int> sc(p), sd(p), rc(p), rd(p);
       alltoallSegment(sb, done, per, sc, sd);
       alltoallSegment(rb, done, per, rc, rd);
       mpi_->alltoallv(ptr(*src), sc.data(), sd.data(), ptr(*dst), rc.data(), rd.data());
