@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> dict:
         # evaluation: every rank takes a share of the held-out nodes
         model.eval()
         correct = torch.zeros(2, dtype=torch.int64)
-        share = test_ids[rank::size]
+        per_eval = len(test_ids) // size  # equal shares: every batch's gathers are collective across nodes
+        share = test_ids[rank * per_eval:(rank + 1) * per_eval]
         with torch.no_grad():
             for s in range(0, len(share), args.batch_size):
                 mb = sampler(share[s:s + args.batch_size])
@@ -184,11 +185,13 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{rec['seeds_per_s']:.0f} seeds/s  {rec['sampled_edges_per_s']:.3g} sampled edges/s  "
                   f"(per rank: sampling {t_sample:.1f}s, feature gathers {t_gather:.1f}s of {elapsed:.1f}s)",
                   flush=True)
+    # features-only reference: the same held-out nodes classified by nearest class mean of raw features (the
+    # gathers are collective when the tensors span nodes: every rank joins them, rank 0 reports)
+    xs, ys = feats[train_ids[:20000]], c_label[train_ids[:20000]]
+    xt, yt = feats[test_ids], c_label[test_ids]
     if rank == 0:
-        # features-only reference: the same held-out nodes classified by nearest class mean of raw features
-        xs, ys = feats[train_ids[:20000]], c_label[train_ids[:20000]]
         means = torch.stack([xs[ys == c].mean(0) for c in range(args.classes)])
-        ref = float((torch.cdist(feats[test_ids], means).argmin(1) == c_label[test_ids]).float().mean())
+        ref = float((torch.cdist(xt, means).argmin(1) == yt).float().mean())
         print(f"features-only nearest-class-mean accuracy: {ref:.3f} (GraphSAGE uses the graph to beat it)")
         history.append({"features_only_acc": ref})
     for ct in (feats, c_indptr, c_indices, c_label):

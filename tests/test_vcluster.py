@@ -252,9 +252,11 @@ def test_ddp_and_fsdp2_equal_gloo_and_serial_across_nodes(cluster: Cluster) -> N
 
 
 def test_chunkstore_across_nodes(cluster: Cluster) -> None:
-    """One host segment per node (each node's ranks share theirs), remote rows from the other node, GraphSAGE."""
+    """One host segment per node (each node's ranks share theirs), remote rows from the other node, GraphSAGE;
+    under mpiexec --host and srun."""
     mpi_suite(cluster, "mpiexec", [2, 2], "test_chunkstore.py", timeout=300)
     mpi_suite(cluster, "mpiexec", [1, 1, 1, 1], "test_chunkstore.py", timeout=300)
+    mpi_suite(cluster, "srun", [1, 1], "test_chunkstore.py", timeout=300)  # as a Slurm job's ranks start
 
 
 def test_rehearsal_across_nodes_over_mpi_rma_and_thallium_tcp(cluster: Cluster) -> None:
