@@ -97,8 +97,10 @@ def test_import_torchhpc_applies_it(torch_first: bool) -> None:
 def test_under_torchrun(tmp_path: Path, nproc: int) -> None:
     """torchrun sets OMP_NUM_THREADS=1 itself when it starts several ranks (kept); one rank gets every core."""
     script = tmp_path / "threads.py"
+    # one write per line: the ranks share the pipe, and under PYTHONUNBUFFERED print() writes piece by piece
+    # (a run saw "THREADSTHREADS 0 1\n 1 1")
     script.write_text("import torchhpc, torch, os\n"
-                      "print('THREADS', os.environ['LOCAL_RANK'], torch.get_num_threads())\n")
+                      "os.write(1, f\"THREADS {os.environ['LOCAL_RANK']} {torch.get_num_threads()}\\n\".encode())\n")
     clean = {k: v for k, v in os.environ.items()
              if k not in MPI_LAUNCHER_VARS and not k.startswith(("SLURM_", "OMP_", "TORCHHPC_THREADS"))}
     torchrun = Path(sys.executable).with_name("torchrun")
