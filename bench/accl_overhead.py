@@ -6,7 +6,10 @@ timed in ``--repeats`` interleaved rounds against the raw mpi4py call on numpy b
 the table shows medians and the min-max spread.  The "torch floor"
 column is the same torch call on a Python process group whose method returns at once: what torch's own
 Python wrapper (``dist.all_reduce`` and friends, which call such a group's method directly) costs any
-backend reached from Python; the "gloo" column is the same call on a one-rank gloo group (another C++
+backend reached from Python; the "C++ floor" column is the same call on a C++ ``c10d::Backend`` that does
+nothing and returns completed Work (``bench/null_backend.cpp``, built here by torch's cpp_extension, about
+15 s the first time): what torch's wrapper, its dispatcher and the ``Work`` cost every C++ backend, accl
+included; the "gloo" column is the same call on a one-rank gloo group (another C++
 ``c10d::Backend`` behind torch's dispatcher).  ``--profile CASE`` prints a cProfile of that case instead.
 
 ``--cold`` times every call after a copy of 4 MiB (four times a core's L2 here), as a large collective
@@ -63,14 +66,39 @@ def _null_group():
     return dist.new_group([0], backend="null")
 
 
+def _null_cpp_group():
+    """A one-rank group of a C++ backend that does nothing: the floor of every C++ backend behind torch's dispatcher."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils import cpp_extension
+
+    ext = cpp_extension.load("torchhpc_null_backend", [str(Path(__file__).with_name("null_backend.cpp"))])
+
+    class NullCpp(dist.ProcessGroup):
+        def __init__(self, rank: int, size: int) -> None:
+            super().__init__(rank, size)
+            self._backend = ext.NullBackend()  # kept alive with the group
+            kind = dist.ProcessGroup.BackendType.CUSTOM
+            self._register_backend(torch.device("cpu"), kind, self._backend)
+            self._set_default_backend(kind)
+
+        def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+            return "null_cpp"
+
+    dist.Backend.register_backend("null_cpp", lambda store, rank, size, timeout: NullCpp(rank, size),
+                                  devices=["cpu"])
+    return dist.new_group([0], backend="null_cpp")
+
+
 def _cases():
-    """name -> (accl, raw mpi4py, torch floor or None, gloo): one call each."""
+    """name -> (accl, raw mpi4py, torch floor, C++ floor, gloo): one call each."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     null = _null_group()
+    cpp = _null_cpp_group()
     py = dist.new_group([0], backend="gloo")  # another C++ backend behind the same dispatcher
     ag = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     rs = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -84,22 +112,27 @@ def _cases():
         out[f"all_reduce_{label}"] = (lambda t=t: dist.all_reduce(t),
                                       lambda a=a: comm.Allreduce(MPI.IN_PLACE, a, MPI.SUM),
                                       lambda t=t: dist.all_reduce(t, group=null),
+                                      lambda t=t: dist.all_reduce(t, group=cpp),
                                       lambda t=t: dist.all_reduce(t, group=py))
         out[f"broadcast_{label}"] = (lambda t=t: dist.broadcast(t, 0), lambda a=a: comm.Bcast(a, 0),
                                      lambda t=t: dist.broadcast(t, 0, group=null),
+                                     lambda t=t: dist.broadcast(t, 0, group=cpp),
                                      lambda t=t: dist.broadcast(t, 0, group=py))
         out[f"all_gather_{label}"] = (lambda t=t, o=o: ag(o, t), lambda a=a, b=b: comm.Allgather(a, b),
-                                      lambda t=t, o=o: ag(o, t, group=null), lambda t=t, o=o: ag(o, t, group=py))
+                                      lambda t=t, o=o: ag(o, t, group=null), lambda t=t, o=o: ag(o, t, group=cpp),
+                                      lambda t=t, o=o: ag(o, t, group=py))
         out[f"reduce_scatter_{label}"] = (lambda t=t, o=o: rs(o, t),
                                           lambda a=a, b=b: comm.Reduce_scatter_block(a, b, MPI.SUM),
                                           lambda t=t, o=o: rs(o, t, group=null),
+                                          lambda t=t, o=o: rs(o, t, group=cpp),
                                           lambda t=t, o=o: rs(o, t, group=py))
         out[f"all_to_all_{label}"] = (lambda t=t, o=o: dist.all_to_all_single(o, t),
                                       lambda a=a, b=b: comm.Alltoall(a, b),
                                       lambda t=t, o=o: dist.all_to_all_single(o, t, group=null),
+                                      lambda t=t, o=o: dist.all_to_all_single(o, t, group=cpp),
                                       lambda t=t, o=o: dist.all_to_all_single(o, t, group=py))
     out["barrier"] = (lambda: dist.barrier(), lambda: comm.Barrier(), lambda: dist.barrier(group=null),
-                      lambda: dist.barrier(group=py))
+                      lambda: dist.barrier(group=cpp), lambda: dist.barrier(group=py))
     return out
 
 
@@ -146,15 +179,16 @@ def main(argv: list[str]) -> int:
     print(f"# accl per-call cost, one rank, us per call{', caches evicted before each call' if args.cold else ''}: "
           f"median [min-max] of {args.repeats} interleaved rounds of {args.iters} calls (src {torchhpc_src()})")
     costs: dict[str, dict[str, tuple[float, float, float]]] = {}
-    print(f"{'case':>20} | {'accl':>20} | {'mpi4py':>20} | {'torch floor':>20} | {'gloo':>20} "
-          f"| {'accl - mpi4py':>13} | {'accl - floor':>12}")
-    for name, (accl, raw, floor, gloo) in cases.items():
+    cols = {"accl": "accl", "raw": "mpi4py", "floor": "torch floor", "cpp": "C++ floor", "gloo": "gloo"}
+    print(" | ".join([f"{'case':>20}", *(f"{c:>20}" for c in cols.values()),
+                      f"{'accl - mpi4py':>13}", f"{'accl - floor':>12}", f"{'accl - C++ floor':>16}"]))
+    for name, impls in cases.items():
         iters = args.iters if "1MiB" not in name else max(200, args.iters // 50)
         if args.cold:
             if "1MiB" in name:
                 continue  # a 1 MiB call evicts the caches itself
             iters = max(500, iters // 4)
-        fns = {"accl": accl, "raw": raw, "floor": floor or empty, "gloo": gloo, "evict": evict}
+        fns = {**dict(zip(cols, impls, strict=True)), "evict": evict}
         if args.cold:  # each call after the eviction; the eviction's own time is taken off below
             fns.update({k: lambda f=f: (evict(), f()) for k, f in fns.items() if k != "evict"})
         for fn in fns.values():
@@ -163,16 +197,12 @@ def main(argv: list[str]) -> int:
         evicted = times.pop("evict")
         if args.cold:  # paired by round
             times = {k: [t - e for t, e in zip(ts, evicted, strict=True)] for k, ts in times.items()}
-        (ma, *_), (mr, *_), (mf, *_) = (summary(times[k]) for k in ("accl", "raw", "floor"))
+        med = {k: summary(ts)[0] for k, ts in times.items()}
         cells = [f"{m:8.2f} [{lo:5.2f}-{hi:5.2f}]" for m, lo, hi in map(summary, times.values())]
-        if floor is None:
-            cells[2], gap = f"{'-':>20}", f"{'-':>12}"
-        else:
-            gap = f"{ma - mf:12.2f}"
-        print(f"{name:>20} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {ma - mr:13.2f} | {gap}")
-        costs[name] = {label: summary(times[k]) for label, k in (("accl", "accl"), ("mpi4py", "raw"),
-                                                                 ("torch floor", "floor"), ("gloo", "gloo"))
-                       if k != "floor" or floor is not None}
+        gaps = [f"{med['accl'] - med['raw']:13.2f}", f"{med['accl'] - med['floor']:12.2f}",
+                f"{med['accl'] - med['cpp']:16.2f}"]
+        print(" | ".join([f"{name:>20}", *cells, *gaps]))
+        costs[name] = {label: summary(times[k]) for k, label in cols.items()}
     dist.destroy_process_group()
     if args.plot:
         from torchhpc.bench.plot import write_cost_plot

@@ -51,3 +51,18 @@ def test_torchs_buffer_size_zero_records_nothing(tmp_path: Path, monkeypatch: py
     assert proc.returncode == 0, proc.stdout[-4000:]
     for r in range(2):
         assert pickle.loads((tmp_path / f"t_{r}").read_bytes())["entries"] == []
+
+
+@pytest.mark.parametrize("stacks", [False, True])
+def test_the_callers_python_stack_is_recorded_only_where_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               stacks: bool) -> None:
+    _built()
+    monkeypatch.setenv("TORCHHPC_ACCL_FLIGHT_STACKS", "1" if stacks else "0")
+    proc = run_mpi(2, [sys.executable, str(SCRIPT), str(tmp_path / "s_")], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    entries = pickle.loads((tmp_path / "s_0").read_bytes())["entries"]
+    assert [e["profiling_name"] for e in entries[:3]] == ["accl:all_reduce", "accl:all_reduce", "accl:all_gather"]
+    for e in entries:
+        where = {(f["name"], Path(f["filename"]).name) for f in e.get("frames", [])}
+        assert (("main", SCRIPT.name) in where) is stacks, e.get("frames")
+        assert e["thread_name"] and e["state"] in ("completed", "started")

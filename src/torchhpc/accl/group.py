@@ -42,7 +42,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._backend = core.load_backend().ProcessGroupACCL(
             MPI._handleof(comm), opts.max_segment_bytes or 0, opts.check, opts.blocking_min_bytes, timeout_s,
             group_name, accl_engine, sorted(opts.sidestep),
-            -1 if opts.ring_min_bytes is None else opts.ring_min_bytes)
+            -1 if opts.ring_min_bytes is None else opts.ring_min_bytes, opts.flight_stacks)
         if global_ranks:  # torch's global ranks (none for the world): the flight record names members by them
             self._backend.set_global_ranks(list(global_ranks))
         kind = dist.ProcessGroup.BackendType.CUSTOM

@@ -24,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -378,6 +379,7 @@ struct Config {
   std::chrono::milliseconds timeout{1800 * 1000};
   std::string groupName;
   std::vector<std::string> sidestep;    // collectives an engine lacks that may fall back to MPI
+  bool flightStacks = false;            // flight records carry the caller's Python stack
 };
 
 class ProcessGroupACCL : public c10d::Backend {
@@ -502,7 +504,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
   void run(Call& call);                      // stage, header, data, finish; throws
   // ---- the flight recorder (flight.cpp): `op` in the analyzer's words ("all_reduce", "send 0->1")
-  void record(FrRecord& r, const std::string& op, const std::vector<at::Tensor>& in,
+  void record(FrRecord& r, std::string_view op, const std::vector<at::Tensor>& in,
               const std::vector<at::Tensor>& out, int64_t collSeq, bool p2p);
   // ---- the header exchange (exchange.cpp)
   bool exchange(Call& call);                 // true when the data rode with the header (the call is done)
@@ -576,6 +578,7 @@ class ProcessGroupACCL : public c10d::Backend {
   std::vector<char> out_, in_, body_;  // the exchange's messages: sent, received, received data
   std::vector<char> ringScratch_, ringPartial_;  // the ring's chunks in flight; reduce_scatter's partial sums
   at::Tensor a2aBlocks_;                          // all_to_all's blocks in the header exchange
+  at::Tensor rsWhole_;                            // a small reduce_scatter's input, reduced in the exchange
   bool spansNodes_ = false;                       // the group's ranks are on more than one node
   int tagUb_ = 32767;
 

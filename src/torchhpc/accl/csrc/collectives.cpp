@@ -279,10 +279,14 @@ std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor
                        std::memcpy(ptr(*dst), ptr(*whole) + me * n * esz, n * esz);
                        return true;
                      });
-  c->stage = [inputs, output, src, dst, whole, rides] {
+  c->stage = [this, inputs, output, src, dst, whole, rides, bytes = n * esz * p] {
     *src = flatHost(inputs);
     *dst = host(output, false);
-    if (rides) *whole = inputs.size() == 1 && direct(inputs[0]) ? src->clone() : *src;  // the input stays as given
+    if (!rides) return;
+    // reduced in place in the exchange: into a buffer the group keeps (calls run one at a time), the input as given
+    if (!rsWhole_.defined()) rsWhole_ = at::empty({wire::kCarryBytes}, at::kByte);
+    *whole = rsWhole_;
+    std::memcpy(ptr(*whole), ptr(*src), bytes);
   };
   c->data = [this, src, dst, n, esz, p, &red, eng] {
     if (usesRing(eng, Coll::kReduceScatter, n * esz * p)) {
@@ -379,19 +383,18 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>
 
 void ProcessGroupACCL::checkSplits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const {
   const int64_t p = size_, rows = t.dim() ? t.size(0) : 1;
-  const std::string w = std::string("accl: all_to_all_single ") + name;
-  if (sizes.empty() && (t.dim() == 0 || t.size(0) % p))
-    valueError(w + " dim 0 (" + shape(t) + ") is not divisible by world_size " + std::to_string(p) +
-               "; pass split sizes");
-  if (sizes.empty()) return;
+  auto fail = [name](const std::string& what) { valueError(std::string("accl: all_to_all_single ") + name + what); };
+  if (sizes.empty()) {
+    if (t.dim() == 0 || t.size(0) % p)
+      fail(" dim 0 (" + shape(t) + ") is not divisible by world_size " + std::to_string(p) + "; pass split sizes");
+    return;
+  }
   if (static_cast<int64_t>(sizes.size()) != p)
-    valueError(w + "_split_sizes has " + std::to_string(sizes.size()) + " entries, world_size is " + std::to_string(p));
-  if (std::any_of(sizes.begin(), sizes.end(), [](int64_t s) { return s < 0; }))
-    valueError(w + "_split_sizes must be >= 0");
+    fail("_split_sizes has " + std::to_string(sizes.size()) + " entries, world_size is " + std::to_string(p));
+  if (std::any_of(sizes.begin(), sizes.end(), [](int64_t s) { return s < 0; })) fail("_split_sizes must be >= 0");
   const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   if (sum != rows)
-    valueError(w + "_split_sizes sum to " + std::to_string(sum) + " but " + name + " has " + std::to_string(rows) +
-               " rows");
+    fail("_split_sizes sum to " + std::to_string(sum) + " but " + name + " has " + std::to_string(rows) + " rows");
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -407,7 +410,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& outpu
   c10d::computeLengthsAndOffsets(outputSplits, output, &rb, &offsets);
   for (auto* v : {&sb, &rb})
     for (auto& x : *v) x *= input.element_size();
-  return enqueue(alltoallCall({input}, {output}, sb, rb, c10d::OpType::ALLTOALL_BASE), opts.asyncOp);
+  return enqueue(alltoallCall({input}, {output}, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL_BASE),
+                 opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor>& outputs,
@@ -424,7 +428,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor
   std::vector<int64_t> sb, rb;
   for (const auto& t : inputs) sb.push_back(static_cast<int64_t>(t.nbytes()));
   for (const auto& t : outputs) rb.push_back(static_cast<int64_t>(t.nbytes()));
-  return enqueue(alltoallCall(inputs, outputs, sb, rb, c10d::OpType::ALLTOALL), opts.asyncOp);
+  return enqueue(alltoallCall(inputs, outputs, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL), opts.asyncOp);
 }
 
 namespace {
@@ -491,42 +495,46 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
   int64_t received = 0;
   for (const auto& t : outputs) received += t.numel();
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  auto most = std::make_shared<int64_t>(0);  // the largest send of any rank, from the agreed matrix
-  auto even = std::make_shared<bool>(false);  // ... and whether every send is that size
+  struct Plan {
+    std::vector<int64_t> sb, rb;  // bytes to and from each rank
+    int64_t most = 0;             // the largest send of any rank, from the agreed matrix
+    bool even = false;            // ... and whether every send is that size
+  };
+  auto a = std::make_shared<Plan>(Plan{std::move(sb), std::move(rb)});
   // up to 64 ranks, every rank's matrix row rides with the header, and its sends after it when every rank's fit
   auto blocks = std::make_shared<at::Tensor>();
   const int64_t fits = std::min(kPay - 16 * p, segmentFor(Coll::kAlltoall));
   const bool rides = ride(
       *c, mpi_.get(), {Ride::kGather, blocks, kPay},
-      [this, blocks, dst, most, even, p, fits] {
-        *most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), kPay / 8, p, even.get());
+      [this, blocks, dst, a, p, fits] {
+        a->most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), kPay / 8, p, &a->even);
         return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), fits);
       },
       false);
-  c->stage = [this, inputs, outputs, src, dst, received, blocks, rides, sb, rb, p, sent, fits, me = rank_] {
+  c->stage = [this, inputs, outputs, src, dst, received, blocks, rides, a, p, sent, fits, me = rank_] {
     *src = flatHost(inputs);
     *dst = outputs.size() == 1 ? host(outputs[0], false) : at::empty({received}, src->options());
     if (!rides) return;
     if (!a2aBlocks_.defined()) a2aBlocks_ = at::empty({p * kPay}, at::kByte);  // kept: calls run one at a time
     *blocks = a2aBlocks_;
     char* mine = ptr(*blocks) + me * kPay;
-    std::memcpy(mine, sb.data(), 8 * p);
-    std::memcpy(mine + 8 * p, rb.data(), 8 * p);
+    std::memcpy(mine, a->sb.data(), 8 * p);
+    std::memcpy(mine + 8 * p, a->rb.data(), 8 * p);
     if (sent <= fits) std::memcpy(mine + 16 * p, ptr(*src), sent);
   };
-  c->data = [this, src, dst, sb, rb, most, even, p, rides] {
+  c->data = [this, src, dst, a, p, rides] {
     if (!rides) {  // many ranks: the byte matrix by a second all-gather, then its check
-      at::Tensor mine = at::cat({at::tensor(sb), at::tensor(rb)}), matrix = at::empty({p * 2 * p}, at::kLong);
+      at::Tensor mine = at::cat({at::tensor(a->sb), at::tensor(a->rb)}), matrix = at::empty({p * 2 * p}, at::kLong);
       stats_.count(static_cast<int64_t>(matrix.nbytes()));
       mpi_->allgather(seg(mine, 0, 2 * p), seg(matrix, 0, 2 * p, p, 2 * p));
-      *most = checkAlltoallMatrix(matrix.data_ptr<int64_t>(), 2 * p, p, even.get());
+      a->most = checkAlltoallMatrix(matrix.data_ptr<int64_t>(), 2 * p, p, &a->even);
     }
-    forSegments(Coll::kAlltoall, *most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
+    forSegments(Coll::kAlltoall, a->most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
       // even splits in one segment: MPI_Alltoall, which MPICH runs 2-3x faster than its Alltoallv at 1-4 MiB
-      if (*even && per >= *most) return mpi_->alltoall(ptr(*src), static_cast<int>(*most), ptr(*dst));
+      if (a->even && per >= a->most) return mpi_->alltoall(ptr(*src), static_cast<int>(a->most), ptr(*dst));
       std::vector<int> sc(p), sd(p), rc(p), rd(p);
-      alltoallSegment(sb, done, per, sc, sd);
-      alltoallSegment(rb, done, per, rc, rd);
+      alltoallSegment(a->sb, done, per, sc, sd);
+      alltoallSegment(a->rb, done, per, rc, rd);
       mpi_->alltoallv(ptr(*src), sc.data(), sd.data(), ptr(*dst), rc.data(), rd.data());
     });
   };

@@ -28,6 +28,7 @@ template struct FlightRecorder<torchhpc::accl::FrEvent>;
 namespace torchhpc::accl {
 namespace {
 c10d::FlightRecorder<FrEvent>& recorder() { return *c10d::FlightRecorder<FrEvent>::get(); }
+std::atomic<bool> stacksRecorded{false};  // some group records stacks: dumps then symbolize them
 }  // namespace
 
 bool frBuilt() { return true; }
@@ -46,19 +47,72 @@ FrRecord::~FrRecord() {
   if (id) recorder().retire_id(id, true);  // the recorder lets go of the events before they go
 }
 
-void ProcessGroupACCL::record(FrRecord& r, const std::string& op, const std::vector<at::Tensor>& in,
+namespace {
+// What torch's record() stores beside the call, at the cost accl can afford per call: the thread's name is read
+// once per thread (torch asks the kernel on every call), and the caller's Python stack is gathered only where the
+// group asks for it (flight_stacks): walking it takes the GIL back from the released call and costs about as much
+// as a small call's whole backend path.
+const std::string& threadName() {
+  thread_local const std::string name = c10::getThreadName();
+  return name;
+}
+
+const std::shared_ptr<torch::CapturedTraceback>& noStack() {
+  static const auto empty = torch::CapturedTraceback::gather(false, false, false);
+  return empty;
+}
+
+void describe(const std::vector<at::Tensor>& ts, c10::SmallVector<int64_t, 4>& dims,
+              std::vector<c10::ScalarType>& dtypes, c10::SmallVector<int64_t, 8>& sizes) {
+  for (const auto& t : ts) {
+    dtypes.push_back(t.scalar_type());
+    dims.push_back(t.dim());
+    sizes.append(t.sizes().begin(), t.sizes().end());
+  }
+}
+}  // namespace
+
+void ProcessGroupACCL::record(FrRecord& r, std::string_view op, const std::vector<at::Tensor>& in,
                               const std::vector<at::Tensor>& out, int64_t collSeq, bool p2p) {
   auto& fr = recorder();
   if (!fr.enabled_) return;
   std::lock_guard<std::mutex> lock(frMu_);
-  std::tuple<std::string, std::string> pg{groupName(), getGroupDesc()};
-  if (pg != frNamed_) {  // torch names the group after creating it: the ranks go under the name entries carry
-    fr.record_pg_ranks(pg, std::vector<uint64_t>(globalRanks_.begin(), globalRanks_.end()));
-    frNamed_ = pg;
+  if (!frStatus_ || std::get<0>(frNamed_) != groupName() || std::get<1>(frNamed_) != getGroupDesc()) {
+    // torch names the group after creating it: the ranks go under the name entries carry
+    if (!frStatus_) frStatus_ = std::make_shared<c10d::ProcessGroupStatus>();
+    frNamed_ = {groupName(), getGroupDesc()};
+    fr.record_pg_ranks(frNamed_, std::vector<uint64_t>(globalRanks_.begin(), globalRanks_.end()));
+    std::lock_guard<std::mutex> frLock(fr.mutex_);
+    fr.all_pg_status_.emplace(frPgId_, frStatus_);
   }
-  if (!frStatus_) frStatus_ = std::make_shared<c10d::ProcessGroupStatus>();
-  r.id = fr.record(frPgId_, pg, p2p ? 0 : collSeq + 1, p2p ? ++p2pSeq_ : 0, ++opId_, "accl:" + op, in, out,
-                   &r.start, &r.end, opts_.timeout, frStatus_, p2p);
+  c10d::FlightRecorder<FrEvent>::Entry e{};
+  e.pg_id_ = frPgId_;
+  e.pg_name_ = frNamed_;
+  e.collective_seq_id_ = p2p ? 0 : collSeq + 1;
+  e.p2p_seq_id_ = p2p ? ++p2pSeq_ : 0;
+  e.op_id_ = ++opId_;
+  e.profiling_name_.reserve(5 + op.size());
+  e.profiling_name_.append("accl:").append(op);
+  if (opts_.flightStacks) stacksRecorded.store(true, std::memory_order_relaxed);
+  e.traceback_ = opts_.flightStacks ? torch::CapturedTraceback::gather(true, true, fr.capture_cpp_stack_) : noStack();
+  e.start_ = &r.start;
+  e.end_ = &r.end;
+  e.time_created_ = c10::getTime();
+  e.timeout_ms_ = opts_.timeout.count();
+  e.isP2P_ = p2p;
+  describe(in, e.input_dims_, e.input_dtypes_, e.sizes_);
+  describe(out, e.output_dims_, e.output_dtypes_, e.sizes_);
+  e.thread_id_ = std::this_thread::get_id();
+  e.thread_name_ = threadName();
+  {  // into torch's ring, as its record() does (its fields are public; libtorch exports no record of its own)
+    std::lock_guard<std::mutex> frLock(fr.mutex_);
+    e.id_ = fr.id_;
+    e.reset_epoch_ = fr.reset_epoch_;
+    if (fr.entries_.size() < fr.max_entries_) fr.entries_.push_back(std::move(e));
+    else std::swap(fr.entries_[fr.next_], e);  // the entry it replaces is destroyed below, outside the lock
+    if (++fr.next_ == fr.max_entries_) fr.next_ = 0;
+    r.id = fr.id_++;
+  }
   if (!p2p) {
     r.status = frStatus_;
     r.seq = collSeq + 1;
@@ -68,7 +122,7 @@ void ProcessGroupACCL::record(FrRecord& r, const std::string& op, const std::vec
 
 std::string frWrite(int globalRank) {
   auto& writer = c10d::DebugInfoWriter::getWriter(globalRank);
-  writer.write(recorder().dump(std::nullopt, true, false, false));
+  writer.write(recorder().dump(std::nullopt, true, stacksRecorded.load(), false));
   return writer.getWriterTarget();
 }
 #else
@@ -76,7 +130,7 @@ bool frBuilt() { return false; }
 void FrRecord::started() { start.mark(); }
 void FrRecord::completed() { end.mark(); }
 FrRecord::~FrRecord() = default;
-void ProcessGroupACCL::record(FrRecord&, const std::string&, const std::vector<at::Tensor>&,
+void ProcessGroupACCL::record(FrRecord&, std::string_view, const std::vector<at::Tensor>&,
                               const std::vector<at::Tensor>&, int64_t, bool) {}
 std::string frWrite(int) {
   throw std::runtime_error("accl was built without torch's flight recorder: its header needs nlohmann/json.hpp "
