@@ -16,7 +16,11 @@ included; the "gloo" column is the same call on a one-rank gloo group (another C
 leaves the caches, and subtracts the copy's own time measured in the same rounds: the per-call cost a
 1 MiB collective pays on top of its data movement (code and data of the call path come from L3/DRAM).
 
-    python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--cold] [--profile all_reduce_8B] [--plot cost.svg]
+``--depth N`` times every call N Python frames deeper, as in a training loop (a recorder that gathers the
+caller's stack, as with ``TORCHHPC_ACCL_FLIGHT_STACKS=1``, walks them all).
+
+    python bench/accl_overhead.py [--repeats 7] [--iters 20000] [--cold] [--depth 40] [--profile all_reduce_8B]
+                                  [--plot cost.svg]
 """
 
 from __future__ import annotations
@@ -136,6 +140,11 @@ def _cases():
     return out
 
 
+def _deeper(depth: int, fn, *args):
+    """fn(*args) called `depth` Python frames below this one."""
+    return fn(*args) if depth <= 0 else _deeper(depth - 1, fn, *args)
+
+
 def _evictor():
     """A callable that copies 4 MiB: afterwards the next call's code and data come from L3 or DRAM."""
     import torch
@@ -151,6 +160,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--profile", default=None, help="cProfile this case instead of timing")
     ap.add_argument("--cases", default="", help="comma-separated subset")
     ap.add_argument("--cold", action="store_true", help="evict the caches before every call (see above)")
+    ap.add_argument("--depth", type=int, default=0,
+                    help="time from this many Python frames deeper (what a stack-gathering recorder walks)")
     ap.add_argument("--plot", default=None, metavar="PATH",
                     help="also draw the costs as bars here (.png, .svg, .pdf; needs matplotlib)")
     args = ap.parse_args(argv)
@@ -193,7 +204,7 @@ def main(argv: list[str]) -> int:
             fns.update({k: lambda f=f: (evict(), f()) for k, f in fns.items() if k != "evict"})
         for fn in fns.values():
             per_call_s(fn, max(10, iters // 20))
-        times = interleaved(fns, args.repeats, lambda fn, n=iters: per_call_s(fn, n) * 1e6)
+        times = _deeper(args.depth, interleaved, fns, args.repeats, lambda fn, n=iters: per_call_s(fn, n) * 1e6)
         evicted = times.pop("evict")
         if args.cold:  # paired by round
             times = {k: [t - e for t, e in zip(ts, evicted, strict=True)] for k, ts in times.items()}

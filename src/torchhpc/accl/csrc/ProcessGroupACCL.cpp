@@ -257,14 +257,14 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
   mpi_ = std::make_unique<MpiEngine>(coll_, [this](MPI_Request& req) { waitRequest(&req); });
-  out_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
-  in_.assign(wire::kHeaderBytes + wire::kInlineBytes, 0);
   body_.assign(wire::kCarryBytes, 0);
   // whether the ranks span nodes: accl's ring then runs large all_reduces (usesRing)
   MPI_Comm node = MPI_COMM_NULL;
   ACCL_MPI(MPI_Comm_split_type, coll_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   spansNodes_ = sizeOf(node) < size_;
   ACCL_MPI(MPI_Comm_free, &node);
+  out_.assign(wire::kHeaderBytes + (spansNodes_ ? wire::kNetInlineBytes : wire::kInlineBytes), 0);
+  in_.assign(out_.size(), 0);
   void* ub = nullptr;
   int flag = 0;
   ACCL_MPI(MPI_Comm_get_attr, MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);

@@ -89,6 +89,9 @@ constexpr int64_t kCarryBytes = 64 << 10;  // the most data a collective carries
 // byte more and it is sent by rendezvous, a handshake that costs more than a second message)
 constexpr int64_t kEagerBytes = (4 << 10) - 128;
 constexpr int64_t kInlineBytes = kEagerBytes - kHeaderBytes;  // carried data that shares the prefix's message
+// across nodes: Open MPI's TCP transport sends up to 64 KiB (its headers included) eagerly, so there the prefix's
+// message carries nearly all of a small call's data (a second message cost a second trip through the network)
+constexpr int64_t kNetInlineBytes = (64 << 10) - 128 - kHeaderBytes;
 constexpr int kCompareAll = 8;   // every field but `extra`
 constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes checked on its byte matrix)
 enum Kind : int64_t {

@@ -38,7 +38,8 @@ constexpr int64_t kInline = wire::kInlineBytes;
 static_assert(sizeof(wire::Prefix) <= kHdr);
 // Data beyond the prefix's message travels, within one node, in pieces that are each one eager message too while
 // there are at most kMaxPieces of them (Open MPI's shared-memory transport sends a larger message by rendezvous,
-// whose handshake costs more than the extra messages), and in one message beyond that or across nodes.
+// whose handshake costs more than the extra messages), and in one message beyond that.  Across nodes the prefix's
+// message itself carries up to kNetInlineBytes (eager over TCP), the rest (if any) in one message.
 constexpr int kMaxPieces = 16;
 
 struct Split {
@@ -49,12 +50,11 @@ struct Split {
   int64_t len(int k, int64_t bytes) const { return std::min(size, bytes - at(k)); }
 };
 
-// `pieces`: on a group within one node; across nodes (TCP's eager limit is 64 KiB) the rest goes in one message
-Split piecesOf(int64_t bytes, bool pieces) {
-  const int64_t head = std::min(bytes, kInline), rest = bytes - head;
+Split piecesOf(int64_t bytes, bool acrossNodes) {
+  const int64_t head = std::min(bytes, acrossNodes ? wire::kNetInlineBytes : kInline), rest = bytes - head;
   if (rest == 0) return {head, 0, 0};
   constexpr int64_t piece = wire::kEagerBytes;
-  if (!pieces || rest > kMaxPieces * piece) return {head, rest, 1};
+  if (acrossNodes || rest > kMaxPieces * piece) return {head, rest, 1};
   return {head, piece, static_cast<int>((rest + piece - 1) / piece)};
 }
 
@@ -145,7 +145,7 @@ void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result
 void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
   const auto [src, bytes] = outgoing(x);
   const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes, x.lo, x.hi};
-  const Split sp = piecesOf(bytes, !spansNodes_);
+  const Split sp = piecesOf(bytes, spansNodes_);
   std::memcpy(out_.data(), &pre, sizeof pre);
   if (sp.head) std::memcpy(out_.data() + kHdr, src, sp.head);
   ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(kHdr + sp.head), MPI_BYTE, peer, kTagPrefix, ctl_, &out[0]);
@@ -159,7 +159,7 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
   const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
-  const Split sp = piecesOf(pre.bytes, !spansNodes_);
+  const Split sp = piecesOf(pre.bytes, spansNodes_);
   const bool fits = agreed ? layoutAgrees(x, pre, size_) : pre.bytes <= static_cast<int64_t>(body_.size());
   if (!fits) throw c10::DistBackendError("accl: garbled header-exchange message from rank " + std::to_string(peer));
   const char* src = in_.data() + kHdr;  // all of it when it came in one message
