@@ -57,14 +57,20 @@ void watch(ProcessGroupACCL* pg, bool on) {
   else gWatched.erase(std::remove(gWatched.begin(), gWatched.end(), pg), gWatched.end());
 }
 
-// torchhpc.waiting.Backoff: spin 64 polls, yield the core until 20 ms, then sleep from 50 us doubling to 1 ms
+// torchhpc.waiting.Backoff's shape: spin, yield the core until 20 ms, then sleep from 50 us doubling to 1 ms.  The
+// spin lasts 100 us (not 64 polls): when compute threads hold every core (a DDP bucket's all_reduce under the
+// backward pass), a waiter that yields at once falls out of step with its peer, which then spins in MPI's blocking
+// call for its time slice (bench/accl_overlap.py: +7.4 -> +5.4 ms over the compute floor; a 1 ms spin ties PyTorch's
+// MPI backend there but costs a quarter at 1 MiB where 4 ranks share 2 cores, the 4-node virtual cluster)
 struct Backoff {
   int polls = 0;
   Clock::time_point start = Clock::now();
   std::chrono::microseconds nap{50};
   void pause() {
     if (++polls <= 64) return;
-    if (Clock::now() - start < std::chrono::milliseconds(20)) {
+    const auto waited = Clock::now() - start;
+    if (waited < std::chrono::microseconds(100)) return;
+    if (waited < std::chrono::milliseconds(20)) {
       std::this_thread::yield();
       return;
     }
