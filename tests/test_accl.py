@@ -3,6 +3,7 @@ bfloat16, rendezvous fall-back, a one-rank group and engine errors (the benchmar
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -46,6 +47,28 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
     monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "maybe")
     with pytest.raises(ValueError, match="TORCHHPC_ACCL_CHECK"):
         accl.AcclOptions()
+
+
+def test_the_waits_spin_is_chosen_by_ranks_per_core_and_overridable(monkeypatch) -> None:
+    from torchhpc.accl.options import default_spin_us
+
+    monkeypatch.delenv("TORCHHPC_ACCL_SPIN_US", raising=False)
+    assert accl.AcclOptions().spin_us is None  # accl's choice, made when the group is built
+    for var in [v for v in os.environ if v.startswith(("OMPI_", "PMI_", "PALS_", "MV2_", "SLURM_", "LOCAL_"))]:
+        monkeypatch.delenv(var)
+    for var in MPI_LAUNCHER_VARS + ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for local, spin in ((1, 1000), (2, 1000), (3, 100)):  # a core for every rank on the node, or not
+        monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+        monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(local))
+        assert default_spin_us() == spin, local
+    monkeypatch.setenv("TORCHHPC_ACCL_SPIN_US", "250")
+    assert accl.AcclOptions().spin_us == 250
+    with pytest.raises(ValueError, match="spin_us"):
+        accl.AcclOptions(spin_us=-5)
 
 
 @pytest.mark.parametrize(("dtype", "op", "message"), [

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from . import core
-from .options import AcclOptions
+from .options import AcclOptions, default_spin_us
 
 __all__ = ["ProcessGroupACCL"]
 
@@ -42,7 +42,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._backend = core.load_backend().ProcessGroupACCL(
             MPI._handleof(comm), opts.max_segment_bytes or 0, opts.check, opts.blocking_min_bytes, timeout_s,
             group_name, accl_engine, sorted(opts.sidestep),
-            -1 if opts.ring_min_bytes is None else opts.ring_min_bytes, opts.flight_stacks)
+            -1 if opts.ring_min_bytes is None else opts.ring_min_bytes, opts.flight_stacks,
+            default_spin_us() if opts.spin_us is None else opts.spin_us)
         if global_ranks:  # torch's global ranks (none for the world): the flight record names members by them
             self._backend.set_global_ranks(list(global_ranks))
         kind = dist.ProcessGroup.BackendType.CUSTOM

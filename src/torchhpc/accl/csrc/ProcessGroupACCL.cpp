@@ -7,6 +7,7 @@
 
 #include "accl.hpp"
 
+
 #if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI's ULFM (MPIX_Comm_revoke, MPIX_Comm_get_failed); MPICH declares them in mpi.h
 #endif
@@ -58,18 +59,19 @@ void watch(ProcessGroupACCL* pg, bool on) {
 }
 
 // torchhpc.waiting.Backoff's shape: spin, yield the core until 20 ms, then sleep from 50 us doubling to 1 ms.  The
-// spin lasts 100 us (not 64 polls): when compute threads hold every core (a DDP bucket's all_reduce under the
-// backward pass), a waiter that yields at once falls out of step with its peer, which then spins in MPI's blocking
-// call for its time slice (bench/accl_overlap.py: +7.4 -> +5.4 ms over the compute floor; a 1 ms spin ties PyTorch's
-// MPI backend there but costs a quarter at 1 MiB where 4 ranks share 2 cores, the 4-node virtual cluster)
+// spin is timed (Config::spin, AcclOptions.spin_us), not 64 polls: when compute threads hold every core (a DDP bucket's
+// all_reduce under the backward pass), a waiter that yields at once falls out of step with its peer, which then
+// spins in MPI's blocking call for its time slice.
 struct Backoff {
+  explicit Backoff(std::chrono::microseconds spin = kShortSpin) : spin(spin) {}
+  std::chrono::microseconds spin;
   int polls = 0;
   Clock::time_point start = Clock::now();
   std::chrono::microseconds nap{50};
   void pause() {
     if (++polls <= 64) return;
     const auto waited = Clock::now() - start;
-    if (waited < std::chrono::microseconds(100)) return;
+    if (waited < spin) return;
     if (waited < std::chrono::milliseconds(20)) {
       std::this_thread::yield();
       return;
@@ -558,7 +560,7 @@ void ProcessGroupACCL::checkBlocked() {
 }
 
 bool ProcessGroupACCL::testUntil(MPI_Request* reqs, int n, Clock::time_point deadline) {
-  Backoff backoff;
+  Backoff backoff(opts_.spin);
   std::vector<MPI_Status> st(n > 1 ? n : 0);  // MPI_Testall reports a failed request in its status
   while (true) {
     int done = 0;

@@ -383,7 +383,9 @@ struct Config {
   std::string groupName;
   std::vector<std::string> sidestep;    // collectives an engine lacks that may fall back to MPI
   bool flightStacks = false;            // flight records carry the caller's Python stack
+  std::chrono::microseconds spin{100};  // a wait on peers spins this long before yielding the core
 };
+constexpr std::chrono::microseconds kShortSpin{100};  // waits outside a group (point-to-point Work.wait)
 
 class ProcessGroupACCL : public c10d::Backend {
  public:

@@ -79,9 +79,10 @@ class PyEngine : public accl::Engine {
 c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, int64_t maxSegmentBytes, bool check,
                                             int64_t blockingMinBytes, double timeoutS, std::string name,
                                             std::shared_ptr<accl::Engine> engine, std::vector<std::string> sidestep,
-                                            int64_t ringMinBytes, bool flightStacks) {
+                                            int64_t ringMinBytes, bool flightStacks, int64_t spinUs) {
   accl::Config o;
   o.flightStacks = flightStacks;
+  o.spin = std::chrono::microseconds(spinUs);
   o.ringMinBytes = ringMinBytes;
   o.maxSegmentBytes = maxSegmentBytes;
   o.check = check;
@@ -198,7 +199,7 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
       .def(py::init(&create), py::arg("comm"), py::arg("max_segment_bytes"), py::arg("check"),
            py::arg("blocking_min_bytes"), py::arg("timeout_s"), py::arg("group_name"), py::arg("engine") = nullptr,
            py::arg("sidestep") = std::vector<std::string>{}, py::arg("ring_min_bytes") = -1,
-           py::arg("flight_stacks") = false, py::call_guard<py::gil_scoped_release>(),
+           py::arg("flight_stacks") = false, py::arg("spin_us") = 100, py::call_guard<py::gil_scoped_release>(),
            "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
            "of the communicator constructs it")
       .def(
