@@ -58,9 +58,15 @@ def hosts(nodes: int) -> str:
 
 
 def mpiexec(argv: list[str], nodes: int) -> str:
-    """One rank on each of node1 .. node<nodes>."""
-    spread = across_hosts(hosts(nodes), nodes, {"OMP_NUM_THREADS": "1"}, forward=("OMP_NUM_THREADS",))
-    return "OMP_NUM_THREADS=1 " + shlex.join(["mpiexec", "-n", str(nodes), *spread, *argv])
+    """One rank on each of node1 .. node<nodes>.  The virtual nodes share this host's cores, which no rank can see
+    (each node holds one): where they outnumber the cores, accl is told to spin briefly, as on an oversubscribed
+    node (docs/accl.md, "Communication beside compute")."""
+    env = {"OMP_NUM_THREADS": "1"}
+    if nodes > (os.cpu_count() or 1):
+        env["TORCHHPC_ACCL_SPIN_US"] = "100"
+    spread = across_hosts(hosts(nodes), nodes, env, forward=tuple(env))
+    return " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(["mpiexec", "-n", str(nodes), *spread,
+                                                                            *argv])
 
 
 # ---- 1. the link -------------------------------------------------------------------------------------------
