@@ -7,7 +7,7 @@ against the same iteration with no communication (the compute floor).  With ever
 whose waiting thread spins, yields or sleeps at the wrong moment costs the compute its time here, where a
 microbenchmark of the collective alone shows nothing.
 
-    mpiexec -n 2 python bench/accl_overlap.py [--rounds 15] [--iters 20] [--skew 0]
+    mpiexec -n 2 python bench/accl_overlap.py [--rounds 15] [--iters 20] [--skew 0] [--quick]
                                               [--impls floor,accl,mpi-upstream,gloo]
 """
 
@@ -32,7 +32,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--skew", type=int, default=0, help="extra matmuls on odd ranks before the first bucket")
     ap.add_argument("--bucket-mib", type=float, default=9.7, help="the second bucket's size")
     ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--quick", action="store_true", help="3 rounds of 3 iterations (seconds)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.iters = 3, 3
     impls = [i for i in args.impls.split(",") if i]
     unknown = set(impls) - set(IMPLS)
     if unknown:

@@ -198,3 +198,21 @@ def test_training_step_quick_run_prints_both_steps() -> None:
         assert set(rows) == {"floor", "accl", "gloo"}, block
         assert all(float(cells[0]) > 0 for cells in rows.values())
         assert rows["floor"][2].strip() == "" and rows["accl"][2].strip() and rows["gloo"][3].strip().endswith("x")
+
+
+def test_overlap_quick_run_prints_every_impl_against_the_floor() -> None:
+    """``bench/accl_overlap.py --quick`` under mpiexec: the floor and each backend's ms per iteration, the
+    backends' overhead over the floor; an unknown implementation is refused by name."""
+    from _mpijob import run_mpi
+
+    script = str(ROOT / "bench" / "accl_overlap.py")
+    res = run_mpi(2, [sys.executable, script, "--quick", "--impls", "floor,accl,gloo"], timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:]
+    rows = {ln.split()[0]: ln.split() for ln in res.stdout.splitlines() if ln.split()[:1] in (["floor"], ["accl"],
+                                                                                           ["gloo"])}
+    assert set(rows) == {"floor", "accl", "gloo"}, res.stdout[-3000:]
+    assert all(float(r[1]) > 0 for r in rows.values())
+    assert "over the floor" not in " ".join(rows["floor"]) and "over the floor" in " ".join(rows["accl"])
+    bad = subprocess.run([sys.executable, script, "--impls", "accl,nccl"], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert bad.returncode == 2 and "unknown implementations ['nccl']" in bad.stderr, bad.stderr
