@@ -464,6 +464,13 @@ void alltoallSegment(const std::vector<int64_t>& bytes, int64_t done, int64_t pe
   }
 }
 
+// one all_to_all's byte counts, shared by its steps
+struct AlltoallPlan {
+  std::vector<int64_t> sb, rb;  // bytes to and from each rank
+  int64_t most = 0;             // the largest send of any rank, from the agreed matrix
+  bool even = false;            // ... and whether every send is that size
+};
+
 // the sends that rode in the exchange's blocks (kPay bytes a rank: its matrix row, then its sends) into `dst` in
 // rank order; false (nothing taken) unless every rank's sends fit `most` bytes
 bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t most) {
@@ -495,12 +502,7 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
   int64_t received = 0;
   for (const auto& t : outputs) received += t.numel();
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  struct Plan {
-    std::vector<int64_t> sb, rb;  // bytes to and from each rank
-    int64_t most = 0;             // the largest send of any rank, from the agreed matrix
-    bool even = false;            // ... and whether every send is that size
-  };
-  auto a = std::make_shared<Plan>(Plan{std::move(sb), std::move(rb)});
+  auto a = std::make_shared<AlltoallPlan>(AlltoallPlan{std::move(sb), std::move(rb)});
   // up to 64 ranks, every rank's matrix row rides with the header, and its sends after it when every rank's fit
   auto blocks = std::make_shared<at::Tensor>();
   const int64_t fits = std::min(kPay - 16 * p, segmentFor(Coll::kAlltoall));
