@@ -583,6 +583,7 @@ class ProcessGroupACCL : public c10d::Backend {
   std::vector<char> out_, in_, body_;  // the exchange's messages: sent, received, received data
   std::vector<char> ringScratch_, ringPartial_;  // the ring's chunks in flight; reduce_scatter's partial sums
   at::Tensor a2aBlocks_;                          // all_to_all's blocks in the header exchange
+  int64_t a2aBlock_ = wire::kPayloadBytes;        // one rank's block there, chosen by the previous all_to_all
   at::Tensor rsWhole_;                            // a small reduce_scatter's input, reduced in the exchange
   bool spansNodes_ = false;                       // the group's ranks are on more than one node
   int tagUb_ = 32767;

@@ -471,20 +471,31 @@ struct AlltoallPlan {
   bool even = false;            // ... and whether every send is that size
 };
 
-// the sends that rode in the exchange's blocks (kPay bytes a rank: its matrix row, then its sends) into `dst` in
-// rank order; false (nothing taken) unless every rank's sends fit `most` bytes
-bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t most) {
-  constexpr int64_t stride = kPay / 8;
+// the sends that rode in the exchange's blocks (`block` bytes a rank: its matrix row, then its sends) into `dst` in
+// rank order; false (nothing taken) unless every rank's sends fit `fits` bytes
+bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t block, int64_t fits) {
+  const int64_t stride = block / 8;
   const auto* rows = reinterpret_cast<const int64_t*>(all);
   for (int i = 0; i < p; ++i)
-    if (std::accumulate(rows + i * stride, rows + i * stride + p, int64_t{0}) > most) return false;
+    if (std::accumulate(rows + i * stride, rows + i * stride + p, int64_t{0}) > fits) return false;
   for (int r = 0; r < p; ++r) {
     const int64_t* row = rows + r * stride;
     const int64_t off = 16 * p + std::accumulate(row, row + me, int64_t{0});
-    std::memcpy(dst, all + r * kPay + off, row[me]);
+    std::memcpy(dst, all + r * block + off, row[me]);
     dst += row[me];
   }
   return true;
+}
+
+// the largest block a rank may carry through the exchange (p of them fill at most kCarryBytes)
+int64_t alltoallBlockMax(int p) { return std::max<int64_t>(kPay, wire::kCarryBytes / p / 64 * 64); }
+
+// the block the next all_to_all carries: what held the largest sends of this one (the matrix every rank agreed on,
+// so every rank picks the same size), or the matrix row alone when they cannot ride; a call whose sends outgrow
+// its block sends them after the exchange
+int64_t alltoallBlockFor(int64_t most, int p) {
+  const int64_t need = (16 * p + most * p + 1023) / 1024 * 1024;
+  return need <= alltoallBlockMax(p) ? std::max<int64_t>(need, kPay) : kPay;
 }
 
 }  // namespace
@@ -503,26 +514,30 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
   for (const auto& t : outputs) received += t.numel();
   auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
   auto a = std::make_shared<AlltoallPlan>(AlltoallPlan{std::move(sb), std::move(rb)});
-  // up to 64 ranks, every rank's matrix row rides with the header, and its sends after it when every rank's fit
+  // up to 64 ranks, every rank's matrix row rides with the header, and its sends after it when every rank's fit the
+  // block the group's previous all_to_all chose (a2aBlock_, read when the call runs: calls run in issue order)
   auto blocks = std::make_shared<at::Tensor>();
-  const int64_t fits = std::min(kPay - 16 * p, segmentFor(Coll::kAlltoall));
+  Call* self = c.get();  // the stage sets the block's size when the call runs
   const bool rides = ride(
-      *c, mpi_.get(), {Ride::kGather, blocks, kPay},
-      [this, blocks, dst, a, p, fits] {
-        a->most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), kPay / 8, p, &a->even);
-        return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), fits);
+      *c, mpi_.get(), {Ride::kGather, blocks, alltoallBlockMax(p)},
+      [this, blocks, dst, a, p, self] {
+        const int64_t block = self->carry.bytes, fits = std::min(block - 16 * p, segmentFor(Coll::kAlltoall));
+        a->most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), block / 8, p, &a->even);
+        a2aBlock_ = alltoallBlockFor(a->most, p);
+        return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), block, fits);
       },
       false);
-  c->stage = [this, inputs, outputs, src, dst, received, blocks, rides, a, p, sent, fits, me = rank_] {
+  c->stage = [this, inputs, outputs, src, dst, received, blocks, rides, a, p, sent, self, me = rank_] {
     *src = flatHost(inputs);
     *dst = outputs.size() == 1 ? host(outputs[0], false) : at::empty({received}, src->options());
     if (!rides) return;
-    if (!a2aBlocks_.defined()) a2aBlocks_ = at::empty({p * kPay}, at::kByte);  // kept: calls run one at a time
+    if (!a2aBlocks_.defined()) a2aBlocks_ = at::empty({p * alltoallBlockMax(p)}, at::kByte);
     *blocks = a2aBlocks_;
-    char* mine = ptr(*blocks) + me * kPay;
+    const int64_t block = self->carry.bytes = a2aBlock_;
+    char* mine = ptr(*blocks) + me * block;
     std::memcpy(mine, a->sb.data(), 8 * p);
     std::memcpy(mine + 8 * p, a->rb.data(), 8 * p);
-    if (sent <= fits) std::memcpy(mine + 16 * p, ptr(*src), sent);
+    if (sent <= std::min(block - 16 * p, segmentFor(Coll::kAlltoall))) std::memcpy(mine + 16 * p, ptr(*src), sent);
   };
   c->data = [this, src, dst, a, p, rides] {
     if (!rides) {  // many ranks: the byte matrix by a second all-gather, then its check
