@@ -487,6 +487,13 @@ bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t block
   return true;
 }
 
+// this rank's block: its matrix row (bytes to each rank, then from each), then its sends when they fit
+void alltoallFillBlock(char* mine, const AlltoallPlan& a, int p, const char* src, int64_t sent, int64_t fits) {
+  std::memcpy(mine, a.sb.data(), 8 * p);
+  std::memcpy(mine + 8 * p, a.rb.data(), 8 * p);
+  if (sent <= fits) std::memcpy(mine + 16 * p, src, sent);
+}
+
 // the largest block a rank may carry through the exchange (p of them fill at most kCarryBytes)
 int64_t alltoallBlockMax(int p) { return std::max<int64_t>(kPay, wire::kCarryBytes / p / 64 * 64); }
 
@@ -534,10 +541,8 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
     if (!a2aBlocks_.defined()) a2aBlocks_ = at::empty({p * alltoallBlockMax(p)}, at::kByte);
     *blocks = a2aBlocks_;
     const int64_t block = self->carry.bytes = a2aBlock_;
-    char* mine = ptr(*blocks) + me * block;
-    std::memcpy(mine, a->sb.data(), 8 * p);
-    std::memcpy(mine + 8 * p, a->rb.data(), 8 * p);
-    if (sent <= std::min(block - 16 * p, segmentFor(Coll::kAlltoall))) std::memcpy(mine + 16 * p, ptr(*src), sent);
+    alltoallFillBlock(ptr(*blocks) + me * block, *a, p, ptr(*src), sent,
+                      std::min(block - 16 * p, segmentFor(Coll::kAlltoall)));
   };
   c->data = [this, src, dst, a, p, rides] {
     if (!rides) {  // many ranks: the byte matrix by a second all-gather, then its check

@@ -50,8 +50,8 @@ FrRecord::~FrRecord() {
 namespace {
 // What torch's record() stores beside the call, at the cost accl can afford per call: the thread's name is read
 // once per thread (torch asks the kernel on every call), and the caller's Python stack is gathered only where the
-// group asks for it (flight_stacks): walking it takes the GIL back from the released call and costs about as much
-// as a small call's whole backend path.
+// group asks for it (flight_stacks): walking it takes the GIL back from the released call (0.3 us per call from a
+// shallow call site, 0.7 us from 40 frames deep).
 const std::string& threadName() {
   thread_local const std::string name = c10::getThreadName();
   return name;
