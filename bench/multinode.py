@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from torchhpc.accl.options import default_spin_us
 from torchhpc.mpirun import across_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,11 +60,9 @@ def hosts(nodes: int) -> str:
 
 def mpiexec(argv: list[str], nodes: int) -> str:
     """One rank on each of node1 .. node<nodes>.  The virtual nodes share this host's cores, which no rank can see
-    (each node holds one): where they outnumber the cores, accl is told to spin briefly, as on an oversubscribed
-    node (docs/accl.md, "Communication beside compute")."""
-    env = {"OMP_NUM_THREADS": "1"}
-    if nodes > (os.cpu_count() or 1):
-        env["TORCHHPC_ACCL_SPIN_US"] = "100"
+    (each node holds one): accl's waits are told to spin as for ``nodes`` ranks on this host (briefly where they
+    outnumber the cores; docs/accl.md, "Communication beside compute")."""
+    env = {"OMP_NUM_THREADS": "1", "TORCHHPC_ACCL_SPIN_US": str(default_spin_us(ranks_on_node=nodes))}
     spread = across_hosts(hosts(nodes), nodes, env, forward=tuple(env))
     return " ".join(f"{k}={v}" for k, v in env.items()) + " " + shlex.join(["mpiexec", "-n", str(nodes), *spread,
                                                                             *argv])

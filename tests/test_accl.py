@@ -64,7 +64,7 @@ def test_the_waits_spin_is_chosen_by_ranks_per_core_and_overridable(monkeypatch)
         monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "8")
         monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
         monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(local))
-        assert default_spin_us() == spin, local
+        assert default_spin_us() == spin == default_spin_us(ranks_on_node=local), local
     monkeypatch.setenv("TORCHHPC_ACCL_SPIN_US", "250")
     assert accl.AcclOptions().spin_us == 250
     with pytest.raises(ValueError, match="spin_us"):

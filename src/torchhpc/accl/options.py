@@ -20,19 +20,20 @@ def collectives() -> tuple[str, ...]:
     return tuple(core.load_backend().COLLECTIVES)
 
 
-def default_spin_us() -> int:
+def default_spin_us(ranks_on_node: int | None = None) -> int:
     """accl's choice of ``spin_us``, made as MPI libraries make theirs: spin while this node has a core for every
-    rank of the job on it (the launcher's local size against the node's cores: ranks bound to one core each
-    see only their own), yield soon where ranks outnumber them. Measured: 2 ranks beside DDP's backward
-    pass, the step 0.98-0.99x PyTorch's MPI backend with 100 µs, 1.00x with 1000; 4 ranks on 2 cores, a
-    1 MiB all_reduce 20-35% slower with 1000."""
-    from ..launcher import LauncherError, world_info
+    rank of the job on it (``ranks_on_node``, by default the launcher's local size, against the node's cores:
+    ranks bound to one core each see only their own), yield soon where ranks outnumber them. Measured: 2 ranks
+    beside DDP's backward pass, the step 0.98-0.99x PyTorch's MPI backend with 100 µs, 1.00x with 1000; 4 ranks
+    on 2 cores, a 1 MiB all_reduce 20-35% slower with 1000."""
+    if ranks_on_node is None:
+        from ..launcher import LauncherError, world_info
 
-    try:
-        local = world_info(dict(os.environ), use_mpi=False).local_size  # a copy: never asks MPI (collective)
-    except LauncherError:
-        local = 1
-    return 1000 if 0 < local <= (os.cpu_count() or 1) else 100
+        try:
+            ranks_on_node = world_info(dict(os.environ), use_mpi=False).local_size  # a copy: never asks MPI
+        except LauncherError:
+            ranks_on_node = 1
+    return 1000 if 0 < ranks_on_node <= (os.cpu_count() or 1) else 100
 
 
 def _env_bool(name: str, default: bool) -> bool:
@@ -94,7 +95,7 @@ class AcclOptions:
       per rank, where recursive doubling moves all of it log2(p) times), MPI's calls on one node.
     - ``flight_stacks``: each call's flight record (see :func:`torchhpc.accl.dump_flight_record`) also
       carries the caller's Python stack, as NCCL's does. Off by default: gathering it takes back the GIL the
-      call released and costs 0.2-0.6 µs per call here (3 to 40 frames deep);
+      call released and costs 0.3-0.7 µs per call here (3 to 40 frames deep);
       without it a record still names the group, sequence number, op, sizes, dtypes, state and thread.
     - ``spin_us``: a wait on peers polls MPI back to back this long before it yields the core (then sleeps
       after 20 ms). None (the default): accl's choice, as MPI libraries make theirs: 1000 where this node has

@@ -374,6 +374,9 @@ struct P2P {
 };
 
 // ------------------------------------------------------------------------------------------ the backend
+// a wait's spin before it yields the core: a group's default (AcclOptions.spin_us chooses), and point-to-point
+// Work.wait's
+constexpr std::chrono::microseconds kShortSpin{100};
 struct Config {
   int64_t maxSegmentBytes = 0;          // the user's cap on one engine call's buffer (0: accl's choice, segmentFor)
   bool check = true;
@@ -383,9 +386,8 @@ struct Config {
   std::string groupName;
   std::vector<std::string> sidestep;    // collectives an engine lacks that may fall back to MPI
   bool flightStacks = false;            // flight records carry the caller's Python stack
-  std::chrono::microseconds spin{100};  // a wait on peers spins this long before yielding the core
+  std::chrono::microseconds spin = kShortSpin;  // a wait on peers spins this long before yielding the core
 };
-constexpr std::chrono::microseconds kShortSpin{100};  // waits outside a group (point-to-point Work.wait)
 
 class ProcessGroupACCL : public c10d::Backend {
  public:

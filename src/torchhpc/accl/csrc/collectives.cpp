@@ -469,6 +469,7 @@ struct AlltoallPlan {
   std::vector<int64_t> sb, rb;  // bytes to and from each rank
   int64_t most = 0;             // the largest send of any rank, from the agreed matrix
   bool even = false;            // ... and whether every send is that size
+  int64_t block = 0, fits = 0;  // the exchange's block per rank, and the sends that fit it (set when the call runs)
 };
 
 // the sends that rode in the exchange's blocks (`block` bytes a rank: its matrix row, then its sends) into `dst` in
@@ -488,10 +489,10 @@ bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t block
 }
 
 // this rank's block: its matrix row (bytes to each rank, then from each), then its sends when they fit
-void alltoallFillBlock(char* mine, const AlltoallPlan& a, int p, const char* src, int64_t sent, int64_t fits) {
+void alltoallFillBlock(char* mine, const AlltoallPlan& a, int p, const char* src, int64_t sent) {
   std::memcpy(mine, a.sb.data(), 8 * p);
   std::memcpy(mine + 8 * p, a.rb.data(), 8 * p);
-  if (sent <= fits) std::memcpy(mine + 16 * p, src, sent);
+  if (sent <= a.fits) std::memcpy(mine + 16 * p, src, sent);
 }
 
 // the largest block a rank may carry through the exchange (p of them fill at most kCarryBytes)
@@ -527,11 +528,10 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
   Call* self = c.get();  // the stage sets the block's size when the call runs
   const bool rides = ride(
       *c, mpi_.get(), {Ride::kGather, blocks, alltoallBlockMax(p)},
-      [this, blocks, dst, a, p, self] {
-        const int64_t block = self->carry.bytes, fits = std::min(block - 16 * p, segmentFor(Coll::kAlltoall));
-        a->most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), block / 8, p, &a->even);
+      [this, blocks, dst, a, p] {
+        a->most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), a->block / 8, p, &a->even);
         a2aBlock_ = alltoallBlockFor(a->most, p);
-        return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), block, fits);
+        return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), a->block, a->fits);
       },
       false);
   c->stage = [this, inputs, outputs, src, dst, received, blocks, rides, a, p, sent, self, me = rank_] {
@@ -540,9 +540,9 @@ std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inp
     if (!rides) return;
     if (!a2aBlocks_.defined()) a2aBlocks_ = at::empty({p * alltoallBlockMax(p)}, at::kByte);
     *blocks = a2aBlocks_;
-    const int64_t block = self->carry.bytes = a2aBlock_;
-    alltoallFillBlock(ptr(*blocks) + me * block, *a, p, ptr(*src), sent,
-                      std::min(block - 16 * p, segmentFor(Coll::kAlltoall)));
+    a->block = self->carry.bytes = a2aBlock_;
+    a->fits = std::min(a->block - 16 * p, segmentFor(Coll::kAlltoall));
+    alltoallFillBlock(ptr(*blocks) + me * a->block, *a, p, ptr(*src), sent);
   };
   c->data = [this, src, dst, a, p, rides] {
     if (!rides) {  // many ranks: the byte matrix by a second all-gather, then its check
