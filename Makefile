@@ -135,6 +135,10 @@ DRY_RUN           ?= 0
 PYTORCH_VERSIONS  := $(shell utils/pytorch_version.sh --list)
 PYTORCH_LATEST    := $(lastword $(PYTORCH_VERSIONS))
 TORCHHPC_PREFIX   ?= $(CURDIR)/build
+# Every clean target removes under these: an empty value (an exported empty one survives ?=) or / is refused
+# before any target runs.
+$(foreach v,VENV NATIVE_PREFIX TORCHHPC_PREFIX,$(if $(filter-out /,$(abspath $($(v)))),,\
+  $(error $(v)='$($(v))' is empty or /: refusing it, the clean targets remove what lies under it)))
 ALL_REDUCE_TEST   ?= tests/all_reduce_test.py
 BACKENDS          ?= nccl,mpi,accl
 # Options for tests/all_reduce_test.py in test-pbs / test-slurm jobs, e.g. ALL_REDUCE_ARGS='-e 64M -n 20'.

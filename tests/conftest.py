@@ -12,6 +12,13 @@ if str(SRC) not in sys.path:
 import pytest  # noqa: E402
 
 
+def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001, ARG001
+    """This process's Open MPI singleton segment, if it made one, is not left in /dev/shm."""
+    from torchhpc.mpi_info import release_singleton_segment
+
+    release_singleton_segment()
+
+
 @pytest.fixture
 def solo():
     """A one-rank accl default group (a HashStore rendezvous, no launcher), destroyed after the test."""

@@ -50,6 +50,30 @@ def test_an_archive_of_another_commit_is_refused(tmp_path: Path) -> None:
     assert "is not argobots v1.2" in r.stderr and "6d216a9f546f0a0024a4fe0e8548aeaf51520d4a" in r.stderr
 
 
+@pytest.mark.skipif(not VENDOR.is_dir(), reason=f"no offline archives at {VENDOR}")
+def test_archives_are_checked_by_their_files_not_by_a_comment(tmp_path: Path) -> None:
+    """`git get-tar-commit-id` read a comment anyone can write: one changed file under the pinned commit's id
+    was accepted.  The tree digest refuses it, and accepts the same files packed as GitHub packs them."""
+    with tarfile.open(VENDOR / "mochi-thallium-0.16.0.tar.gz") as tar:
+        tar.extractall(tmp_path / "x", filter="tar")
+        comment = tar.pax_headers.get("comment", "")
+    assert len(comment) == 40, "the vendor archive carries git's commit comment"
+    top = tmp_path / "x" / "mochi-thallium-0.16.0"
+    for name, change in (("repacked", None), ("tampered", "CMakeLists.txt")):
+        if change:
+            (top / change).write_text((top / change).read_text() + "\n# planted\n")
+        src = tmp_path / name
+        src.mkdir()
+        with tarfile.open(src / "mochi-thallium-0.16.0.tar.gz", "w:gz", format=tarfile.PAX_FORMAT,
+                          pax_headers={"comment": comment}) as tar:  # the commit id says "pinned" both times
+            tar.add(top, arcname=f"mochi-thallium-{comment}")  # GitHub's top folder, other gzip bytes
+        r = bash("native_fetch thallium", tmp_path, NATIVE_SOURCES=str(src))
+        if change:
+            assert r.returncode != 0 and "its files hash to" in r.stderr, r.stderr
+        else:
+            assert r.returncode == 0, r.stderr
+
+
 def test_missing_build_dependencies_are_listed_together(tmp_path: Path) -> None:
     r = bash("native_require cmake:cmd=no-such-cmake:cmake json-c:h=no/such/json.h:libjson-c-dev "
              "bash:cmd=bash:bash", tmp_path)

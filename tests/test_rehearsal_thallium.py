@@ -29,6 +29,7 @@ def _extension():
 
 
 K, HEADER, RECORD, SLOTS = 2, 64, 192, 5
+SECRET = bytes(range(32))  # the job's (rank 0's random bytes under mpiexec)
 
 
 @pytest.fixture(params=["na+sm", "ofi+tcp"])
@@ -41,7 +42,8 @@ def pair(request: pytest.FixtureRequest):
         b[: 8 * K].view(torch.int64).copy_(torch.tensor([3 + r, 5 + r]))
         b[HEADER:].view(SLOTS, RECORD).copy_((torch.arange(SLOTS) + 10 * r + 1).view(SLOTS, 1).to(torch.uint8))
         blocks.append(b)
-    trs = [ext.Transport(request.param, b.data_ptr(), b.numel(), HEADER, RECORD, K, MARGO_CONFIG) for b in blocks]
+    trs = [ext.Transport(request.param, b.data_ptr(), b.numel(), HEADER, RECORD, K, MARGO_CONFIG, SECRET)
+           for b in blocks]
     addresses = [t.address() for t in trs]
     for r, t in enumerate(trs):
         t.connect(addresses, r)
@@ -81,6 +83,41 @@ def test_a_read_waits_for_the_owners_update_lock(pair) -> None:
     reader.join(30)
     assert not reader.is_alive()
     assert (out == 77).all(), "the read saw the record from before the update"
+
+
+def test_an_engine_without_the_jobs_secret_gets_no_data(pair) -> None:
+    """Anyone who reaches an owner's port (another user's process on the network) is refused, not served."""
+    ext, (t0, t1), blocks = pair
+    outsider_block = torch.zeros(HEADER + SLOTS * RECORD, dtype=torch.uint8)
+    protocol = t0.address().split("://")[0]  # the pair's, as Mercury names it in addresses
+    outsider = ext.Transport(protocol, outsider_block.data_ptr(),
+                             outsider_block.numel(), HEADER, RECORD, K, MARGO_CONFIG, bytes(32))
+    try:
+        outsider.connect([outsider.address(), t1.address()], 0)
+        with pytest.raises(ext.PeerError, match="refused a fill-count request.*secret"):
+            outsider.fills([1], 10.0)
+        out = np.zeros((1, RECORD), dtype=np.uint8)
+        with pytest.raises(ext.PeerError, match="refused a record read.*not a rank of this job"):
+            outsider.read(np.array([1]), np.array([2]), [(out, 0)], 10.0)
+        assert not out.any(), "the outsider received record bytes"
+    finally:
+        outsider.close()
+    assert t0.fills([1], 10.0).tolist() == [[4, 6]], "the job's own ranks are still served"
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        ext.Transport("na+sm", outsider_block.data_ptr(), outsider_block.numel(), HEADER, RECORD, K, MARGO_CONFIG, b"")
+
+
+def test_request_ranges_are_checked_without_overflow() -> None:
+    """An owner checks every range a request names before any transfer; sums and products that wrap around
+    2**64 (a crafted request) are refused, not taken for small numbers."""
+    ext = _extension()
+    big = 2**64 - 8
+    assert ext.ranges_fit([0, 1], [0], [8], [0], 192, 16)
+    assert not ext.ranges_fit([0, 2], [0], [8], [0], 192, 16)  # row 2 lies past the region
+    assert not ext.ranges_fit([0], [big], [16], [0], 192, 16)  # offset + nbytes wraps to 8
+    assert not ext.ranges_fit([0], [0], [8], [big], 192, 16)  # base + nbytes wraps
+    assert not ext.ranges_fit([2**61], [0], [8], [0], 192, 16)  # row * nbytes wraps to 0
+    assert not ext.ranges_fit([0], [0, 8], [8], [0], 192, 16)  # field lists of different lengths
 
 
 def test_bad_slot_and_closed_peer_are_clear_errors(pair) -> None:

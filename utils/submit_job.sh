@@ -76,7 +76,6 @@ fi
 job_write_script
 job_build_submit
 if [[ "$JOB_PRINT" == 1 ]]; then
-  mkdir -p "$JOB_DIR"   # where the job writes its log
   printf '%s\n' "$JOB_SCRIPT_TEXT"
   exit 0
 fi

@@ -1,10 +1,14 @@
-"""Checkpoints a restarted job can trust: ``torch.distributed.checkpoint`` (DCP) into ``step-<N>.partial``,
-renamed to ``step-<N>`` only once every rank's part and DCP's metadata are on disk.
+"""Checkpoints a restarted job can trust: ``torch.distributed.checkpoint`` (DCP) into ``step-<N>.partial``, renamed to
+``step-<N>`` only once every rank's part and DCP's metadata are on disk.
 
-A job killed while writing (a node lost, a walltime hit) leaves a ``.partial`` directory that :func:`latest`
-never returns, so a resumed job starts from the newest checkpoint that was finished.  The directory must be on a
-file system every node sees.  Each rank's torch random state is saved under its own key and restored by
-:func:`load`, so that a resumed run draws the same numbers as one never stopped (same world size).
+A job killed while writing (a node lost, a walltime hit) leaves a ``.partial`` directory that :func:`latest` never
+returns, so a resumed job starts from the newest checkpoint that was finished; re-saving a step moves the finished
+one aside (``step-<N>.replaced``) before the new one takes its name, so a finished checkpoint exists at every
+instant. The directory must be on a file system every node sees. Checkpoints are private (0700/0600; ``group=True``:
+0750/0640, for a group that shares a project directory); :func:`latest` passes over and :func:`load` refuses a
+directory another user owns or could write (DCP unpickles its metadata). Each rank's torch random state is saved
+under its own key and restored by :func:`load`, so that a resumed run draws the same numbers as one never stopped
+(same world size).
 
     ckpt = checkpoint.latest(root)
     step = checkpoint.load({"model": model, "optim": opt}, ckpt) if ckpt else 0
@@ -17,14 +21,18 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import private
 from .errors import TorchhpcError
 
 __all__ = ["CheckpointError", "latest", "load", "save"]
 
-_DONE = re.compile(r"step-(\d{8})")
+_DONE = re.compile(r"step-(\d{8,})")  # {step:08d}: eight digits or more
+_REPLACED = re.compile(r"step-(\d{8,})\.replaced")  # a finished one moved aside while its step is re-saved
 
 
 class CheckpointError(TorchhpcError):
@@ -32,20 +40,66 @@ class CheckpointError(TorchhpcError):
 
 
 def latest(root: str | os.PathLike[str]) -> Path | None:
-    """The newest finished checkpoint under ``root`` (``.partial`` ones never count), or None."""
+    """The newest finished checkpoint under ``root`` that is this user's (``.partial`` ones never count), or
+    None.  A directory another user owns or could write is passed over with a warning."""
     root = Path(root)
     if not root.is_dir():
         return None
-    done = [p for p in root.iterdir() if _DONE.fullmatch(p.name) and (p / ".metadata").is_file()]
-    return max(done, key=lambda p: int(p.name[5:]), default=None)
+    best: tuple[int, int, Path] | None = None
+    for p in root.iterdir():
+        m = _DONE.fullmatch(p.name) or _REPLACED.fullmatch(p.name)
+        if m is None or not (p / ".metadata").is_file():
+            continue
+        try:
+            private.check_trusted(p)
+        except private.UnsafePathError as exc:
+            warnings.warn(f"checkpoint: passing over {exc}", stacklevel=2)
+            continue
+        key = (int(m.group(1)), m.re is _DONE, p)  # the finished name before one moved aside
+        best = max(best, key) if best else key
+    return best[2] if best else None
 
 
-def save(state: dict[str, Any], root: str | os.PathLike[str], step: int, *, keep: int = 2) -> Path:
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Every finished or moved-aside checkpoint under ``root`` with its step, oldest first."""
+    out = []
+    for p in root.iterdir():
+        m = _DONE.fullmatch(p.name) or _REPLACED.fullmatch(p.name)
+        if m:
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _commit_steps(root: Path, partial: Path, final: Path, keep: int) -> list[Callable[[], None]]:
+    """Commit ``partial`` as ``final``, one rename at a time, so that a crash between any two leaves a
+    finished checkpoint of this step (the old one, moved aside, or the new one): its steps in order."""
+    aside = root / f"{final.name}.replaced"
+
+    def move_old_aside() -> None:
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            os.rename(final, aside)
+
+    def drop_old() -> None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def prune() -> None:
+        steps = sorted({step for step, _ in _step_dirs(root)})
+        for step, p in _step_dirs(root):
+            if step in steps[:-keep]:
+                shutil.rmtree(p, ignore_errors=True)
+
+    return [move_old_aside, lambda: os.rename(partial, final), lambda: _fsync_dir(root), drop_old, prune]
+
+
+def save(state: dict[str, Any], root: str | os.PathLike[str], step: int, *, keep: int = 2,
+         group: bool = False) -> Path:
     """Write ``state`` as the checkpoint of ``step`` under ``root`` (collective) and keep the newest ``keep``.
 
     ``state`` maps names to modules, optimizers (with ``"model"`` beside them) or state-dict values; the
     optimizer's state is taken through DCP's ``get_state_dict`` so that DDP- and FSDP-wrapped models save the
-    same keys.  Returns the committed directory."""
+    same keys.  ``group``: readable by the user's group (0750/0640) instead of the user alone (0700/0600).
+    Returns the committed directory."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -55,16 +109,24 @@ def save(state: dict[str, Any], root: str | os.PathLike[str], step: int, *, keep
     final, partial = root / f"step-{step:08d}", root / f"step-{step:08d}.partial"
     rank = dist.get_rank()
 
+    dir_mode, file_mode = (0o750, 0o640) if group else (0o700, 0o600)
+
     def prepare() -> None:
-        root.mkdir(parents=True, exist_ok=True)
+        if not root.exists():
+            root.mkdir(parents=True, mode=dir_mode)
         shutil.rmtree(partial, ignore_errors=True)  # left by a job killed while writing this step
+        aside = root / f"{final.name}.replaced"
+        if aside.exists() and not final.exists():
+            os.rename(aside, final)  # killed while re-saving this step, between the two renames
+        os.mkdir(partial, dir_mode)
 
     def commit() -> None:
-        shutil.rmtree(final, ignore_errors=True)  # a finished one of the same step: this one replaces it
-        os.rename(partial, final)
-        _fsync_dir(root)
-        for old in sorted((p for p in root.iterdir() if _DONE.fullmatch(p.name)), key=lambda p: p.name)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for folder, _, files in os.walk(partial):  # DCP writes with the process's umask
+            os.chmod(folder, dir_mode)
+            for name in files:
+                os.chmod(os.path.join(folder, name), file_mode)
+        for step_ in _commit_steps(root, partial, final, keep):
+            step_()
 
     _on_rank0(prepare, f"could not prepare {partial}")
     dcp.save(_flat(state, rank), checkpoint_id=partial)  # DCP raises on every rank if any rank failed
@@ -81,9 +143,14 @@ def load(state: dict[str, Any], path: str | os.PathLike[str]) -> int:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
-    match = _DONE.fullmatch(path.name)
+    match = _DONE.fullmatch(path.name) or _REPLACED.fullmatch(path.name)
     if match is None:
         raise CheckpointError(f"{path} is not a finished checkpoint (a step-NNNNNNNN directory)")
+    try:
+        private.check_trusted(path)
+        private.check_trusted(path / ".metadata")
+    except private.UnsafePathError as exc:
+        raise CheckpointError(f"refusing to load {path}: {exc}") from None
     rank = dist.get_rank()
     flat = _flat(state, rank)
     try:

@@ -240,9 +240,13 @@ def _shared_pages() -> Check:
 
 
 def _runtime_vars() -> Check:
+    """The runtime variables set, each TORCHHPC_* one checked by the parser every read goes through."""
+    from torchhpc import settings
+
     names = sorted(k for k in os.environ if k.startswith(RUNTIME_PREFIXES))
     value = " ".join(f"{k}={os.environ[k]}" for k in names) if names else "none set"
-    return Check("runtime vars", OK, value)
+    bad = settings.problems()
+    return Check("runtime vars", FAIL if bad else OK, value, "; ".join(bad))
 
 
 def _native() -> Check:

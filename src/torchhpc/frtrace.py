@@ -7,15 +7,26 @@ stand.  This command is that analyzer, run unchanged (same arguments, same outpu
 ``accl``: each accl entry is parsed as torch parses its own and keeps its ``accl:`` name.  An open list upstream
 (a backend registry the analyzer consults, as ``Backend.register_backend`` is for process groups) would make it
 unnecessary.
+
+torch's loader unpickles every file under DIR: a file another user planted there would run code as the user.  The
+command first checks that every file and folder under DIR is the user's and writable by no one else, and refuses
+otherwise, saying which and why; ``--trust-others`` reads dumps another user wrote (a colleague's job) anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "accl_accepted"]
+from . import private
+
+__all__ = ["main", "accl_accepted", "check_dumps"]
+
+TRUST = "--trust-others"
 
 PREFIX = "accl:"
 
@@ -45,10 +56,33 @@ def accl_accepted() -> Iterator[None]:
         builder.Op, utils.Op = saved
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``torchfrtrace``'s command line (``torchhpc frtrace --help``), accl's entries accepted."""
-    from torch.distributed.flight_recorder import fr_trace
+def check_dumps(trace_dir: str | os.PathLike[str]) -> None:
+    """Raise :class:`torchhpc.private.UnsafePathError` unless ``trace_dir`` and everything torch's loader would
+    read under it (it walks the tree) is this user's and writable by no one else."""
+    for folder, _, files in os.walk(trace_dir):
+        private.check_trusted(folder)
+        for name in files:
+            private.check_trusted(Path(folder) / name)
 
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``torchfrtrace``'s command line (``torchhpc frtrace --help``), accl's entries accepted, dumps that are
+    not the user's refused unless ``--trust-others``."""
+    from torch.distributed.flight_recorder import fr_trace
+    from torch.distributed.flight_recorder.components.config_manager import JobConfig
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    trust = TRUST in args
+    args = [a for a in args if a != TRUST]
+    trace_dir = getattr(JobConfig().parse_args(args), "trace_dir", None)
+    if trace_dir and not trust:
+        try:
+            check_dumps(trace_dir)
+        except private.UnsafePathError as exc:
+            print(f"torchhpc frtrace: refusing to read {trace_dir}: {exc}.\nDumps are pickles, and reading one "
+                  f"runs whatever its writer put in it; pass {TRUST} if you trust whoever else could write there.",
+                  file=sys.stderr)
+            return 2
     with accl_accepted():
-        fr_trace.main(list(argv) if argv is not None else None)
+        fr_trace.main(args)
     return 0

@@ -18,23 +18,40 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import private
+
 _CHECKOUT_FILES = ("config_env.sh", "utils/submit_job.sh", "utils/run_ranks.sh")
 
 
 def find_checkout(explicit: str | None = None) -> Path:
     """The torchhpc checkout whose site profiles and job layer the script uses: ``--checkout``, else
-    ``TORCHHPC_ROOT`` (set by ``config_env.sh``), else the current directory or one above it, else the checkout
-    this package was installed from in editable mode."""
-    here = Path.cwd().resolve()
+    ``TORCHHPC_ROOT`` (set by ``config_env.sh``), else the checkout this package was installed from.  Never one
+    found by looking around the current directory: under a world-writable directory that would run a stranger's
+    scripts as the user (git refuses such repositories for the same reason)."""
     given = explicit or os.environ.get("TORCHHPC_ROOT")  # named: that one or none
-    candidates = [Path(given)] if given else [here, *here.parents, Path(__file__).resolve().parents[2]]
-    for path in candidates:
-        if all((path / name).is_file() for name in _CHECKOUT_FILES):
-            return path.resolve()
-    where = given or "the current directory, its parents and this package's source"
-    needs = ", ".join(_CHECKOUT_FILES)
-    raise SystemExit(f"torchhpc jobscript: no torchhpc checkout found in {where} (it needs {needs}); "
-                     "run it from the checkout you built with, or pass --checkout DIR")
+    path = Path(given) if given else Path(__file__).resolve().parents[2]
+    if not all((path / name).is_file() for name in _CHECKOUT_FILES):
+        where = given or f"{path} (this package's source)"
+        needs = ", ".join(_CHECKOUT_FILES)
+        raise SystemExit(f"torchhpc jobscript: no torchhpc checkout at {where} (it needs {needs}); "
+                         "pass --checkout DIR or source its config_env.sh")
+    path = path.resolve()
+    _check_checkout(path, named=bool(given))
+    return path
+
+
+def _check_checkout(root: Path, named: bool) -> None:
+    """Refuse a checkout whose scripts another user could change: any of them (or a folder above them)
+    writable by others, or, unless the user named it, owned by someone other than the user or root."""
+    owners = (0,) if not named else tuple({os.stat(root).st_uid, 0})  # naming one trusts its owner (a site's)
+    paths = [root, root / "utils", root / "utils" / "lib", *(root / n for n in _CHECKOUT_FILES),
+             *sorted((root / "utils" / "lib").glob("*.sh"))]
+    for path in paths:
+        try:
+            private.check_trusted(path.resolve(), owners=owners)
+        except private.UnsafePathError as exc:
+            raise SystemExit(f"torchhpc jobscript: refusing the checkout {root}: {exc}. Use a checkout of your "
+                             "own, or have its owner make it writable by them alone") from None
 
 
 def _job_name(command: Sequence[str]) -> str:

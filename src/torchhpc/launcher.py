@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
 import re
 import socket
@@ -34,7 +35,7 @@ from dataclasses import dataclass, replace
 from .errors import LauncherError
 
 __all__ = ["LauncherError", "WorldInfo", "world_info", "mpi_launcher", "MPI_LAUNCHER_VARS",
-           "init_distributed", "agree_on_master"]
+           "init_distributed", "agree_on_master", "job_store"]
 
 
 
@@ -280,17 +281,35 @@ def _slurm_first_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+def job_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta):
+    """The job's rendezvous ``TCPStore`` at ``host:port``.  Rank 0 (``is_master``) serves it on ``host``'s address
+    only (127.0.0.1 for a job on one node), not on every interface as torch's own server does: other users' jobs
+    on the network reach it only where the job's own ranks must.  ``port`` 0 (master): a free one, no race."""
+    import torch.distributed as dist
+
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0]
+        if ipaddress.ip_address(address[0]).is_loopback and host not in ("127.0.0.1", "localhost"):
+            address = ("", address[1])  # a host name this node maps to loopback (Debian's 127.0.1.1): others differ
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as exc:
+        raise LauncherError(f"rendezvous: cannot listen on {host}:{port} ({exc}); another process (or user) "
+                            "may hold that port: set MASTER_PORT to a free one") from None
+    port = sock.getsockname()[1]
+    return dist.TCPStore(host, port, world_size, True, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=sock.detach())  # the store owns the descriptor from here
 
 
-def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
-    """Rank 0's address and a free port, broadcast to every rank through MPI (``COMM_WORLD``).
+def agree_on_master(info: WorldInfo, timeout: float = 300.0):  # -> torch.distributed.Store
+    """The job's rendezvous store, its address agreed through MPI (``COMM_WORLD``): rank 0 listens on a free port
+    of its host (127.0.0.1 for a job on one node) and broadcasts it; every rank then joins.
 
-    A job on one node uses 127.0.0.1; otherwise rank 0's host name.  Fails with
-    :class:`~torchhpc.errors.PeerTimeoutError` if some rank does not join within ``timeout`` seconds.
+    Fails with :class:`~torchhpc.errors.PeerTimeoutError` if some rank does not join within ``timeout`` seconds.
     """
     from mpi4py import MPI
 
@@ -301,16 +320,19 @@ def agree_on_master(info: WorldInfo, timeout: float = 300.0) -> tuple[str, int]:
         raise LauncherError(
             f"MPI_COMM_WORLD has {world.Get_size()} ranks but the launcher says {info.world_size}"
         )
+    delta = datetime.timedelta(seconds=timeout)
     buf = bytearray(512)
+    store = None
     if world.Get_rank() == 0:
         host = "127.0.0.1" if info.local_size == info.world_size else socket.gethostname()
-        text = f"{host} {_free_port()}".encode()
+        store = job_store(host, 0, info.world_size, True, delta)
+        text = f"{host} {store.port}".encode()
         buf[: len(text)] = text
     wait_requests([world.Ibcast([buf, MPI.BYTE], root=0)], timeout, "", keep=buf, message=lambda: (
         f"rank {world.Get_rank()}: no master address from rank 0 after {timeout:.0f}s; "
         "did every rank call init_distributed()?"))
     host, port = bytes(buf).rstrip(b"\0").decode().split()
-    return host, int(port)
+    return store or job_store(host, int(port), info.world_size, False, delta)
 
 
 def _bind_gpu(info: WorldInfo) -> int | None:
@@ -373,13 +395,9 @@ def init_distributed(
     if backend != "mpi" and info.launcher == "torchrun" and env is None:
         kwargs.update(rank=info.rank, world_size=info.world_size, store=_torchrun_store(info, timeout))
     elif backend != "mpi":
-        # An explicit tcp:// address rather than env://, so nothing is written into os.environ (children of
-        # this process, e.g. a nested mpiexec, must not inherit a port this job owns).
-        if "MASTER_ADDR" in environ and "MASTER_PORT" in environ:
-            host, port = environ["MASTER_ADDR"], int(environ["MASTER_PORT"])
-        else:
-            host, port = _agree_on_master_address(info, environ, timeout.total_seconds())
-        kwargs.update(rank=info.rank, world_size=info.world_size, init_method=f"tcp://{host}:{port}")
+        # A store of our own rather than env://, so nothing is written into os.environ (children of this
+        # process, e.g. a nested mpiexec, must not inherit a port this job owns), served on the job's interface.
+        kwargs.update(rank=info.rank, world_size=info.world_size, store=_job_store(info, environ, timeout))
     if device is not None and backend == "nccl":
         kwargs["device_id"] = torch.device("cuda", device)
     # torch.distributed.nn.functional takes ``group.WORLD`` as a default argument; imported after the group
@@ -435,18 +453,33 @@ def _checked_backend(backend: str | None) -> str:
     return backend
 
 
-def _agree_on_master_address(info: WorldInfo, env: Mapping[str, str], timeout: float) -> tuple[str, int]:
+def _job_store(info: WorldInfo, env: Mapping[str, str], timeout: datetime.timedelta):
+    """The job's rendezvous store, at ``MASTER_ADDR:MASTER_PORT`` where set, else where the launcher's facts say:
+    agreed through MPI, or (srun without MPI) Slurm's reserved port for the step (``--resv-ports``)."""
+    master = info.rank == 0
+    if "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        return job_store(env["MASTER_ADDR"], _port(env, "MASTER_PORT"), info.world_size, master, timeout)
     if info.world_size == 1:
-        return "127.0.0.1", _free_port()
+        return job_store("127.0.0.1", 0, 1, True, timeout)
     if info.launcher in ("openmpi", "pals", "mpich", "mvapich", "mpi4py"):
         try:
-            return agree_on_master(info, timeout)
+            return agree_on_master(info, timeout.total_seconds())
         except ImportError as exc:
             raise LauncherError(f"MASTER_ADDR/MASTER_PORT are not set and mpi4py is unavailable ({exc})") from None
     if info.launcher == "slurm" and "SLURM_JOB_NODELIST" in env:
-        port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
-        return _slurm_first_host(env["SLURM_JOB_NODELIST"]), port
+        # Slurm's port reserved for this step (srun --resv-ports, MpiParams=ports=) is the step's alone; without
+        # one, a port from the job id: predictable, so another user may hold it first (rank 0 then says so)
+        resv = env.get("SLURM_STEP_RESV_PORTS", "")
+        port = int(re.split(r"[-,]", resv)[0]) if resv else 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        return job_store(_slurm_first_host(env["SLURM_JOB_NODELIST"]), port, info.world_size, master, timeout)
     raise LauncherError(
         f"MASTER_ADDR/MASTER_PORT are not set and the {info.launcher} launcher gives no way to agree on them; "
         "export MASTER_ADDR=<rank 0's host> MASTER_PORT=<free port>"
     )
+
+
+def _port(env: Mapping[str, str], name: str) -> int:
+    raw = env[name]
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise LauncherError(f"{name}={raw!r} is not a TCP port (1-65535)")
+    return int(raw)

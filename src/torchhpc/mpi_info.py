@@ -12,8 +12,10 @@ import ctypes
 import os
 from dataclasses import dataclass
 
+from . import settings
+
 __all__ = ["CudaAwareness", "library_version", "library_path", "thread_level", "cuda_aware_query",
-           "cuda_aware_probe", "fault_tolerance"]
+           "cuda_aware_probe", "fault_tolerance", "release_singleton_segment"]
 
 MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's type id for CUDA in MPIX_GPU_query_support
 
@@ -78,9 +80,9 @@ def cuda_aware_query() -> CudaAwareness:
 
     ``TORCHHPC_CUDA_AWARE_MPI=1`` / ``0`` overrides the answer, for MPIs that cannot be asked or answer wrong.
     """
-    forced = os.environ.get("TORCHHPC_CUDA_AWARE_MPI", "").strip().lower()
-    if forced:
-        return CudaAwareness(forced in ("1", "true", "yes", "on"), f"TORCHHPC_CUDA_AWARE_MPI={forced}")
+    forced = settings.get("TORCHHPC_CUDA_AWARE_MPI")
+    if forced is not None:
+        return CudaAwareness(forced, f"TORCHHPC_CUDA_AWARE_MPI={os.environ['TORCHHPC_CUDA_AWARE_MPI'].strip()}")
     path = library_path()
     lib = None
     if path:
@@ -129,3 +131,31 @@ def cuda_aware_probe(comm=None, nbytes: int = 1 << 20) -> CudaAwareness:
             ok = bool(torch.equal(buf.cpu(), torch.arange(n, dtype=torch.float32)))
     ok = comm.bcast(ok, root=1)
     return CudaAwareness(ok, f"device-buffer Send/Recv of {nbytes} B between ranks 0 and 1")
+
+
+def release_singleton_segment() -> list[str]:
+    """Unlink the shared-memory segment Open MPI 5 maps in a process run without ``mpiexec`` (a singleton): it
+    never removes it, after a normal exit or a kill (open-mpi/ompi#13261), and every run left 16 MiB in
+    ``/dev/shm``.  A singleton has no local peer to attach by name, so the name goes once mapped (the memory stays
+    until the process ends); the paths removed.  Does nothing under a launcher, or before MPI is initialised."""
+    import sys
+
+    from .launcher import mpi_launcher
+
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or mpi_launcher() is not None or not mpi.Is_initialized() or mpi.COMM_WORLD.Get_size() != 1:
+        return []
+    removed = []
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = {line.split()[-1] for line in maps if "/sm_segment." in line and line.rstrip().endswith(".0")}
+    except OSError:
+        return []
+    for path in sorted(paths):
+        try:
+            if os.stat(path).st_uid == os.geteuid():
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed

@@ -192,7 +192,7 @@ def test_host_tier_is_one_shared_segment_per_node(comm):
             comm.Barrier()
             assert bool((ct.host_view() == topo.node + 1).all())
             # nothing of it is left as a name in /dev/shm once set-up is done
-            assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"torchhpc-cs.{os.getpid()}.")]
+            assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"torchhpc-cs.{os.geteuid()}.{os.getpid()}.")]
 
 
 def test_memory_report_counts_host_tier_once_per_node(comm):

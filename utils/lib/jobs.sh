@@ -18,6 +18,23 @@ SLURM_DONE_STATES=" COMPLETED FAILED CANCELLED TIMEOUT NODE_FAIL PREEMPTED OUT_O
 
 job_die_value() { die "$1 '$2' $3"; }
 
+# JOB_DIR: this user's job scripts, logs and records, $TORCHHPC_JOBS_DIR or $TORCHHPC_PREFIX/jobs/<user>,
+# made 0700 and refused when another user owns it or could write it (a shared checkout's build/ is everyone's).
+job_private_dir() {
+  JOB_DIR=${TORCHHPC_JOBS_DIR:-$TORCHHPC_PREFIX/jobs/$(id -un)}
+  [[ -d "$JOB_DIR" ]] || { mkdir -p "${JOB_DIR%/*}" && mkdir -m 700 "$JOB_DIR"; } || die "cannot create $JOB_DIR; set TORCHHPC_JOBS_DIR"
+  job_trusted "$JOB_DIR" 077
+}
+
+# job_trusted PATH MASK: PATH is no symlink, is this user's, and has none of MASK's permission bits.
+job_trusted() {
+  local owner mode
+  [[ ! -L "$1" ]] || die "$1 is a symbolic link; refusing it (another user could point it anywhere)"
+  read -r owner mode < <(stat -c '%u %a' "$1")
+  [[ "$owner" == "$(id -u)" ]] || die "$1 is owned by uid $owner, not by you: refusing to keep jobs there (set TORCHHPC_JOBS_DIR)"
+  (((8#$mode & 8#$2) == 0)) || die "$1 has mode $mode: others could change it; chmod go-rwx $1"
+}
+
 # Fill every JOB_* resource from the site defaults and check its syntax for the chosen scheduler.
 job_resolve() {
   [[ "$JOB_NAME" =~ ^[A-Za-z][A-Za-z0-9._-]{0,235}$ ]] \
@@ -31,7 +48,7 @@ job_resolve() {
     none | "") die "no batch scheduler: neither sbatch nor qsub is on PATH here; submit from a login node, or set SCHEDULER=slurm|pbs" ;;
     *) job_die_value SCHEDULER "$JOB_SCHEDULER" "is not pbs or slurm" ;;
   esac
-  JOB_DIR="$TORCHHPC_PREFIX/jobs"
+  job_private_dir
   if [[ "$JOB_SCHEDULER" == pbs ]]; then
     job_resolve_pbs
   else
@@ -73,7 +90,7 @@ job_resolve_pbs() {
     die "site $TORCHHPC_SITE needs a project account: PBS_ACCOUNT=<project code> make ... (torchhpc jobscript: --account <code>)"
   fi
   JOB_SCRIPT="$JOB_DIR/$JOB_NAME.pbs"
-  JOB_LOG="$JOB_DIR/$JOB_NAME.log"
+  JOB_LOG="$JOB_DIR/$JOB_NAME-%j.log"   # %j: the job id (PBS_JOBID in the job); resolved after submission
 }
 
 # A run-shaped job's PBS select from --nodes/--ranks-per-node/--cpus/--gpus: N:ncpus=C:mpiprocs=P[:ngpus=G],
@@ -135,7 +152,7 @@ job_directives() {
     [[ -n "$JOB_ACCOUNT" ]] && printf '#PBS %s\n' "-A $JOB_ACCOUNT"
     # the job writes its own log as it goes (see job_write_script); PBS's copy of stdout, kept apart, holds
     # what the job printed before that and what PBS itself says
-    printf '#PBS %s\n' "-q $JOB_QUEUE" "-l select=$JOB_SELECT" "-l walltime=$JOB_WALLTIME" "-j oe" "-o ${JOB_LOG%.log}.pbs-out"
+    printf '#PBS %s\n' "-q $JOB_QUEUE" "-l select=$JOB_SELECT" "-l walltime=$JOB_WALLTIME" "-j oe" "-o $JOB_DIR/$JOB_NAME.pbs-out"
     # a test or run takes whole hosts, one chunk each (PBS packs chunks by default); a site's place= wins
     if [[ "$JOB_SHAPE" != build && ("$JOB_SELECT" == *+* || "${JOB_SELECT%%:*}" -gt 1) \
       && " ${JOB_EXTRA[*]} " != *place=* ]]; then
@@ -162,13 +179,13 @@ job_write_script() {
     if [[ "$JOB_SCHEDULER" == pbs ]]; then printf '#!/bin/bash -l\n'; else printf '#!/bin/bash\n'; fi
     job_directives
     cat <<JOB
-# Written by utils/submit_job.sh ($JOB_SCHEDULER) for site $TORCHHPC_SITE; runs in $JOB_WORKDIR.
+# Written by utils/submit_job.sh ($JOB_SCHEDULER) for site $(printf '%q' "$TORCHHPC_SITE"); runs in the directory below.
 set -euo pipefail
 JOB
     # PBS copies a job's stdout back only when it ends: the job writes its log on the shared file system
     # itself, so that the wait (and `tail -f`) sees it grow.  NCAR's qcmd streams the output instead.
     if [[ "$JOB_SCHEDULER" == pbs ]] && ! job_via_qcmd; then
-      printf 'exec >>%q 2>&1\n' "$JOB_LOG"
+      printf 'exec >>%q"${PBS_JOBID}".log 2>&1\n' "${JOB_LOG%\%j.log}"
     fi
     cat <<JOB
 cd $(printf '%q' "$JOB_WORKDIR")
@@ -221,7 +238,7 @@ job_build_submit() {
 # Print the last lines of the job's log (the whole story of a failed job is usually there), and what PBS
 # itself wrote to the job's stdout (e.g. "job killed: walltime"), which it copies back as the job ends.
 job_show_log() {
-  local pbs_out=${JOB_LOG%.log}.pbs-out
+  local pbs_out=$JOB_DIR/$JOB_NAME.pbs-out
   if [[ -f "$JOB_LOG" ]]; then
     step "log $JOB_LOG (last 40 lines)"
     tail -n 40 "$JOB_LOG"
@@ -241,7 +258,6 @@ job_show_log() {
 job_run() {
   command -v "${JOB_SUBMIT_CMD[0]}" >/dev/null \
     || die "'${JOB_SUBMIT_CMD[0]}' not found: submit from a ${JOB_SCHEDULER^^} login node"
-  mkdir -p "$JOB_DIR"
   printf '%s\n' "$JOB_SCRIPT_TEXT" >"$JOB_SCRIPT"
   if [[ "${JOB_SUBMIT_CMD[0]}" == qcmd ]]; then
     # NCAR's qcmd: it blocks, streams the job's output and returns its exit status; it takes no job id.
@@ -266,7 +282,6 @@ job_run() {
 # Hand the job to the scheduler: JOB_ID, and JOB_LOG with Slurm's %j resolved.
 job_submit() {
   local out
-  rm -f "$JOB_LOG"
   out=$("${JOB_SUBMIT_CMD[@]}" 2>&1) || die "${JOB_SUBMIT_CMD[0]} refused the job: $out; script: $JOB_SCRIPT"
   JOB_ID=$(tail -n 1 <<<"$out")
   if [[ "$JOB_SCHEDULER" == slurm ]]; then
@@ -276,15 +291,19 @@ job_submit() {
     step "submitted $JOB_NAME as Slurm job $JOB_ID ($JOB_NODES node(s) x $JOB_PPN task(s), $JOB_CPUS cpu(s)/task, time $JOB_WALLTIME${JOB_QUEUE:+, partition $JOB_QUEUE}); log: $JOB_LOG"
   else
     [[ "$JOB_ID" =~ ^[0-9]+(\[\])?\.[A-Za-z0-9_.-]+$ ]] || die "qsub printed '$out', not a job id; script: $JOB_SCRIPT"
+    JOB_LOG=${JOB_LOG//%j/$JOB_ID}
     step "submitted $JOB_NAME as PBS job $JOB_ID ($JOB_SELECT, $JOB_WALLTIME, queue $JOB_QUEUE); log: $JOB_LOG"
   fi
 }
 
 # --attach NAME: follow a job submitted earlier (its record $JOB_DIR/NAME.job) to its end.
 job_attach() {
-  local record="$TORCHHPC_PREFIX/jobs/$1.job"
+  job_private_dir
+  local record="$JOB_DIR/$1.job"
+  [[ "$1" =~ ^[A-Za-z][A-Za-z0-9._-]*$ ]] || job_die_value --attach "$1" "is not a job name"
   [[ -f "$record" ]] || die "no job named '$1' was submitted from here (no $record)"
-  # shellcheck disable=SC1090  # the record is written by job_run, %q-quoted
+  job_trusted "$record" 022
+  # shellcheck disable=SC1090  # the record is written by job_run, %q-quoted, in this user's 0700 JOB_DIR
   source "$record"
   JOB_NAME=$1
   step "following $(job_kind) job $JOB_ID ($JOB_NAME); Ctrl-C deletes it"

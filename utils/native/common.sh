@@ -8,8 +8,8 @@
 #   NATIVE_JOBS     parallel build jobs                                            (nproc)
 #   PYTHON          the environment's interpreter, for extension modules          ($VENV/bin/python)
 #
-# Every archive is verified before use: it must be a `git archive` of exactly the commit the table pins
-# (`git get-tar-commit-id`), whether it came from NATIVE_SOURCES or from GitHub.  Each finished step writes
+# Every archive is verified before use: its files must hash to the table's tree_sha256 (utils/tree_sha256.py),
+# whether it came from NATIVE_SOURCES or from GitHub.  Each finished step writes
 # a stamp under $NATIVE_PREFIX/stamps holding what it was built from; a re-run whose stamp matches skips it.
 #
 # Layout under NATIVE_PREFIX: include/ lib/ (libraries), src/<name>-<version>/ (unpacked sources, build
@@ -32,13 +32,14 @@ export CMAKE_PREFIX_PATH="$NATIVE_PREFIX${CMAKE_PREFIX_PATH:+:$CMAKE_PREFIX_PATH
 
 native_die() { printf '%s: error: %s\n' "${0##*/}" "$*" >&2; exit 1; }
 
-# native_row NAME: set ROW_VERSION ROW_UPSTREAM ROW_TAG ROW_COMMIT ROW_ARCHIVE from the versions table.
+# native_row NAME: set ROW_VERSION ROW_UPSTREAM ROW_TAG ROW_COMMIT ROW_ARCHIVE ROW_SHA256 from the versions table.
 native_row() {
   local line
   line=$(awk -F'\t' -v n="$1" '!/^#/ && $1 == n' "$NATIVE_TABLE")
   [[ -n "$line" ]] || native_die "'$1' has no row in $NATIVE_TABLE"
-  IFS=$'\t' read -r _ ROW_VERSION _ ROW_UPSTREAM ROW_TAG ROW_COMMIT ROW_ARCHIVE <<<"$line"
+  IFS=$'\t' read -r _ ROW_VERSION _ ROW_UPSTREAM ROW_TAG ROW_COMMIT ROW_ARCHIVE ROW_SHA256 <<<"$line"
   [[ "$ROW_COMMIT" =~ ^[0-9a-f]{40}$ ]] || native_die "row '$1' of $NATIVE_TABLE has no 40-digit commit"
+  [[ "$ROW_SHA256" =~ ^[0-9a-f]{64}$ ]] || native_die "row '$1' of $NATIVE_TABLE has no tree_sha256"
 }
 
 # native_require LABEL:CHECK:DEBIAN ...: fail listing every missing build dependency at once.
@@ -84,10 +85,9 @@ native_fetch() {
       mv "$archive.part" "$archive"
     fi
   fi
-  command -v git >/dev/null || native_die "git is needed to verify $archive (git get-tar-commit-id)"
-  got=$(gzip -dc "$archive" | git get-tar-commit-id 2>/dev/null || true)
-  [[ "$got" == "$ROW_COMMIT" ]] \
-    || native_die "$archive is not $1 $ROW_TAG: it holds commit '${got:-none}', the table pins $ROW_COMMIT"
+  got=$("$PYTHON" "$NATIVE_ROOT/utils/tree_sha256.py" "$archive") || native_die "cannot read $archive"
+  [[ "$got" == "$ROW_SHA256" ]] \
+    || native_die "$archive is not $1 $ROW_TAG ($ROW_COMMIT): its files hash to $got, the table pins $ROW_SHA256"
   printf '%s\n' "$archive"
 }
 

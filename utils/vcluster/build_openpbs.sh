@@ -14,6 +14,8 @@ set -euo pipefail
 # openpbs/openpbs master of 2026-04-10; it reports 23.06.06.  The v23.06.06 tag itself does not build with
 # Python 3.11 (eval.h); see ../shared/vendor/README.md.
 OPENPBS_COMMIT=cd7ab5edaf03dcac2f1cb9e2f42d75eb117d468a
+# utils/tree_sha256.py of that commit's archive (its files, whatever the packing): a download must match it
+OPENPBS_TREE_SHA256=dbe2a181316d14945f35fbc35c81d2906da8c1b9ddffbf6273640d8cc60b7433
 short=${OPENPBS_COMMIT:0:9}
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -45,15 +47,20 @@ rm -rf "$src" "$src.tmp"
 mkdir -p "$src.tmp"
 if [[ -f "$archive" ]]; then
   say "source: $archive"
-  tar xzf "$archive" -C "$src.tmp"
 else
   url="https://github.com/openpbs/openpbs/archive/$OPENPBS_COMMIT.tar.gz"
   say "source: $url (no $archive)"
   command -v curl >/dev/null || unfit "no $archive and no curl to fetch $url"
-  curl -fsSL "$url" | tar xz -C "$src.tmp" || unfit "could not fetch $url"
+  archive="$prefix/src/openpbs-$short.download.tar.gz"
+  curl -fsSL -o "$archive" "$url" || unfit "could not fetch $url"
 fi
+# a wrong archive is an error, not "cannot build here": a test must not skip past it
+got=$(python3 "$repo/utils/tree_sha256.py" "$archive") || { say "cannot read $archive"; exit 1; }
+[[ "$got" == "$OPENPBS_TREE_SHA256" ]] \
+  || { say "$archive is not OpenPBS $OPENPBS_COMMIT: its files hash to $got, expected $OPENPBS_TREE_SHA256"; exit 1; }
+tar xzf "$archive" -C "$src.tmp"
 top=$(find "$src.tmp" -mindepth 1 -maxdepth 1 -type d)
-[[ -f "$top/configure.ac" && -f "$top/src/server/pbsd_main.c" ]] || unfit "$archive does not hold an OpenPBS tree"
+[[ -f "$top/configure.ac" && -f "$top/src/server/pbsd_main.c" ]] || { say "$archive does not hold an OpenPBS tree"; exit 1; }
 mv "$top" "$src"
 rm -rf "$src.tmp"
 

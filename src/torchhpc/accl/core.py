@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
 from types import ModuleType
 
 import torch
 from mpi4py import MPI
 
+from .. import private
 from ..errors import EngineUnavailableError
+from ..mpi_info import release_singleton_segment
 
-__all__ = ["load_backend", "family"]
+__all__ = ["load_backend", "family", "flight_prefix"]
 
 
 def family(version: str | None = None) -> str | None:
@@ -54,4 +60,21 @@ def load_backend() -> ModuleType:
     if mod.torch_version != torch.__version__:
         raise EngineUnavailableError(f"accl: the C++ backend was built for torch {mod.torch_version}, running "
                                      f"{torch.__version__}; rebuild it with {build} --force")
+    mod.set_flight_prefix(flight_prefix())
+    release_singleton_segment()  # run without mpiexec: Open MPI 5 would leave 16 MiB in /dev/shm
     return mod
+
+
+def flight_prefix() -> str:
+    """Where this process's flight-record dumps go (+ the global rank): ``$TORCH_FR_DUMP_TEMP_FILE`` as torch
+    reads it, else ``$TMPDIR/torchhpc-<uid>/flight/nccl_trace_rank_`` (this user's, 0700; torch's own default
+    is a fixed name in the shared ``/tmp``)."""
+    given = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if given:
+        return given
+    try:
+        folder = private.runtime_dir("flight")
+    except private.UnsafePathError as exc:  # someone else holds the name: a directory of our own, say where
+        folder = Path(tempfile.mkdtemp(prefix="torchhpc-flight-"))
+        warnings.warn(f"accl: {exc}; flight records go to {folder} instead", stacklevel=2)
+    return str(folder / "nccl_trace_rank_")

@@ -20,7 +20,9 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-__all__ = ["build", "family_of", "default_mpicc", "default_mpicxx", "CSRC", "SOURCES"]
+from .. import private
+
+__all__ = ["build", "default_objdir", "family_of", "default_mpicc", "default_mpicxx", "CSRC", "SOURCES"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: the backend's translation units (csrc/accl.hpp declares them all)
@@ -84,6 +86,15 @@ def default_mpicxx(mpicc: str | None = None) -> str:
     raise SystemExit(f"accl backend build: no mpicxx beside {base}; set MPICXX")
 
 
+def default_objdir(fam: str, root: Path = CSRC.parents[3]) -> Path:
+    """Where object files of ``fam`` are kept: ``build/accl-backend/<family>`` of the checkout at ``root``,
+    else (an installed package) this user's 0700 ``~/.cache/torchhpc/accl-backend/<family>``, never a fixed
+    name in a shared ``/tmp``: objects found there are linked into the module."""
+    if (root / "Makefile").exists():
+        return root / "build" / "accl-backend" / fam
+    return private.cache_dir("accl-backend", fam)
+
+
 def _stamp(cxx: str, flags: list[str]) -> str:
     import hashlib
 
@@ -100,9 +111,9 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
                   objdir: Path | None = None, mpicxx: str | None = None) -> Path:
     """Compile the C++ backend (``csrc/``) for the MPI family behind ``mpicc`` (its C++ wrapper) against the
     importable torch, into ``_backend_<family>`` in ``dest`` (default: this package); the output's path.
-    Object files are kept per family in ``objdir`` (default ``build/accl-backend/<family>`` of the checkout, else
-    a temporary directory), so an edit recompiles only its translation unit; a stamp (torch version, sha256 of
-    the sources and flags) keeps a module whose inputs did not change."""
+    Object files are kept per family in ``objdir`` (default: :func:`default_objdir`), so an edit recompiles only
+    its translation unit; a stamp (torch version, sha256 of the sources and flags) keeps a module whose inputs
+    did not change."""
     import torch
     from torch.utils import cpp_extension
 
@@ -124,10 +135,7 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
     stamp = _stamp(mpicxx, flags)
     if not force and out.exists() and stamp_file.exists() and stamp_file.read_text().strip() == stamp:
         return out
-    root = CSRC.parents[3]
-    objdir = Path(objdir) if objdir is not None else (
-        root / "build" / "accl-backend" / fam if (root / "Makefile").exists()
-        else Path(tempfile.gettempdir()) / "torchhpc-accl-backend" / fam)
+    objdir = Path(objdir) if objdir is not None else default_objdir(fam)
     objdir.mkdir(parents=True, exist_ok=True)
     header = CSRC / "accl.hpp"
     objs = []

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .. import settings
+
 __all__ = ["AcclOptions", "collectives", "default_spin_us"]
 
 
@@ -36,25 +38,9 @@ def default_spin_us(ranks_on_node: int | None = None) -> int:
     return 1000 if 0 < ranks_on_node <= (os.cpu_count() or 1) else 100
 
 
-def _env_bool(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if raw.lower() in ("1", "true", "yes", "on"):
-        return True
-    if raw.lower() in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
-
-
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+def _env(name: str):  # noqa: ANN202 (the setting's own type)
+    """``TORCHHPC_ACCL_<NAME>`` as :mod:`torchhpc.settings` parses and checks it (the one parser)."""
+    return settings.get(name)
 
 
 def _env_sidestep() -> frozenset[str]:
@@ -106,31 +92,33 @@ class AcclOptions:
       how the ACCL engine reaches its device (see :mod:`torchhpc.accl.accl_engine`).
     """
 
-    engine: str = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_ENGINE", "mpi").lower())
-    max_segment_bytes: int | None = field(
-        default_factory=lambda: _env_int("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", None)
-    )
+    engine: str = field(default_factory=lambda: _env("TORCHHPC_ACCL_ENGINE"))
+    max_segment_bytes: int | None = field(default_factory=lambda: _env("TORCHHPC_ACCL_MAX_SEGMENT_BYTES"))
     sidestep: frozenset[str] = field(default_factory=_env_sidestep)
-    check: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_CHECK", True))
-    blocking_min_bytes: int = field(
-        default_factory=lambda: _env_int("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", 64 << 10))
-    ring_min_bytes: int | None = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_RING_MIN_BYTES", None))
-    spin_us: int | None = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_SPIN_US", None))
-    flight_stacks: bool = field(default_factory=lambda: _env_bool("TORCHHPC_ACCL_FLIGHT_STACKS", False))
+    check: bool = field(default_factory=lambda: _env("TORCHHPC_ACCL_CHECK"))
+    blocking_min_bytes: int = field(default_factory=lambda: _env("TORCHHPC_ACCL_BLOCKING_MIN_BYTES"))
+    ring_min_bytes: int | None = field(default_factory=lambda: _env("TORCHHPC_ACCL_RING_MIN_BYTES"))
+    spin_us: int | None = field(default_factory=lambda: _env("TORCHHPC_ACCL_SPIN_US"))
+    flight_stacks: bool = field(default_factory=lambda: _env("TORCHHPC_ACCL_FLIGHT_STACKS"))
     accl_sim_sock: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_SIM_SOCK"))
-    accl_start_port: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_START_PORT", 5500))
+    accl_start_port: int = field(default_factory=lambda: _env("TORCHHPC_ACCL_START_PORT"))
     accl_xclbin: str | None = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_XCLBIN"))
-    accl_bufsize: int = field(default_factory=lambda: _env_int("TORCHHPC_ACCL_BUFSIZE", 1 << 20))
-    accl_protocol: str = field(default_factory=lambda: os.environ.get("TORCHHPC_ACCL_PROTOCOL", "TCP"))
+    accl_bufsize: int = field(default_factory=lambda: _env("TORCHHPC_ACCL_BUFSIZE"))
+    accl_protocol: str = field(default_factory=lambda: _env("TORCHHPC_ACCL_PROTOCOL").upper())
 
     def __post_init__(self) -> None:
         self.engine = str(self.engine).lower()
         if self.engine not in ("mpi", "accl"):
             raise ValueError(f"AcclOptions.engine must be 'mpi' or 'accl', got {self.engine!r}")
-        for name, least in (("max_segment_bytes", 8), ("ring_min_bytes", 0), ("spin_us", 0)):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < least):
-                raise ValueError(f"AcclOptions.{name} must be None or an int >= {least}, got {value!r}")
+        for name in ("max_segment_bytes", "ring_min_bytes", "spin_us", "blocking_min_bytes", "accl_start_port",
+                     "accl_bufsize"):  # the same ranges as their variables
+            setting = settings.SETTINGS["TORCHHPC_ACCL_" + name.upper().removeprefix("ACCL_")]
+            value, low, high = getattr(self, name), setting.low, setting.high
+            if (value is None and setting.default is None) or (
+                    isinstance(value, int) and (low is None or value >= low) and (high is None or value <= high)):
+                continue
+            raise ValueError(f"AcclOptions.{name} must be {'None or ' if setting.default is None else ''}"
+                             f"{setting.takes()}, got {value!r}")
         self.sidestep = frozenset(self.sidestep)
         known = collectives()
         unknown = self.sidestep - set(known)

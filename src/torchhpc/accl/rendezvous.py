@@ -3,8 +3,9 @@
 torch's default ``env://`` rendezvous needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.  When
 any of these is missing and the process runs under an MPI launcher, the wrapped handler fills the
 gap from MPI at ``init_process_group`` time (never at import): rank and size from
-``MPI.COMM_WORLD``, and a TCPStore that rank 0 opens on a free port it picks itself, whose address
-reaches the others by ``MPI_Bcast``.  Values the user did set are used as they are (and checked
+``MPI.COMM_WORLD``, and a TCPStore that rank 0 opens on a free port it picks itself, listening on
+the job's interface only (loopback for a job on one node), whose address reaches the others by
+``MPI_Bcast``.  Values the user did set are used as they are (and checked
 against MPI).  Without an MPI launcher the original handler runs untouched, so its usual error
 about the missing variables still appears.
 """
@@ -21,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401  (loads the module; the name is shadowed by a function)
 
 from ..errors import RemoteError
-from ..launcher import mpi_launcher
+from ..launcher import job_store, mpi_launcher
 from ..waiting import wait_requests
 
 __all__ = ["install_env_rendezvous", "under_mpi_launcher"]
@@ -54,15 +55,16 @@ def _mpi_env_handler(url: str, timeout: timedelta = dist.default_pg_timeout, **k
                          f"processes; unset WORLD_SIZE or launch {size} ranks")
     if have_addr:
         addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore(addr, port, size, rank == 0, timeout=timeout, wait_for_workers=False)
+        store = job_store(addr, port, size, rank == 0, timeout)
     else:
         store = None
         buf = bytearray(1024)  # "ok <host> <port>" or "error <message>", from rank 0
+        one_node = _one_node(world)  # collective: every rank splits
         if world.Get_rank() == 0:
             try:
-                store = dist.TCPStore(socket.gethostname(), 0, size, True, timeout=timeout,
-                                      wait_for_workers=False)
-                text = f"ok {_reachable_host()} {store.port}"
+                host = "127.0.0.1" if one_node else _reachable_host()
+                store = job_store(host, 0, size, True, timeout)
+                text = f"ok {host} {store.port}"
             except Exception as exc:  # noqa: BLE001 - tell the other ranks too
                 text = f"error {type(exc).__name__}: {exc}"
             raw = text.encode(errors="replace")[: len(buf)]
@@ -75,9 +77,20 @@ def _mpi_env_handler(url: str, timeout: timedelta = dist.default_pg_timeout, **k
             raise RemoteError(f"accl rendezvous: rank 0 could not open a TCPStore: {rest}", 0, rest)
         host, port = rest.split()
         if store is None:
-            store = dist.TCPStore(host, int(port), size, False, timeout=timeout)
+            store = job_store(host, int(port), size, False, timeout)
     yield (store, rank, size)
     raise RuntimeError("accl rendezvous: re-rendezvous is not supported")
+
+
+def _one_node(world) -> bool:  # noqa: ANN001 (an mpi4py communicator)
+    """Whether every rank of ``world`` is on this node (collective): the store then listens on loopback only."""
+    from mpi4py import MPI
+
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() == world.Get_size()
+    finally:
+        node.Free()
 
 
 def _reachable_host() -> str:

@@ -18,7 +18,6 @@ steps, independent of the machine.
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from torchhpc import errors
+from torchhpc import errors, settings
 from torchhpc.mpi_info import cuda_aware_query
 from torchhpc.waiting import wait_requests
 
@@ -49,14 +48,8 @@ PeerTimeoutError = errors.PeerTimeoutError
 
 def default_timeout() -> float:
     """``TORCHHPC_BRAID_TIMEOUT`` (seconds) when set, else :data:`DEFAULT_TIMEOUT`."""
-    env = os.environ.get("TORCHHPC_BRAID_TIMEOUT")
-    if env is None or env == "":
-        return DEFAULT_TIMEOUT
-    try:
-        value = float(env)
-    except ValueError:
-        raise ValueError(f"TORCHHPC_BRAID_TIMEOUT must be a number of seconds, got {env!r}") from None
-    return check_timeout(value)
+    value = settings.get("TORCHHPC_BRAID_TIMEOUT")
+    return DEFAULT_TIMEOUT if value is None else check_timeout(value)
 
 
 def check_timeout(timeout: float | None) -> float:

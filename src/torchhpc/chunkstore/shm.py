@@ -1,15 +1,13 @@
-"""POSIX shared-memory segments that cannot outlive their job.
-
-A segment is a file in ``/dev/shm`` named ``torchhpc-cs.<pid>.<starttime>.<token>``
-after the process that created it.  Once every local rank has mapped it, the creator
-unlinks the name (:meth:`Segment.unlink`): the memory then lives exactly as long as
-some process maps it, so neither a normal exit, Ctrl-C nor SIGKILL can leak it.  The
-only window in which a name exists is job set-up; a crash there leaves a named file
-whose owner is dead, and :func:`reap_dead_segments` (run whenever a segment is
-created) removes those.  Owner liveness is checked by pid *and* process start time,
-so a recycled pid does not protect a stale segment.  Jobs that share ``/dev/shm`` but not a PID
-namespace (some container set-ups) cannot see each other's owners: give them separate
-directories with ``TORCHHPC_SHM_DIR``.
+"""POSIX shared-memory segments that cannot outlive their job. A segment is a file in ``/dev/shm`` named ``torchhpc-
+cs.<uid>.<pid>.<starttime>.<token>`` after the user and process that created it. Once every local rank has mapped
+it, the creator unlinks the name (:meth:`Segment.unlink`): the memory then lives exactly as long as some process
+maps it, so neither a normal exit, Ctrl-C nor SIGKILL can leak it. The only window in which a name exists is job
+set-up; a crash there leaves a named file whose owner is dead, and :func:`reap_dead_segments` (run whenever a
+segment is created) removes those: the user's own only (uid in the name and as the file's owner), so that another
+user's file, or another user's live job hidden by ``hidepid``, stops nothing. Owner liveness is checked by pid *and*
+process start time, so a recycled pid does not protect a stale segment. Jobs that share ``/dev/shm`` but not a PID
+namespace (some container set-ups) cannot see each other's owners: give them separate directories with
+``TORCHHPC_SHM_DIR``.
 
 Huge pages: every process advises its mapping of a segment of at least 2 MiB for transparent huge pages
 (``MADV_HUGEPAGE``) and the creator fills it through that mapping (``MADV_POPULATE_WRITE``), so the shared memory
@@ -36,7 +34,7 @@ __all__ = ["PREFIX", "Segment", "SharedMemoryTooSmall", "shm_dir", "reap_dead_se
 PREFIX = "torchhpc-cs"
 HUGE = 2 << 20  # a PMD-sized transparent huge page
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11's mmap lacks the name
-_NAME_RE = re.compile(rf"^{re.escape(PREFIX)}\.(\d+)\.(\d+)\.[0-9a-f]+$")
+_NAME_RE = re.compile(rf"^{re.escape(PREFIX)}\.(\d+)\.(\d+)\.(\d+)\.[0-9a-f]+$")  # uid, pid, start time
 
 
 class SharedMemoryTooSmall(MemoryError):
@@ -72,33 +70,37 @@ def _owner_alive(pid: int, start: int) -> bool:
 
 
 def list_segments(directory: Path | None = None) -> list[tuple[Path, int]]:
-    """Named chunkstore segments present in the shared-memory directory, with their owner pid."""
+    """This user's named chunkstore segments in the shared-memory directory, with their owner pid."""
     d = directory or shm_dir()
     out = []
     try:
         names = os.listdir(d)
     except FileNotFoundError:
         return out
+    uid = os.geteuid()
     for name in names:
         m = _NAME_RE.match(name)
-        if m:
-            out.append((d / name, int(m.group(1))))
+        if m and int(m.group(1)) == uid:
+            out.append((d / name, int(m.group(2))))
     return out
 
 
 def reap_dead_segments(directory: Path | None = None) -> list[Path]:
-    """Unlink segments left by processes that died during set-up; return what was removed."""
+    """Unlink this user's segments left by processes that died during set-up; return what was removed.  Files
+    of other users (whatever their name says) are never touched."""
     removed = []
     d = directory or shm_dir()
+    uid = os.geteuid()
     for path, _pid in list_segments(d):
         m = _NAME_RE.match(path.name)
         assert m is not None
-        if not _owner_alive(int(m.group(1)), int(m.group(2))):
-            try:
-                path.unlink()
-                removed.append(path)
-            except FileNotFoundError:
-                pass  # another job's reaper was faster
+        try:
+            if os.lstat(path).st_uid != uid or _owner_alive(int(m.group(2)), int(m.group(3))):
+                continue  # a name that claims our uid on another's file; or a live owner
+            path.unlink()
+            removed.append(path)
+        except FileNotFoundError:
+            pass  # another of our jobs' reapers was faster
     return removed
 
 
@@ -208,7 +210,7 @@ class Segment:
         if nbytes > free:
             raise SharedMemoryTooSmall(_too_small_message(nbytes, free, d))
         pid = os.getpid()
-        name = f"{PREFIX}.{pid}.{_start_time(pid) or 0}.{secrets.token_hex(6)}"
+        name = f"{PREFIX}.{os.geteuid()}.{pid}.{_start_time(pid) or 0}.{secrets.token_hex(6)}"
         path = d / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from mpi4py import MPI
+
+from .. import settings
 
 __all__ = ["NodeTopology", "node_topology"]
 
@@ -46,8 +47,8 @@ def node_topology(comm: MPI.Comm | None = None, ranks_per_node: int | None = Non
     """
     comm = comm if comm is not None else MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
-        ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
+    if ranks_per_node is None:
+        ranks_per_node = settings.get(RANKS_PER_NODE_ENV)
     if ranks_per_node is not None and ranks_per_node < 1:
         raise ValueError(f"ranks_per_node must be >= 1, got {ranks_per_node}")
     key = (comm.py2f(), ranks_per_node)

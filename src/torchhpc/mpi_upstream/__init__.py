@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import settings
+
 __all__ = ["NAME", "family", "module_name", "load", "create_backend", "register", "init_process_group",
            "use_as_torch_mpi", "cuda_aware", "UnsupportedGroupError"]
 
@@ -57,10 +59,8 @@ def family() -> str:
     """The MPI family of this process: ``$TORCHHPC_MPI_FAMILY``; else the library mpi4py loaded, if it did;
     else the launcher's (:func:`torchhpc.launcher.mpi_launcher`) or ``$MPI4PY_LIBMPI``; else the only family
     built, else that of the ``mpiexec`` beside this interpreter."""
-    forced = os.environ.get("TORCHHPC_MPI_FAMILY")
+    forced = settings.get("TORCHHPC_MPI_FAMILY")
     if forced:
-        if forced not in FAMILIES:
-            raise ValueError(f"TORCHHPC_MPI_FAMILY={forced!r}: expected one of {FAMILIES}")
         return forced
     if "mpi4py.MPI" in sys.modules:
         fam = _family_of_version(sys.modules["mpi4py.MPI"].Get_library_version())

@@ -26,6 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchhpc import private
 from torchhpc.mpi_upstream import module_name
 
 __all__ = ["BuildError", "Source", "build", "select_source", "patches_for", "apply_patches", "family_of",
@@ -206,7 +207,7 @@ def family_of(mpicxx: str) -> str:
 def _default_workdir() -> Path:
     if (ROOT / "patches" / "pytorch").is_dir():
         return ROOT / "build" / "mpi-backend"
-    return Path(tempfile.gettempdir()) / "torchhpc-mpi-backend"
+    return private.cache_dir("mpi-backend")  # this user's alone: a download kept there is compiled
 
 
 def build(mpicxx: str | None = None, dest: Path | None = None, workdir: Path | None = None,

@@ -6,13 +6,16 @@ progress stream serves peers without this rank's Python threads.  A draw sends e
 RPC naming the wanted records; the owner pushes their fields (bulk transfers from the exposed block)
 straight into the reader's output rows while holding its block lock shared.  The owner's updates hold the same lock
 exclusively, so a record is never read half-written: the guarantee the MPI transport gets from its
-exclusive/shared window locks.  Engine addresses are exchanged through MPI at construction.
+exclusive/shared window locks.  Engine addresses are exchanged through MPI at construction, and so is the job's
+secret (32 random bytes from rank 0) that every request carries: an engine serves the job's ranks only, and
+anyone else who reaches its port is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 
 import numpy as np
 from mpi4py import MPI
@@ -78,12 +81,16 @@ class ThalliumSlotStorage(SlotStorage):
         self.protocol = protocol
         self.timeout = float(timeout)
         self.transport = None
+        secret = np.frombuffer(secrets.token_bytes(32), dtype=np.uint8).copy() if self.rank == 0 else \
+            np.zeros(32, dtype=np.uint8)
+        wait_requests([comm.Ibcast([secret, MPI.BYTE], root=0)], self.timeout, f"{_WHAT}: agreeing the job's secret",
+                      keep=(secret,))
         with agreed(comm, self.timeout, _WHAT):  # a rank that cannot start its engine stops every rank
             ext = native.load("thallium")
             self._errors = (ext.PeerTimeout, ext.PeerError, ext.PeerUnreachable)
             self.transport = ext.Transport(
                 protocol, self.bytes.data_ptr(), layout.total_bytes, layout.header_bytes, layout.record_bytes,
-                layout.num_classes, margo_config(),
+                layout.num_classes, margo_config(), secret.tobytes(),
             )
             mine = self.transport.address().encode()
             if len(mine) >= _ADDR_BYTES:

@@ -117,6 +117,10 @@ extern const char* const kFieldNames[kFields];
 extern const char* const kKindNames[10];
 extern const char* const kDtypeNames[15];
 extern const char* const kOpNames[8];
+// test hook: the next prefix or envelope this process sends carries its size field off by `delta` (a peer that
+// garbles a message); the one place a wrong size is made on purpose, to test that every reader refuses it
+void garbleNext(int64_t delta);
+int64_t takeGarble();  // the pending delta, once (0 almost always: one relaxed load)
 int64_t dtypeCode(at::ScalarType t);  // 1.. in kDtypeNames' order; 99 for a dtype outside the table
 int64_t opCode(RedOpType op);         // 1.. in kOpNames' order; 0 for none
 std::string dtypeName(int64_t code);
@@ -321,7 +325,8 @@ struct FrRecord {  // one call's entry, retired when the call is destroyed (the 
   ~FrRecord();
 };
 bool frBuilt();                         // whether accl was built with torch's recorder
-std::string frWrite(int globalRank);    // the whole record through torch's DebugInfoWriter; its file
+std::string frWrite(int globalRank);    // the whole record to the prefix + globalRank, a new 0600 file; its path
+void frSetPrefix(std::string prefix);   // where dumps go (Python's choice: TORCH_FR_DUMP_TEMP_FILE or a private dir)
 const char* frOpName(c10d::OpType type);  // the analyzer's name of a collective
 
 // ------------------------------------------------------------------------------------------ calls

@@ -77,10 +77,17 @@ char* landing(const Xchg& x, const wire::Prefix& pre, char* scratch) {
   return x.data;
 }
 
-// whether an agreed peer's data has the layout this rank expects (gathered blocks within the group)
+// whether an agreed peer's data has the size and layout this rank expects: a size from a peer is checked
+// before anything is copied (a corrupt prefix becomes a refusal on every rank, never a write past a buffer)
 bool layoutAgrees(const Xchg& x, const wire::Prefix& pre, int p) {
-  if (x.carry.ride != Ride::kGather) return true;
-  return pre.lo >= 0 && pre.hi <= p && pre.lo <= pre.hi && pre.bytes == (pre.hi - pre.lo) * x.carry.bytes;
+  switch (x.carry.ride) {
+    case Ride::kReduce: return pre.bytes == x.carry.bytes;
+    case Ride::kBroadcast: return pre.bytes == 0 || pre.bytes == x.carry.bytes;
+    case Ride::kGather:
+      return pre.lo >= 0 && pre.hi <= p && pre.lo <= pre.hi && pre.bytes == (pre.hi - pre.lo) * x.carry.bytes;
+    case Ride::kNone: break;
+  }
+  return pre.bytes == 0;
 }
 
 // an agreed peer's data, arrived at `src`, into this rank's state (`result`: it is the finished reduction)
@@ -144,7 +151,7 @@ void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result
 
 void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
   const auto [src, bytes] = outgoing(x);
-  const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes, x.lo, x.hi};
+  const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes + wire::takeGarble(), x.lo, x.hi};
   const Split sp = piecesOf(bytes, spansNodes_);
   std::memcpy(out_.data(), &pre, sizeof pre);
   if (sp.head) std::memcpy(out_.data() + kHdr, src, sp.head);
@@ -158,10 +165,12 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   waitRequest(&reqs[0], 1, peer);
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
-  const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
+  const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0 &&
+                      layoutAgrees(x, pre, size_);  // else: drained, and every rank refuses the call
+  const bool fits = pre.bytes >= 0 && (agreed || pre.bytes <= static_cast<int64_t>(body_.size()));
+  if (!fits) throw c10::DistBackendError("accl: garbled header-exchange message from rank " + std::to_string(peer) +
+                                         " (" + std::to_string(pre.bytes) + " bytes)");
   const Split sp = piecesOf(pre.bytes, spansNodes_);
-  const bool fits = agreed ? layoutAgrees(x, pre, size_) : pre.bytes <= static_cast<int64_t>(body_.size());
-  if (!fits) throw c10::DistBackendError("accl: garbled header-exchange message from rank " + std::to_string(peer));
   const char* src = in_.data() + kHdr;  // all of it when it came in one message
   if (sp.count) {  // the pieces: into place, or drained from a peer that disagreed
     char* into = agreed ? landing(x, pre, body_.data()) : body_.data();

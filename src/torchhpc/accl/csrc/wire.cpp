@@ -91,6 +91,14 @@ int64_t fieldOf(const Header& h, int i) {
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> garble{0};
+}  // namespace
+
+void garbleNext(int64_t delta) { garble.store(delta); }
+
+int64_t takeGarble() { return garble.load(std::memory_order_relaxed) ? garble.exchange(0) : 0; }
+
 int64_t dtypeCode(at::ScalarType t) {
   for (int i = 0; i < 15; ++i)
     if (kDtypes[i] == t) return i + 1;
@@ -130,7 +138,7 @@ std::string describeMismatch(const std::vector<Header>& heads, int compare, cons
     if (values.size() > 1) fields.push_back(std::string(kFieldNames[i]) + ": " + joined(values, " ", ", "));
   }
   std::string out = "accl: ranks disagree on a collective" + (group.empty() ? "" : " in group '" + group + "'");
-  out += ": " + (fields.empty() ? std::string("(no field differs)") : fields[0]);
+  out += ": " + (fields.empty() ? std::string("no field differs: a message between ranks was garbled") : fields[0]);
   for (size_t k = 1; k < fields.size(); ++k) out += "; " + fields[k];
   return out + " (" + joined(byValue(heads, describe), ": ", "; ") + ")";
 }
@@ -142,6 +150,12 @@ std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t,
     s << head << ": garbled message envelope from rank " << peer << " (magic 0x" << std::hex << env.magic << ")";
     return s.str();
   }
+  // a size from a peer is used only once it is consistent: a known dtype, numel x its size = nbytes, >= 0
+  const bool known = env.dtype > 0 && env.dtype <= 15;
+  const int64_t esz = known ? static_cast<int64_t>(c10::elementSize(scalarTypeOf(env.dtype))) : 0;
+  if (!known || env.numel < 0 || env.numel > (int64_t{1} << 50) || env.nbytes != env.numel * esz)
+    return head + ": garbled message envelope from rank " + std::to_string(peer) + " (" + std::to_string(env.numel) +
+           " x " + dtypeName(env.dtype) + " in " + std::to_string(env.nbytes) + " bytes)";
   const int64_t want = static_cast<int64_t>(t.nbytes()), dcode = dtypeCode(t.scalar_type());
   if (env.nbytes == want && env.dtype == dcode) return "";
   std::string diffs;

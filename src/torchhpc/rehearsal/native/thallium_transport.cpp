@@ -14,6 +14,11 @@
 // arrives either wholly before or wholly after an update -- the guarantee the MPI transport gets from
 // its exclusive/shared passive-target epochs.  A one-sided pull by the reader could not take the owner's
 // lock, and RDMA reads give no ordering within a record that a version check (seqlock) could rely on.
+//
+// Only the job's own ranks are served: every request carries a secret the ranks agreed over MPI at construction
+// (32 random bytes from rank 0), and an owner answers a request without it with kDenied and no data.  Anyone who
+// reaches the port (other users' jobs on the network) gets that refusal, never a record.  Every range a request
+// names is checked, without overflow, against the block and the reader's region before any transfer.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -60,6 +65,36 @@ constexpr int kBadSlot = 1;
 constexpr int kTooLarge = 2;
 constexpr int kClosed = 3;
 constexpr int kTransfer = 4;
+constexpr int kDenied = 5;
+
+// Whether [at, at + len) lies within [0, size), computed without overflow.
+bool fits(std::uint64_t at, std::uint64_t len, std::uint64_t size) { return len <= size && at <= size - len; }
+
+// Whether every field f of every row lies within the record (offsets[f] + nbytes[f] <= record) and the reader's
+// region (bases[f] + (row + 1) * nbytes[f] <= region), with no product or sum wrapping around.
+bool ranges_fit(const std::vector<std::uint64_t>& rows, const std::vector<std::uint64_t>& offsets,
+                const std::vector<std::uint64_t>& nbytes, const std::vector<std::uint64_t>& bases,
+                std::uint64_t record, std::uint64_t region) {
+    if (offsets.size() != nbytes.size() || bases.size() != nbytes.size()) return false;
+    for (std::size_t f = 0; f < nbytes.size(); ++f) {
+        if (!fits(offsets[f], nbytes[f], record)) return false;
+        for (auto row : rows) {
+            std::uint64_t at = 0;
+            if (__builtin_mul_overflow(row, nbytes[f], &at) || __builtin_add_overflow(at, bases[f], &at) ||
+                !fits(at, nbytes[f], region))
+                return false;
+        }
+    }
+    return true;
+}
+
+// Compare two secrets in time that does not depend on where they differ.
+bool same_secret(const std::string& a, const std::string& b) {
+    if (a.size() != b.size()) return false;
+    unsigned char diff = 0;
+    for (std::size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+    return diff == 0;
+}
 
 // The block lock taken shared inside an RPC handler: it never blocks the execution stream (which also
 // drives progress, and may be running another handler that holds the lock while its transfers complete);
@@ -80,22 +115,25 @@ class SharedHold {
 class Transport {
   public:
     Transport(const std::string& protocol, std::uintptr_t base, std::size_t nbytes, std::size_t header_bytes,
-              std::size_t record_bytes, std::size_t num_classes, const std::string& config)
+              std::size_t record_bytes, std::size_t num_classes, const std::string& config, const std::string& secret)
     : m_base(reinterpret_cast<char*>(base)), m_nbytes(nbytes), m_header_bytes(header_bytes),
-      m_record_bytes(record_bytes), m_num_classes(num_classes) {
+      m_record_bytes(record_bytes), m_num_classes(num_classes), m_secret(secret) {
         if (m_base == nullptr || record_bytes == 0 || header_bytes < 8 * num_classes || nbytes < header_bytes)
             throw std::invalid_argument("Transport: inconsistent storage layout");
+        if (secret.size() < 16) throw std::invalid_argument("Transport: the job's secret must be at least 16 bytes");
         m_num_slots = (nbytes - header_bytes) / record_bytes;
         m_engine = std::make_unique<tl::engine>(protocol, THALLIUM_SERVER_MODE, config);
         std::vector<std::pair<void*, std::size_t>> block{{m_base, m_nbytes}};
         m_block = m_engine->expose(block, tl::bulk_mode::read_only);
-        m_fills_rpc_ = m_engine->define("torchhpc_rehearsal_fills", [this](const tl::request& req) { serve_fills(req); });
+        m_fills_rpc_ = m_engine->define("torchhpc_rehearsal_fills", [this](const tl::request& req, const std::string& token) {
+            serve_fills(req, token);
+        });
         m_read_rpc_ = m_engine->define(
             "torchhpc_rehearsal_read",
-            [this](const tl::request& req, const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
-                   const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
-                   const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
-                serve_read(req, slots, rows, offsets, nbytes, bases, dest);
+            [this](const tl::request& req, const std::string& token, const std::vector<std::uint64_t>& slots,
+                   const std::vector<std::uint64_t>& rows, const std::vector<std::uint64_t>& offsets,
+                   const std::vector<std::uint64_t>& nbytes, const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+                serve_read(req, token, slots, rows, offsets, nbytes, bases, dest);
             });
     }
 
@@ -126,7 +164,7 @@ class Transport {
             auto limit = to_duration(timeout_s);
             std::vector<tl::async_response> pending;
             pending.reserve(ranks.size());
-            for (int r : ranks) pending.push_back(m_fills_rpc_->on(peer(r)).timed_async(limit));
+            for (int r : ranks) pending.push_back(m_fills_rpc_->on(peer(r)).timed_async(limit, m_secret));
             for (std::size_t i = 0; i < ranks.size(); ++i) {
                 try {
                     got[i] = pending[i].wait().as<std::vector<std::int64_t>>();
@@ -137,6 +175,9 @@ class Transport {
                     throw PeerUnreachable("rank " + std::to_string(ranks[i]) + " is unreachable (" + e.what() +
                                           "): its buffer is closed or its process died");
                 }
+                if (got[i].size() == 1 && got[i][0] == -kDenied)
+                    throw PeerError("rank " + std::to_string(ranks[i]) + " refused a fill-count request (" +
+                                    status_text(kDenied) + ")");
                 if (got[i].size() != m_num_classes)
                     throw PeerError("rank " + std::to_string(ranks[i]) + " answered " + std::to_string(got[i].size()) +
                                     " fill counts, expected " + std::to_string(m_num_classes) + " (closed or other layout)");
@@ -193,8 +234,8 @@ class Transport {
         for (std::size_t r = 0; r < m_peers.size(); ++r)
             if (!want_slots[r].empty())
                 pending.emplace_back(static_cast<int>(r), m_read_rpc_->on(peer(static_cast<int>(r)))
-                                                              .timed_async(limit, want_slots[r], want_rows[r], offsets,
-                                                                           nbytes, bases, dest));
+                                                              .timed_async(limit, m_secret, want_slots[r], want_rows[r],
+                                                                           offsets, nbytes, bases, dest));
         // Wait for every answer before `dest` may go, even after a failure; report the first failure.
         enum class Failure { none, timeout, unreachable, refused } failed = Failure::none;
         std::string text;
@@ -261,6 +302,7 @@ class Transport {
             case kTooLarge: return "a field or row outside the reader's output region";
             case kClosed: return "its buffer is closed";
             case kTransfer: return "a bulk transfer failed";
+            case kDenied: return "the request did not carry this job's secret: not a rank of this job";
             default: return "status " + std::to_string(status);
         }
     }
@@ -271,7 +313,11 @@ class Transport {
         return m_peers[r];
     }
 
-    void serve_fills(const tl::request& req) {
+    void serve_fills(const tl::request& req, const std::string& token) {
+        if (!same_secret(token, m_secret)) {
+            req.respond(std::vector<std::int64_t>{-kDenied});
+            return;
+        }
         if (m_closed.load()) {
             req.respond(std::vector<std::int64_t>{});
             return;
@@ -284,25 +330,27 @@ class Transport {
         req.respond(out);
     }
 
-    void serve_read(const tl::request& req, const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
-                    const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
-                    const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+    void serve_read(const tl::request& req, const std::string& token, const std::vector<std::uint64_t>& slots,
+                    const std::vector<std::uint64_t>& rows, const std::vector<std::uint64_t>& offsets,
+                    const std::vector<std::uint64_t>& nbytes, const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+        if (!same_secret(token, m_secret)) {
+            req.respond(kDenied);
+            return;
+        }
         if (m_closed.load()) {
             req.respond(kClosed);
             return;
         }
-        bool ok = rows.size() == slots.size() && offsets.size() == nbytes.size() && bases.size() == nbytes.size();
+        bool ok = rows.size() == slots.size();
         for (auto s : slots) ok = ok && s < m_num_slots;
         if (!ok) {
             req.respond(kBadSlot);
             return;
         }
-        for (std::size_t f = 0; f < nbytes.size(); ++f)
-            for (auto row : rows)
-                if (offsets[f] + nbytes[f] > m_record_bytes || bases[f] + (row + 1) * nbytes[f] > dest.size()) {
-                    req.respond(kTooLarge);
-                    return;
-                }
+        if (!ranges_fit(rows, offsets, nbytes, bases, m_record_bytes, dest.size())) {
+            req.respond(kTooLarge);
+            return;
+        }
         int status = kOk;
         try {
             tl::remote_bulk remote = dest.on(req.get_endpoint());
@@ -324,6 +372,7 @@ class Transport {
 
     char* m_base;
     std::size_t m_nbytes, m_header_bytes, m_record_bytes, m_num_classes, m_num_slots = 0;
+    std::string m_secret;  // the job's: a request without it is refused
     std::unique_ptr<tl::engine> m_engine;
     tl::bulk m_block;
     std::optional<tl::remote_procedure> m_fills_rpc_, m_read_rpc_;
@@ -343,9 +392,9 @@ PYBIND11_MODULE(_torchhpc_thallium, m) {
     m.attr("THALLIUM_VERSION") = THALLIUM_VERSION;
     py::class_<Transport>(m, "Transport")
         .def(py::init<const std::string&, std::uintptr_t, std::size_t, std::size_t, std::size_t, std::size_t,
-                      const std::string&>(),
+                      const std::string&, const std::string&>(),
              py::arg("protocol"), py::arg("base"), py::arg("nbytes"), py::arg("header_bytes"), py::arg("record_bytes"),
-             py::arg("num_classes"), py::arg("config"), py::call_guard<py::gil_scoped_release>())
+             py::arg("num_classes"), py::arg("config"), py::arg("secret"), py::call_guard<py::gil_scoped_release>())
         .def("address", &Transport::address)
         .def("connect", &Transport::connect, py::arg("addresses"), py::arg("me"))
         .def("lock_exclusive", &Transport::lock_exclusive)
@@ -353,4 +402,7 @@ PYBIND11_MODULE(_torchhpc_thallium, m) {
         .def("fills", &Transport::fills, py::arg("ranks"), py::arg("timeout"))
         .def("read", &Transport::read, py::arg("ranks"), py::arg("slots"), py::arg("fields"), py::arg("timeout"))
         .def("close", &Transport::close);
+    m.def("ranges_fit", &ranges_fit, py::arg("rows"), py::arg("offsets"), py::arg("nbytes"), py::arg("bases"),
+          py::arg("record"), py::arg("region"),
+          "whether a read request's ranges lie in the record and the reader's region (the owner's check)");
 }

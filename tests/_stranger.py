@@ -1,0 +1,45 @@
+"""Two unprivileged users on one node, as on a shared cluster: the user torchhpc works for (VICTIM) and another
+user (STRANGER), each a uid with no capabilities and no groups (``setpriv``).  Needs root to switch uid; tests
+skip, saying so, elsewhere."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VICTIM, STRANGER = 4242, 4343
+
+needs_two_users = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="needs root and setpriv to play two unprivileged users")
+
+
+def run_as(uid: int, code: str, env: dict[str, str] | None = None,
+           timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run Python ``code`` as ``uid`` (same gid, no groups, no capabilities), torchhpc importable; HOME is a
+    fresh directory of that user's, TMPDIR as ``env`` says (default: the same home)."""
+    home = Path(tempfile.mkdtemp(prefix=f"home-{uid}-"))
+    os.chown(home, uid, uid)
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home),
+            "PYTHONPATH": str(ROOT / "src"), "LANG": "C"}
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
+           sys.executable, "-c", textwrap.dedent(code)]
+    try:
+        return subprocess.run(cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def shared_dir() -> Path:
+    """A fresh world-writable sticky directory, like /tmp or a scratch area."""
+    d = Path(tempfile.mkdtemp(prefix="shared-"))
+    d.chmod(0o1777)
+    return d
