@@ -31,9 +31,10 @@ STACKS_MARGIN = 15.0  # seconds before the kill at which every rank dumps its st
 def inner_pytest_argv(target: str, rootdir: str | None = None) -> list[str]:
     """The command every rank runs for the pytest ``target`` (a file, or ``file::test``).
 
-    ``--capture=sys`` leaves fd 2 alone, so the stack dumps of a hung job reach the job's output."""
+    ``--capture=sys`` leaves fd 2 alone, so the stack dumps of a hung job reach the job's output; ``-rs`` lists
+    each skip with its reason, which the harness reports."""
     root = rootdir or str(Path(__file__).resolve().parent / "mpi")
-    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--capture=sys",
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", "--capture=sys",
             "--rootdir", root, target]
 
 

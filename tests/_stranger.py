@@ -4,6 +4,7 @@ skip, saying so, elsewhere."""
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import subprocess
@@ -39,7 +40,8 @@ def run_as(uid: int, code: str, env: dict[str, str] | None = None,
 
 
 def shared_dir() -> Path:
-    """A fresh world-writable sticky directory, like /tmp or a scratch area."""
+    """A fresh world-writable sticky directory, like /tmp or a scratch area (removed when the tests end)."""
     d = Path(tempfile.mkdtemp(prefix="shared-"))
     d.chmod(0o1777)
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     return d

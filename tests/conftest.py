@@ -10,6 +10,14 @@ if str(SRC) not in sys.path:
 
 
 import pytest  # noqa: E402
+from _skips import make_strict  # noqa: E402
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):  # noqa: ANN001, ARG001
+    """In CI (TORCHHPC_TEST_STRICT=1) a skip of something CI provides is a failure (tests/_skips.py)."""
+    outcome = yield
+    make_strict(outcome.get_result())
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001, ARG001

@@ -1,5 +1,6 @@
-"""Single-process tests of torchhpc.accl: options, dtype/op rules, the MPI user ops for float16 and
-bfloat16, rendezvous fall-back, a one-rank group and engine errors (the benchmark: tests/test_accl_bench.py)."""
+"""Single-process tests of torchhpc.accl: options and the spin's choice, the dtype/op rules, rendezvous fall-back,
+a one-rank group and its argument errors, engine errors, CUDA staging (with a GPU), and a stopped peer ending the
+job (the benchmark: tests/test_accl_bench.py)."""
 
 from __future__ import annotations
 

@@ -38,10 +38,7 @@ def test_backend_builds_warning_free_per_family(tmp_path: Path, mpicc: Path) -> 
 def test_loaded_backend_matches_mpi4py_library_and_torch() -> None:
     from mpi4py import MPI
 
-    try:
-        mod = core.load_backend()
-    except EngineUnavailableError as exc:
-        pytest.skip(str(exc))
+    mod = core.load_backend()  # built by `make env`: a library or torch mismatch is this test's failure
     assert mod.__name__.endswith(f"_backend_{core.family()}")
     assert mod.torch_version == torch.__version__
     assert mod.library_version().splitlines()[0] == MPI.Get_library_version().splitlines()[0]
@@ -53,10 +50,7 @@ def test_loaded_backend_matches_mpi4py_library_and_torch() -> None:
 
 
 def test_backend_for_another_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    try:
-        mod = core.load_backend()
-    except EngineUnavailableError as exc:
-        pytest.skip(str(exc))
+    mod = core.load_backend()
     monkeypatch.setattr(mod, "torch_version", "0.0.1")
     with pytest.raises(EngineUnavailableError, match=r"built for torch 0\.0\.1.*corebuild --mpicc"):
         core.load_backend.__wrapped__()

@@ -5,6 +5,8 @@ real in test_cluster_slurm.py, PBS (OpenPBS on the virtual cluster) in test_vclu
 
 from __future__ import annotations
 
+import os
+import pwd
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to build/jobs/<user>
 
 
 def submit(tmp_path: Path, *args: str, path: str = "/usr/bin:/bin", **env: str) -> subprocess.CompletedProcess[str]:
@@ -32,18 +35,20 @@ def test_pbs_and_slurm_scripts_come_from_one_generator(tmp_path: Path) -> None:
     slurm, slurm_submit = script_lines(submit(tmp_path, "--scheduler", "slurm", *cmd).stdout)
     assert pbs[0] == "#!/bin/bash -l" and slurm[0] == "#!/bin/bash"
     pbs_body = [line for line in pbs[1:] if not line.startswith("#PBS")]
-    assert f"exec >>{tmp_path}/build/jobs/j.log 2>&1" in pbs_body, "a PBS job writes its own log as it goes"
-    pbs_body.remove(f"exec >>{tmp_path}/build/jobs/j.log 2>&1")
+    own_log = f'exec >>{tmp_path}/build/jobs/{USER}/j-"${{PBS_JOBID}}".log 2>&1'  # one log per job id
+    assert own_log in pbs_body, "a PBS job writes its own log as it goes"
+    pbs_body.remove(own_log)
     slurm_body = [line for line in slurm[1:] if not line.startswith("#SBATCH")]
     assert [line.replace("(pbs)", "(X)").replace("=pbs", "=X") for line in pbs_body] == \
         [line.replace("(slurm)", "(X)").replace("=slurm", "=X") for line in slurm_body]
     assert pbs_body[-1] == "echo a\\ b"
-    assert pbs_submit == f"qsub {tmp_path}/build/jobs/j.pbs"
-    assert slurm_submit == f"sbatch --parsable {tmp_path}/build/jobs/j.slurm"
+    assert pbs_submit == f"qsub {tmp_path}/build/jobs/{USER}/j.pbs"
+    assert slurm_submit == f"sbatch --parsable {tmp_path}/build/jobs/{USER}/j.slurm"
     assert "#SBATCH --nodes=2" in slurm and "#SBATCH --ntasks-per-node=4" in slurm
     assert "#SBATCH --gpus-per-node=4" in slurm and "#SBATCH --time=00:15:00" in slurm
-    assert f"#SBATCH --output={tmp_path}/build/jobs/j-%j.log" in slurm
-    assert "#PBS -l select=2:ncpus=8:mpiprocs=4:ngpus=4" in pbs and f"#PBS -o {tmp_path}/build/jobs/j.pbs-out" in pbs
+    assert f"#SBATCH --output={tmp_path}/build/jobs/{USER}/j-%j.log" in slurm
+    assert "#PBS -l select=2:ncpus=8:mpiprocs=4:ngpus=4" in pbs
+    assert f"#PBS -o {tmp_path}/build/jobs/{USER}/j.pbs-out" in pbs
 
 
 def test_pbs_test_jobs_take_whole_hosts_unless_the_site_says_where(tmp_path: Path) -> None:
@@ -113,7 +118,7 @@ def test_qcmd_carries_resources_on_its_command_line(tmp_path: Path) -> None:
                  "--queue", "develop", "--", "true").stdout
     _, line = script_lines(out)
     assert line == (f"qcmd -N j -q develop -l select=1:ncpus=32 -l walltime=04:00:00 -A P1 -- bash -l "
-                    f"{tmp_path}/build/jobs/j.pbs")
+                    f"{tmp_path}/build/jobs/{USER}/j.pbs")
 
 
 def test_bad_names_shapes_and_schedulers(tmp_path: Path) -> None:
@@ -177,10 +182,11 @@ def test_jobscript_pbs_asks_for_the_nodes_and_ranks_and_runs_the_command_per_ran
     # cores per node from the site's test select (8 on the generic profile); no GPUs asked for
     assert "#PBS -l select=3:ncpus=8:mpiprocs=2" in lines and "#PBS -l walltime=01:30:00" in lines
     assert "#PBS -l place=scatter:excl" in lines, "one chunk per host"
-    assert f"exec >>{tmp_path}/build/jobs/train.log 2>&1" in lines, "the job writes its log as it goes"
+    own_log = f'exec >>{tmp_path}/build/jobs/{USER}/train-"${{PBS_JOBID}}".log 2>&1'
+    assert own_log in lines, "the job writes its log as it goes"
     assert f"cd {tmp_path}/work" in lines, "the job runs where jobscript was called"
     assert lines[-1] == f"bash {ROOT}/utils/run_ranks.sh python train.py --lr 0.1"
-    assert (tmp_path / "build/jobs").is_dir(), "the log's directory exists before the script is submitted"
+    assert (tmp_path / "build/jobs" / USER).is_dir(), "the log's directory exists before the script is submitted"
 
 
 def test_jobscript_slurm_shares_the_nodes_cores_among_its_ranks(tmp_path: Path) -> None:
@@ -215,7 +221,7 @@ def test_jobscript_writes_a_file_and_refuses_bad_input(tmp_path: Path) -> None:
         proc = jobscript(tmp_path, *args)
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
     lost = jobscript(tmp_path, "--", "x", TORCHHPC_ROOT=str(tmp_path))
-    assert lost.returncode != 0 and "no torchhpc checkout found" in lost.stderr, lost.stderr
+    assert lost.returncode != 0 and "no torchhpc checkout at" in lost.stderr, lost.stderr
 
 
 def test_run_ranks_places_ranks_from_the_allocation(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ ProcessGroupMPI.cpp excerpt, tagged like PyTorch.
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -18,6 +20,7 @@ import pytest
 from _upstream import PG_MPI, tagged_upstream
 
 ROOT = Path(__file__).resolve().parents[1]
+USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts go to build/jobs/<user>
 CLUSTER_TARGETS = ["cluster-versions", "build-pytorch-v%", "build-pytorch-v%-pbs", "nccl-ofi", "spack-env",
                    "spack-install", "install-packages", "test-pbs", "clean-pytorch", "clean-pytorch-v%",
                    "clean-nccl-ofi", "clean-cluster-envs", "clean-cluster"]
@@ -83,7 +86,7 @@ def test_derecho_pbs_build_dry_run_prints_job_script_and_qcmd(tmp_path: Path) ->
     assert "set -euo pipefail" in script
     assert f"export SITE=derecho PYTORCH_VERSION=2.5.1 TORCHHPC_PREFIX={tmp_path}/build SCHEDULER=pbs" in script
     assert script[-1] == f"make build-pytorch-v2.5.1 SITE=derecho TORCHHPC_PREFIX={tmp_path}/build"
-    job = f"{tmp_path}/build/jobs/torchhpc-build-v2.5.1.pbs"
+    job = f"{tmp_path}/build/jobs/{USER}/torchhpc-build-v2.5.1.pbs"
     assert submit == ("qcmd -N torchhpc-build-v2.5.1 -q main -l select=1:ncpus=64:mpiprocs=1:ngpus=4 "
                       f"-l walltime=04:00:00 -A NTDD0001 -l job_priority=regular -- bash -l {job}")
     assert not Path(job).exists(), "a dry run must not write the job script"
@@ -95,7 +98,7 @@ def test_generic_pbs_dry_run_uses_blocking_qsub_and_overrides(tmp_path: Path) ->
     script, submit = job_and_submit(out)
     assert "#PBS -q gpu" in script and "#PBS -l walltime=06:00:00" in script
     assert "#PBS -l select=1:ncpus=96" in script and not any(s.startswith("#PBS -A") for s in script)
-    assert submit == f"qsub {tmp_path}/build/jobs/torchhpc-build-v2.6.0.pbs"
+    assert submit == f"qsub {tmp_path}/build/jobs/{USER}/torchhpc-build-v2.6.0.pbs"
 
 
 def test_real_submission_without_account_or_qsub_fails_clearly(tmp_path: Path) -> None:

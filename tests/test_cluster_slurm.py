@@ -10,6 +10,7 @@ through the real `sbatch`, and its state and exit code come back through the rea
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import pytest
 from _upstream import PG_MPI, tagged_upstream
 
 ROOT = Path(__file__).resolve().parents[1]
+USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to build/jobs/<user>
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 # A small, quick all-reduce table: up to 64 KiB, 3 timed iterations.
@@ -133,11 +135,11 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
         start("munged", "-F", "--force", f"--key-file={key}", f"--socket={munge_socket}",
               f"--pid-file={root}/munge/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munge/seed")
         if not _wait_for("munged", munge_socket.exists, 15):
-            pytest.skip(f"munged did not start:\n{cluster.logs()}")
+            pytest.fail(f"munged did not start (root, munge installed):\n{cluster.logs()}")
         start("slurmctld", "-D", "-i", "-f", str(conf))
         start("slurmd", "-D", "-f", str(conf))
         if not _wait_for("node idle", node_idle, 60):
-            pytest.skip(f"Slurm did not come up (node not idle within 60 s):\n{cluster.logs()}")
+            pytest.fail(f"Slurm did not come up (node not idle within 60 s):\n{cluster.logs()}")
         yield cluster
     finally:
         for proc in reversed(procs):
@@ -175,10 +177,10 @@ def test_job_that_succeeds(slurm: Slurm, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr + slurm.logs()
     assert "finished: COMPLETED, exit status 0" in proc.stderr
     job_id = proc.stderr.split("as Slurm job ")[1].split()[0]
-    log = tmp_path / f"build/jobs/t-{job_id}.log"
+    log = tmp_path / f"build/jobs/{USER}/t-{job_id}.log"
     assert f"hello from {job_id}" in log.read_text()
     assert f"hello from {job_id}" in proc.stdout, "the log is shown"
-    script = (tmp_path / "build/jobs/t.slurm").read_text().splitlines()
+    script = (tmp_path / f"build/jobs/{USER}/t.slurm").read_text().splitlines()
     assert script[0] == "#!/bin/bash" and "#SBATCH --cpus-per-task=1" in script
 
 
@@ -289,5 +291,5 @@ def test_build_target_runs_under_sbatch(slurm: Slurm, tmp_path: Path) -> None:
     assert "STOP_AFTER=patches: stopping here" in proc.stdout, "the job's log is shown"
     patched = (tmp_path / "build/src/pytorch-v2.5.1" / PG_MPI).read_text()
     assert "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA" in patched
-    script = (tmp_path / "build/jobs/torchhpc-build-v2.5.1.slurm").read_text()
+    script = (tmp_path / f"build/jobs/{USER}/torchhpc-build-v2.5.1.slurm").read_text()
     assert "#SBATCH --time=04:00:00" in script and "\nmake build-pytorch-v2.5.1 SITE=generic" in script

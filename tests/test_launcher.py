@@ -131,7 +131,7 @@ def test_init_distributed_single_process_leaves_environment_alone(monkeypatch: p
 
     import torch.distributed as dist
 
-    from torchhpc.launcher import _free_port, init_distributed
+    from torchhpc.launcher import init_distributed
 
     for key in [k for k in os.environ if k.startswith(("OMPI_", "PMI_", "SLURM_", "PALS_", "MASTER_"))]:
         monkeypatch.delenv(key)
@@ -214,8 +214,6 @@ def test_destroying_the_default_gloo_group_after_ddp_stops_its_workers() -> None
     import subprocess
     import sys
 
-    from torchhpc.launcher import _free_port
-
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI_", "SLURM_", "PALS_", "MASTER_"))}
     out = subprocess.run([sys.executable, "-c", _GLOO_EXIT, str(_free_port())], env=env, capture_output=True,
                          text=True, timeout=120)
@@ -237,3 +235,12 @@ def test_oversubscription_is_judged_per_host_when_ranks_are_spread(monkeypatch: 
     monkeypatch.setattr(mpirun, "available_cores", lambda: 1)
     assert "--oversubscribe" in mpirun.mpiexec_argv(4, ["python"], mpiexec="mpiexec",
                                                     extra=["--host", "node1:2,node2:2"])
+
+
+def _free_port() -> int:
+    """A port free on this host now (for a test's own MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -28,6 +29,8 @@ from _vcluster import RANK_ENV, ROOT, VCLUSTER, Cluster, check_thread_budget, cl
 from test_readme import readme_cluster_lines
 
 from torchhpc.mpirun import side_mpich
+
+USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to build/jobs/<user>
 
 NODES = 4
 PYTHON = "python"  # the venv's, first on the nodes' PATH
@@ -320,13 +323,13 @@ def test_the_readme_cluster_lines_run_as_typed(cluster: Cluster) -> None:
     out = cluster.ok("set -e; " + "; ".join(lines), timeout=600, env=knobs)
     assert "STOP_AFTER=patches: stopping here" in out and "installed in editable mode already; kept" in out, out
     assert out.count("finished: COMPLETED, exit status 0") == 3, out
-    logs = {path.name: path.read_text() for path in (prefix / "build/jobs").glob("*.log")}
+    logs = {path.name: path.read_text() for path in (prefix / "build/jobs" / USER).glob("*.log")}
     table = next(text for name, text in logs.items() if name.startswith("torchhpc-test-all-reduce"))
     placed = re.findall(r"#  Rank +(\d) Pid +\d+ on +(node\d) device cpu", table)
     assert sorted(placed) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], table
     training = next(text for name, text in logs.items() if name.startswith("continual_digits"))
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in training, training
-    assert "#SBATCH --account=acct1" in (prefix / "build/jobs/continual_digits.slurm").read_text()
+    assert "#SBATCH --account=acct1" in (prefix / "build/jobs" / USER / "continual_digits.slurm").read_text()
 
 
 NINJA_JOB = "for i in 1 2 3 4; do echo \"[$i/4] Building CXX object part$i.o\"; sleep 2; done; echo built"

@@ -10,6 +10,8 @@ cluster or OpenPBS cannot be built or started here.
 from __future__ import annotations
 
 import json
+import os
+import pwd
 import re
 import shlex
 import shutil
@@ -26,6 +28,8 @@ from _vcluster import ROOT, Cluster, check_thread_budget, cluster_up, readme_kno
 from test_readme import readme_cluster_lines
 
 from torchhpc.mpirun import side_mpich
+
+USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to <prefix>/jobs/<user>
 
 SUBMIT = "bash utils/submit_job.sh --scheduler pbs --shape build --select 1:ncpus=1"
 
@@ -44,6 +48,13 @@ def prefix(pbs: Cluster, request: pytest.FixtureRequest) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
     return path
+
+
+def _log(jobs: Path, name: str) -> str:
+    """The log of the one job named ``name`` under ``jobs``: ``<user>/<name>-<PBS job id>.log``."""
+    found = sorted((jobs / USER).glob(f"{name}-*.log"))
+    assert len(found) == 1, f"logs of {name} in {jobs / USER}: {found}"
+    return found[0].read_text()
 
 
 def submit(pbs: Cluster, prefix: Path, command: str, name: str = "t", timeout: float = 120,
@@ -85,14 +96,14 @@ def test_job_that_succeeds_comes_back_with_its_log(pbs: Cluster, prefix: Path) -
     rc, out = submit(pbs, prefix, "bash -c 'echo hello from $PBS_JOBID on $(hostname) pyenv=${PYENV_ROOT:-unset}'")
     assert rc == 0, out
     job = job_id(out)
-    log = (prefix / "jobs/t.log").read_text()
+    log = _log(prefix / "jobs", "t")
     assert f"hello from {job} on node1" in log, log
     # The job's login shell read the cluster's profile, not this host's ~/.bashrc (whose pyenv init takes a
     # lock that a job deleted mid-login leaves behind, stalling every later login).
     assert "pyenv=unset" in log, log
     assert f"hello from {job}" in out, "the log is shown"
     assert f"(PBS job {job}) finished: exit status 0" in out
-    script = (prefix / "jobs/t.pbs").read_text().splitlines()
+    script = (prefix / "jobs" / USER / "t.pbs").read_text().splitlines()
     assert script[0] == "#!/bin/bash -l" and "#PBS -l select=1:ncpus=1" in script, script
     assert qstat_x(pbs, job)["Exit_status"] == 0
 
@@ -135,7 +146,7 @@ def test_knobs_reach_the_job(pbs: Cluster, prefix: Path) -> None:
     rc, out = submit(pbs, prefix, "bash -c 'echo knob=$STOP_AFTER python=$(command -v python)'",
                      STOP_AFTER="patches")
     assert rc == 0, out
-    log = (prefix / "jobs/t.log").read_text()
+    log = _log(prefix / "jobs", "t")
     assert "knob=patches" in log and f"python={sys.prefix}/bin/python" in log, log
 
 
@@ -170,10 +181,10 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(pbs: Clust
                  f"--walltime 00:10:00 --submit -- python {ROOT}/examples/continual_digits.py --epochs 1",
                  timeout=300, env=env)
     assert "final average accuracy" in out and "finished: exit status 0" in out, out
-    log = (prefix / "jobs/continual_digits.log").read_text()
+    log = _log(prefix / "jobs", "continual_digits")
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
     assert f"2 node(s) x 2 rank(s) with mpiexec in {prefix}" in log, log
-    assert "#PBS -l select=2:ncpus=2:mpiprocs=2" in (prefix / "jobs/continual_digits.pbs").read_text()
+    assert "#PBS -l select=2:ncpus=2:mpiprocs=2" in (prefix / "jobs" / USER / "continual_digits.pbs").read_text()
 
 
 # ---- mpiexec inside a PBS job, both MPIs, as users write the job script --------------------------------------
@@ -213,13 +224,13 @@ def test_make_test_pbs_prints_the_table_with_ranks_on_both_nodes(pbs: Cluster, p
            "PBS_SELECT_TEST": "2:ncpus=2:mpiprocs=2", "PBS_WALLTIME_TEST": "00:05:00",
            "ALL_REDUCE_ARGS": "-e 64K -n 3 -w 1"}
     out = pbs.ok("make --no-print-directory test-pbs BACKENDS=accl", timeout=300, env=env)
-    log = (prefix / "jobs/torchhpc-test-all-reduce.log").read_text()
+    log = _log(prefix / "jobs", "torchhpc-test-all-reduce")
     placed = re.findall(r"#  Rank +(\d) Pid +\d+ on +(node\d) device cpu", log)
     assert sorted(placed) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], log
     assert "# Out of bounds values : 0 OK" in log, log
     assert "+ mpiexec -n 4 --map-by ppr:2:node python" in log, log
     assert "# Out of bounds values : 0 OK" in out, "the table is shown"
-    script = (prefix / "jobs/torchhpc-test-all-reduce.pbs").read_text()
+    script = (prefix / "jobs" / USER / "torchhpc-test-all-reduce.pbs").read_text()
     assert "#PBS -l place=scatter:excl" in script, script
 
 
@@ -234,7 +245,7 @@ def test_build_target_runs_under_qsub(pbs: Cluster, prefix: Path) -> None:
     assert "STOP_AFTER=patches: stopping here" in out, "the job's log is shown"
     patched = (prefix / "build/src/pytorch-v2.5.1" / PG_MPI).read_text()
     assert "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA" in patched
-    script = (prefix / "build/jobs/torchhpc-build-v2.5.1.pbs").read_text()
+    script = (prefix / "build/jobs" / USER / "torchhpc-build-v2.5.1.pbs").read_text()
     assert "#PBS -l walltime=00:10:00" in script and "\nmake build-pytorch-v2.5.1 SITE=generic" in script
 
 
@@ -252,9 +263,9 @@ def test_the_readme_cluster_lines_run_as_typed(pbs: Cluster, prefix: Path) -> No
     assert "STOP_AFTER=patches: stopping here" in out, out
     assert "installed in editable mode already; kept" in out, out  # not replaced by a copy
     assert "# Out of bounds values : 0 OK" in out, out
-    log = (prefix / "build/jobs/continual_digits.log").read_text()
+    log = _log(prefix / "build/jobs", "continual_digits")
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log and f"python={env_prefix}" not in log, log
-    assert "#PBS -A UABC0001" in (prefix / "build/jobs/continual_digits.pbs").read_text()
+    assert "#PBS -A UABC0001" in (prefix / "build/jobs" / USER / "continual_digits.pbs").read_text()
 
 
 # ---- the site profiles' directives against the real server ---------------------------------------------------

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _skips import make_strict
 from mpi4py import MPI
 
 from torchhpc.launcher import world_info
@@ -44,6 +45,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     faulthandler.cancel_dump_traceback_later()
+
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +71,7 @@ def shared_tmp(comm: MPI.Comm) -> Iterator[Path]:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    make_strict(report)  # in CI a skip of something CI provides is a failure (tests/_skips.py)
     if report.failed and MPI.COMM_WORLD.Get_size() > 1:
         rank = MPI.COMM_WORLD.Get_rank()
         sys.stderr.write(f"\n[rank {rank}] FAILED {item.nodeid} ({report.when})\n{report.longreprtext}\n")

@@ -4,6 +4,7 @@ values (each rank rebuilds every rank's input from a seed) and against gloo wher
 from __future__ import annotations
 
 import itertools
+import os
 
 import pytest
 import torch
@@ -70,6 +71,9 @@ def valid(dtype: torch.dtype, op) -> bool:
     return True
 
 
+_LAUNCH_ENV = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}  # as launched, before any init
+
+
 @pytest.fixture(scope="module")
 def groups():
     dist.init_process_group("accl")  # no MASTER_ADDR/MASTER_PORT: filled from MPI
@@ -83,14 +87,13 @@ def groups():
 
 
 def test_init_without_master_addr(groups) -> None:
-    import os
-
     from mpi4py import MPI
 
+    assert _LAUNCH_ENV == {"MASTER_ADDR": None, "MASTER_PORT": None}, "the harness launches without them"
     assert dist.get_backend() == "accl"
     assert dist.get_rank() == MPI.COMM_WORLD.Get_rank()
     assert dist.get_world_size() == MPI.COMM_WORLD.Get_size()
-    assert "MASTER_PORT" not in os.environ or os.environ.get("MASTER_PORT")
+    assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ, "the rendezvous wrote into environ"
     assert isinstance(groups["world"], accl.ProcessGroupACCL)
 
 
@@ -656,12 +659,14 @@ def test_all_to_all_in_and_above_the_slot_with_mixed_paths(groups, m: int) -> No
         return g.stats["engine_calls"] == calls
 
     once()  # whatever the previous call chose; this one sizes the block for the shape
+    rode = once()
+    # by effect, not by the sizing rule: a shape of a few bytes per rank rides from its second call; one whose
+    # blocks alone pass 64 KiB / p (what docs/accl.md promises to carry) never does
     most = max(count(i, j) for i in range(p) for j in range(p)) * 4
-    sent = max(sum(count(i, j) for j in range(p)) for i in range(p)) * 4
-    largest = max(1024, (64 << 10) // p // 64 * 64)
-    need = -(-(16 * p + p * most) // 1024) * 1024
-    block = max(1024, need) if need <= largest else 1024
-    assert once() == (sent <= block - 16 * p), "a repeated shape rides when its sends fit the block"
+    if m <= 4:
+        assert rode, "a small repeated shape rides with the header"
+    if p * most > 64 << 10 or most > (64 << 10) // p:
+        assert not rode, "a shape past the carry limit is sent after the exchange"
     even = torch.arange(p * m, dtype=torch.float64) + 1000 * rank
     got = torch.empty(2 * p * m, dtype=torch.float64)[::2] if rank == 0 else torch.empty(p * m, dtype=torch.float64)
     work = dist.all_to_all_single(got, even, group=g, async_op=asynchronous)

@@ -147,7 +147,7 @@ def test_skip_downcycle_is_xbraids_skip(comm: MPI.Comm, cycle: str) -> None:
 
 def test_solve_rejects_more_ranks_than_points(comm: MPI.Comm) -> None:
     if comm.Get_size() < 3:
-        pytest.skip("needs more ranks than the smallest time grid (2 points)")
+        pytest.skip("not at this rank count: needs more ranks than the smallest time grid (2 points)")
     _, step, u0 = dahlquist()
     with pytest.raises(ValueError, match="more ranks"):
         solve(step, u0, [0.0, 1.0], comm)
@@ -404,7 +404,7 @@ _CAUSE = r"did not complete within 0\.1 s\. Likely cause: a peer rank died"
                                 "gather_object"])
 def test_collective_with_a_missing_rank_times_out(comm: MPI.Comm, op: str) -> None:
     if comm.Get_size() < 2:
-        pytest.skip("needs a second rank that stays away")
+        pytest.skip("not at this rank count: needs a second rank that stays away")
     late = comm.Get_size() - 1  # bcast from the missing rank, gather to a present one: both must wait
     calls = {
         "dup": (lambda c: transport.dup(c, _TMO), r"MPI_Comm_idup"),
@@ -426,7 +426,7 @@ def test_collective_with_a_missing_rank_times_out(comm: MPI.Comm, op: str) -> No
 
 def test_solve_and_layer_parallel_with_a_missing_rank_time_out(comm: MPI.Comm) -> None:
     if comm.Get_size() < 2:
-        pytest.skip("needs a second rank that stays away")
+        pytest.skip("not at this rank count: needs a second rank that stays away")
     prob, step, u0 = dahlquist(nt=9)
     # a rank that never calls solve: the others stop at the first collective (the entry point's agreement
     # on errors), naming it

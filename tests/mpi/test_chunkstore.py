@@ -155,7 +155,7 @@ def test_remote_gathers_with_uneven_requests(comm, rows_by):
     """Some ranks ask for nothing, others for many remote rows: the exchange stays collective and exact, whether
     the rows travel by MPI or over the torch.distributed group."""
     if comm.size < 2:
-        pytest.skip("needs two nodes")
+        pytest.skip("not at this layout: needs two nodes")
     t = _data((97, 4), torch.float64, 4)
     with ChunkTensor(t.shape, t.dtype, 0, ranks_per_node=1, row_transport=rows_by) as ct:
         assert ct._exchange.by_mpi == (rows_by == "mpi")
@@ -294,7 +294,7 @@ def test_sampling_over_chunk_tensors_matches_plain_tensors(comm):
 def test_graphsage_example_data_parallel(comm):
     """The example trains data-parallel on 2 ranks sharing the host tier, and learns from the graph."""
     if comm.size != 2:
-        pytest.skip("the example is checked at 2 ranks")
+        pytest.skip("not at this rank count: the example is checked at 2 ranks")
     from _scripts import load_script  # tests/ is on the path of every harness job
 
     mod = load_script("examples/graphsage_chunkstore.py")
@@ -313,7 +313,7 @@ def test_bad_input_on_one_rank_fails_every_rank_of_a_collective_gather(comm):
     from torchhpc.chunkstore import NeighborSampler, sample_neighbors
 
     if comm.size < 2:
-        pytest.skip("needs two nodes")
+        pytest.skip("not at this layout: needs two nodes")
     t = _data((40, 3), torch.float32, 7)
     good = torch.tensor([1, 39, 20])
     with ChunkTensor(t.shape, t.dtype, 0, ranks_per_node=_two_nodes(comm)) as ct:
@@ -348,7 +348,7 @@ def test_bad_input_on_one_rank_fails_every_rank_of_a_collective_gather(comm):
 def test_a_gather_peers_never_join_times_out(comm):
     """A rank left alone in a cross-node gather raises TimeoutError after ``timeout`` instead of hanging."""
     if comm.size < 2:
-        pytest.skip("needs two nodes")
+        pytest.skip("not at this layout: needs two nodes")
     side = comm.Dup()  # synchronises the test without touching the ChunkTensor's communicator
     try:
         with ChunkTensor((40, 2), torch.float32, 0, ranks_per_node=_two_nodes(comm), timeout=0.5) as ct:

@@ -21,7 +21,11 @@ job_die_value() { die "$1 '$2' $3"; }
 # JOB_DIR: this user's job scripts, logs and records, $TORCHHPC_JOBS_DIR or $TORCHHPC_PREFIX/jobs/<user>,
 # made 0700 and refused when another user owns it or could write it (a shared checkout's build/ is everyone's).
 job_private_dir() {
-  JOB_DIR=${TORCHHPC_JOBS_DIR:-$TORCHHPC_PREFIX/jobs/$(id -un)}
+  local who
+  who=$(id -un 2>/dev/null) || who=$(id -u)
+  JOB_DIR=${TORCHHPC_JOBS_DIR:-$TORCHHPC_PREFIX/jobs/$who}
+  # it goes into #PBS/#SBATCH directive lines, which no quoting protects
+  [[ "$JOB_DIR" =~ ^[^[:space:]]+$ ]] || job_die_value "job directory" "$JOB_DIR" "has white space; set TORCHHPC_JOBS_DIR"
   [[ -d "$JOB_DIR" ]] || { mkdir -p "${JOB_DIR%/*}" && mkdir -m 700 "$JOB_DIR"; } || die "cannot create $JOB_DIR; set TORCHHPC_JOBS_DIR"
   job_trusted "$JOB_DIR" 077
 }

@@ -5,10 +5,12 @@
 # archive of that commit.  Installs into OPENPBS_PREFIX (default $TORCHHPC_PREFIX/openpbs, i.e.
 # build/openpbs); a stamp there makes a re-run a no-op.  About 100 s on 2 cores.
 #
-# Build needs (Debian): gcc make libtool autoconf automake libhwloc-dev libedit-dev libical-dev
-# libncurses-dev libssl-dev libcjson-dev libexpat1-dev tcl-dev tk-dev swig python3-dev
-# postgresql-server-dev-all, libx11-dev libxt-dev libxext-dev libxft-dev; at run time postgresql (the
-# server's datastore) and sendmail-bin.  A missing tool exits 3 ("cannot build here") for the tests to skip.
+# Debian packages (the lines below are read by tests/test_ci_packages.py against .ci/debian-packages):
+# build: gcc make libtool autoconf automake libhwloc-dev libedit-dev libical-dev libncurses-dev libssl-dev
+# build: libcjson-dev libexpat1-dev tcl-dev tk-dev swig python3-dev postgresql-server-dev-all libx11-dev
+# build: libxt-dev libxext-dev libxft-dev
+# run: postgresql sendmail-bin
+# (postgresql is the server's datastore.)  A missing tool exits 3 ("cannot build here") for the tests to skip.
 set -euo pipefail
 
 # openpbs/openpbs master of 2026-04-10; it reports 23.06.06.  The v23.06.06 tag itself does not build with

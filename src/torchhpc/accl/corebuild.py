@@ -66,10 +66,17 @@ def _compile(cmd: list[str], out: Path) -> None:
     os.close(fd)
     try:
         subprocess.run([*cmd, "-o", tmp], check=True)
+        os.chmod(tmp, 0o755 & ~_umask())  # mkstemp's 0600 (kept by ld) would hide a shared install's module
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def default_mpicxx(mpicc: str | None = None) -> str:

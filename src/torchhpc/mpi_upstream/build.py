@@ -30,7 +30,7 @@ from torchhpc import private
 from torchhpc.mpi_upstream import module_name
 
 __all__ = ["BuildError", "Source", "build", "select_source", "patches_for", "apply_patches", "family_of",
-           "default_mpicxx", "side_mpicxx", "torch_release", "PG_MPI", "TAG_URL"]
+           "default_mpicxx", "default_workdir", "side_mpicxx", "torch_release", "PG_MPI", "TAG_URL"]
 
 PKG = Path(__file__).resolve().parent
 ROOT = PKG.parents[2]  # the checkout (src/torchhpc/mpi_upstream/build.py)
@@ -204,9 +204,11 @@ def family_of(mpicxx: str) -> str:
         raise BuildError(f"mpi-backend: {exc}") from None
 
 
-def _default_workdir() -> Path:
-    if (ROOT / "patches" / "pytorch").is_dir():
-        return ROOT / "build" / "mpi-backend"
+def default_workdir(root: Path = ROOT) -> Path:
+    """Where downloads and the build tree go: ``build/mpi-backend`` of the checkout at ``root``, else this user's
+    0700 ``~/.cache/torchhpc/mpi-backend`` (never a fixed name in a shared ``/tmp``: a file there is compiled)."""
+    if (root / "patches" / "pytorch").is_dir():
+        return root / "build" / "mpi-backend"
     return private.cache_dir("mpi-backend")  # this user's alone: a download kept there is compiled
 
 
@@ -222,7 +224,7 @@ def build(mpicxx: str | None = None, dest: Path | None = None, workdir: Path | N
     fam = family_of(mpicxx)
     name = module_name(fam)
     dest = Path(dest) if dest is not None else PKG
-    workdir = Path(workdir) if workdir is not None else _default_workdir()
+    workdir = Path(workdir) if workdir is not None else default_workdir()
     release = torch_release()
     src = select_source(release, workdir, source, allow_download)
     patches = patches_for(release)
@@ -254,6 +256,9 @@ def build(mpicxx: str | None = None, dest: Path | None = None, workdir: Path | N
                              f"{proc.stdout}{proc.stderr}")
         if proc.stderr.strip():
             log(proc.stderr.rstrip())
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o755 & ~mask)  # mkstemp's 0600 (kept by ld) would hide a shared install's module
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

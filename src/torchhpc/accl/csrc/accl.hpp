@@ -130,6 +130,7 @@ std::string describe(const Header& h);      // "all_reduce(float32, 4 elements, 
 // the error text for gathered headers whose first `compare` fields differ
 std::string describeMismatch(const std::vector<Header>& heads, int compare, const std::string& group);
 // the receiver's error text when `env` from rank `peer` does not fit `t` ("" when it fits); `from`: "from rank 1"
+bool envelopeConsistent(const Envelope& env);  // magic, a known dtype, numel x element size = nbytes
 std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t, const std::string& from, int tag);
 }  // namespace wire
 

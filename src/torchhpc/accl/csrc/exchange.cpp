@@ -165,12 +165,13 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   waitRequest(&reqs[0], 1, peer);
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
+  // a size from a peer is used only once checked: agreed, it is exactly what this rank expects; otherwise it is
+  // drained into body_ if it fits there, or (garbled: negative, too large) not read at all; either way every
+  // rank then refuses the call, and nothing is written past a buffer
   const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0 &&
-                      layoutAgrees(x, pre, size_);  // else: drained, and every rank refuses the call
+                      layoutAgrees(x, pre, size_);
   const bool fits = pre.bytes >= 0 && (agreed || pre.bytes <= static_cast<int64_t>(body_.size()));
-  if (!fits) throw c10::DistBackendError("accl: garbled header-exchange message from rank " + std::to_string(peer) +
-                                         " (" + std::to_string(pre.bytes) + " bytes)");
-  const Split sp = piecesOf(pre.bytes, spansNodes_);
+  const Split sp = piecesOf(fits ? pre.bytes : 0, spansNodes_);
   const char* src = in_.data() + kHdr;  // all of it when it came in one message
   if (sp.count) {  // the pieces: into place, or drained from a peer that disagreed
     char* into = agreed ? landing(x, pre, body_.data()) : body_.data();

@@ -193,7 +193,7 @@ bool ProcessGroupACCL::openEnvelope(P2P& op) {
   std::memcpy(&env, op.envelope.data(), sizeof env);
   const std::string bad = wire::envelopeMismatch(env, op.source, op.tensor, fromText(op.peer), op.tag);
   if (!bad.empty()) op.error = std::make_exception_ptr(MismatchError(bad));
-  if (env.magic != wire::kMagic) return true;  // garbled: nothing more can be trusted to follow
+  if (!wire::envelopeConsistent(env)) return true;  // garbled: nothing more can be trusted to follow
   if (env.nbytes <= kPay) {                    // the payload came with the envelope
     if (bad.empty()) {
       op.host = host(op.tensor, false);

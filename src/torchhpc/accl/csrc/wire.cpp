@@ -143,6 +143,14 @@ std::string describeMismatch(const std::vector<Header>& heads, int compare, cons
   return out + " (" + joined(byValue(heads, describe), ": ", "; ") + ")";
 }
 
+bool envelopeConsistent(const Envelope& env) {
+  // a size from a peer is used only once it is consistent: a known dtype, numel x its size = nbytes, >= 0
+  const bool known = env.dtype > 0 && env.dtype <= 15;
+  const int64_t esz = known ? static_cast<int64_t>(c10::elementSize(scalarTypeOf(env.dtype))) : 0;
+  return env.magic == kMagic && known && env.numel >= 0 && env.numel <= (int64_t{1} << 50) &&
+         env.nbytes == env.numel * esz;
+}
+
 std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t, const std::string& from, int tag) {
   const std::string head = "accl: recv " + from + " tag " + std::to_string(tag);
   if (env.magic != kMagic) {
@@ -150,10 +158,7 @@ std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t,
     s << head << ": garbled message envelope from rank " << peer << " (magic 0x" << std::hex << env.magic << ")";
     return s.str();
   }
-  // a size from a peer is used only once it is consistent: a known dtype, numel x its size = nbytes, >= 0
-  const bool known = env.dtype > 0 && env.dtype <= 15;
-  const int64_t esz = known ? static_cast<int64_t>(c10::elementSize(scalarTypeOf(env.dtype))) : 0;
-  if (!known || env.numel < 0 || env.numel > (int64_t{1} << 50) || env.nbytes != env.numel * esz)
+  if (!envelopeConsistent(env))
     return head + ": garbled message envelope from rank " + std::to_string(peer) + " (" + std::to_string(env.numel) +
            " x " + dtypeName(env.dtype) + " in " + std::to_string(env.nbytes) + " bytes)";
   const int64_t want = static_cast<int64_t>(t.nbytes()), dcode = dtypeCode(t.scalar_type());
