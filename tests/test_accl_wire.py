@@ -3,6 +3,7 @@ against torch's own enumerations, call descriptions and mismatch texts.  Python 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -79,3 +80,17 @@ def test_envelope_checks() -> None:
     msg = wire.envelope_mismatch(env, 1, torch.empty(3), "from any source", 5)
     assert "dtype: sent int32, expected float32" in msg and "nbytes" not in msg
     assert "garbled" in wire.envelope_mismatch((0, 7, 12, 3), 0, torch.empty(3, dtype=torch.int32), "from rank 0", 1)
+
+
+# (dtype code, nbytes, numel) sent for 3 x int32: one field off, a negative size, an unknown dtype, a huge pair
+GARBLED = [(None, 12, 4), (None, 12, -3), (77, 12, 3), (None, -12, -3), (None, 1 << 62, 1 << 60)]
+
+
+@pytest.mark.parametrize(("dtype", "nbytes", "numel"), GARBLED)
+def test_an_inconsistent_envelope_is_garbled_before_any_size_is_used(dtype: int | None, nbytes: int,
+                                                                     numel: int) -> None:
+    """A receiver trusts an envelope's sizes only when they agree with each other (a known dtype, numel x its size
+    = nbytes, neither negative): one corrupted field is refused as garbled, never drained or received into."""
+    sent = (wire.MAGIC, wire.dtype_code(torch.int32) if dtype is None else dtype, nbytes, numel)
+    msg = wire.envelope_mismatch(sent, 2, torch.empty(3, dtype=torch.int32), "from rank 2", 9)
+    assert "garbled message envelope from rank 2 (magic valid" in msg, msg

@@ -15,7 +15,9 @@ One file, one rank count, one test:  ``python tests/_mpijob.py -n 3 tests/mpi/te
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,6 +84,7 @@ def test_mpi_suite(path: Path, nprocs: int, timeout: float, variant: str) -> Non
 def inner_outcome(out: str) -> tuple[int, list[str]]:
     """(tests passed, the reason of each test skipped) of an inner run, from its summary (``-rs``).  Every rank
     runs the same tests and prints the same summary, so each ``SKIPPED [n] where: reason`` line counts once."""
+    out = re.sub(r"\x1b\[[0-9;]*m", "", out)  # pytest colours its summary where it thinks a terminal reads it
     found = re.search(r"(\d+) passed", out)
     groups = dict(((where, reason), int(n)) for n, where, reason in
                   re.findall(r"^SKIPPED \[(\d+)\] ([^:\s]+:\d+): (.*)$", out, re.MULTILINE))
@@ -103,6 +106,52 @@ def test_stacks_dumped_before_a_hung_job_is_killed(tmp_path: Path) -> None:
     assert "did not finish in 20s" in report
     assert report.count("in stuck_here_on_purpose") >= 2, report[-4000:]  # one per rank
     assert "most recent call first" in report
+
+
+_ONE_PASS_ONE_SKIP = """import pytest
+
+
+def test_runs():
+    assert True
+
+
+def test_needs_what_is_not_here():
+    pytest.skip("no such library here")
+
+
+def test_for_other_rank_counts():
+    pytest.skip("not at this rank count: needs 7 ranks")
+"""
+
+
+def test_an_inner_skip_is_reported_never_counted_as_a_pass(tmp_path: Path) -> None:
+    """An inner file with one passing and two skipped tests: the harness sees 1 passed and both reasons, and only
+    the structural one is accepted (the other makes the file's run a skip naming it)."""
+    inner = tmp_path / "test_inner.py"
+    inner.write_text(_ONE_PASS_ONE_SKIP)
+    (tmp_path / "conftest.py").write_text((MPI_DIR / "conftest.py").read_text())
+    res = run_mpi(2, inner_pytest_argv(str(inner), rootdir=str(tmp_path)), timeout=120.0)
+    assert res.returncode == 0, res.stdout[-3000:]
+    passed, skips = inner_outcome(res.stdout)
+    assert passed == 1 and sorted(skips) == ["no such library here", "not at this rank count: needs 7 ranks"], skips
+    assert [accepted(r) for r in sorted(skips)] == [False, True]
+
+
+def test_in_ci_a_skip_of_what_ci_provides_fails(tmp_path: Path) -> None:
+    """TORCHHPC_TEST_STRICT=1 (CI): the library skip fails the run, the structural and GPU skips stay skips."""
+    gpu = "\n\ndef test_gpu():\n    pytest.skip('no CUDA device')\n"
+    (tmp_path / "test_inner.py").write_text(_ONE_PASS_ONE_SKIP + gpu)
+    (tmp_path / "conftest.py").write_text("from _skips import make_strict\nimport pytest\n\n\n"
+                                          "@pytest.hookimpl(hookwrapper=True)\n"
+                                          "def pytest_runtest_makereport(item, call):\n"
+                                          "    make_strict((yield).get_result())\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    for strict, want in (("0", "1 passed, 3 skipped"), ("1", "1 failed, 1 passed, 2 skipped")):
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                              env={**env, "TORCHHPC_TEST_STRICT": strict}, capture_output=True, text=True,
+                              timeout=120)
+        assert want in proc.stdout, proc.stdout
+    assert "skipped where CI provides what it needs" in proc.stdout and "no such library here" in proc.stdout
 
 
 def main() -> None:  # pragma: no cover - `python tests/test_mpi_suites.py` lists the cases

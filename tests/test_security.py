@@ -98,9 +98,9 @@ def _accl_built() -> bool:
 
 
 @needs_two_users
-def test_flight_dumps_go_to_a_private_file_and_never_through_a_planted_link() -> None:
-    """torch's default dump path is a fixed name in /tmp: a stranger's symlink there made the user's dump
-    truncate and overwrite a file of the user's choosing (any file the user can write)."""
+def test_flight_dumps_go_to_a_private_directory_and_never_through_a_planted_link() -> None:
+    """torch's default dump path is a fixed name in /tmp, and its writer follows a symlink: a stranger's link there
+    (or in any directory others can write) made the user's dump overwrite a file of the stranger's choosing."""
     if not _accl_built():
         pytest.fail("accl's backend with the flight recorder is not built (make env, nlohmann-json3-dev)")
     tmp = shared_dir()
@@ -110,23 +110,22 @@ def test_flight_dumps_go_to_a_private_file_and_never_through_a_planted_link() ->
     os.symlink(victim_file, tmp / "nccl_trace_rank_0")  # what the stranger plants
     os.lchown(tmp / "nccl_trace_rank_0", STRANGER, STRANGER)
     code = """
-        import os, torch, torch.distributed as dist, torchhpc.accl
+        import os, warnings, torch, torch.distributed as dist, torchhpc.accl
+        warnings.simplefilter("always")
         dist.init_process_group("accl", store=dist.HashStore(), rank=0, world_size=1)
         dist.all_reduce(torch.ones(4))
         path = torchhpc.accl.dump_flight_record()
-        st = os.stat(path)
-        print("DUMP", path, oct(st.st_mode), oct(os.stat(os.path.dirname(path)).st_mode))
+        print("DUMP", path, oct(os.stat(os.path.dirname(path)).st_mode), os.path.getsize(path))
         dist.destroy_process_group()
     """
-    out = run_as(VICTIM, code, {"TMPDIR": str(tmp)})
-    assert out.returncode == 0, out.stderr
-    path, mode, dmode = out.stdout.split("DUMP ", 1)[1].split()
-    assert Path(path).parent == tmp / f"torchhpc-{VICTIM}" / "flight" and mode == "0o100600" and dmode == "0o40700"
-    assert victim_file.read_text() == "keep me\n"
-    # named into a shared directory where the stranger's link sits: the dump refuses it, the file survives
-    out = run_as(VICTIM, code, {"TMPDIR": str(tmp), "TORCH_FR_DUMP_TEMP_FILE": str(tmp / "nccl_trace_rank_")})
-    assert out.returncode != 0 and "nccl_trace_rank_0" in out.stderr, out.stdout + out.stderr
-    assert victim_file.read_text() == "keep me\n"
+    for env in ({}, {"TORCH_FR_DUMP_TEMP_FILE": str(tmp / "nccl_trace_rank_")}):  # the default; a shared dir named
+        out = run_as(VICTIM, code, {"TMPDIR": str(tmp), **env})
+        assert out.returncode == 0, out.stderr
+        path, dmode, size = out.stdout.split("DUMP ", 1)[1].split()
+        assert Path(path).parent == tmp / f"torchhpc-{VICTIM}" / "flight" and dmode == "0o40700" and int(size) > 0
+        assert victim_file.read_text() == "keep me\n"
+        if env:
+            assert "not writing flight records to TORCH_FR_DUMP_TEMP_FILE" in out.stderr, out.stderr
 
 
 _EVIL = """
@@ -288,6 +287,18 @@ def test_job_logs_and_records_are_the_users_own(tmp_path: Path) -> None:
     out = run_as(VICTIM, code, {"TORCHHPC_PREFIX": str(other), "SITE": "generic", "DRY_RUN": "1",
                                 "TORCHHPC_JOBS_DIR": str(other / "jobs" / "victim")})
     assert "exec >>" not in out.stdout and f"owned by uid {STRANGER}" in out.stderr, out.stdout + out.stderr
+    # --attach sources a job's record: one planted in a folder another user owns is never read
+    made = run_as(STRANGER, f"open({str(other / 'jobs' / 'victim' / 'j.job')!r}, 'w').write('touch {other}/ran\\n')")
+    assert made.returncode == 0, made.stderr
+    attach = f"""
+        import subprocess, sys
+        proc = subprocess.run(["bash", {str(ROOT / 'utils/submit_job.sh')!r}, "--attach", "j"], capture_output=True,
+                              text=True)
+        print(proc.stderr, file=sys.stderr)
+    """
+    out = run_as(VICTIM, attach, {"TORCHHPC_PREFIX": str(other), "SITE": "generic",
+                                  "TORCHHPC_JOBS_DIR": str(other / "jobs" / "victim")})
+    assert f"owned by uid {STRANGER}" in out.stderr and not (other / "ran").exists(), out.stderr
 
 
 @pytest.mark.parametrize("value", ["", "/", "//"])

@@ -128,8 +128,9 @@ def save(state: dict[str, Any], root: str | os.PathLike[str], step: int, *, keep
         for step_ in _commit_steps(root, partial, final, keep):
             step_()
 
+    flat = _flat(state, rank)  # bad arguments are refused before anything is written
     _on_rank0(prepare, f"could not prepare {partial}")
-    dcp.save(_flat(state, rank), checkpoint_id=partial)  # DCP raises on every rank if any rank failed
+    dcp.save(flat, checkpoint_id=partial)  # DCP raises on every rank if any rank failed
     _on_rank0(commit, f"could not commit {partial}")
     return final
 

@@ -189,6 +189,7 @@ JOB
     # PBS copies a job's stdout back only when it ends: the job writes its log on the shared file system
     # itself, so that the wait (and `tail -f`) sees it grow.  NCAR's qcmd streams the output instead.
     if [[ "$JOB_SCHEDULER" == pbs ]] && ! job_via_qcmd; then
+      # shellcheck disable=SC2016  # ${PBS_JOBID} is the job's, expanded when it runs
       printf 'exec >>%q"${PBS_JOBID}".log 2>&1\n' "${JOB_LOG%\%j.log}"
     fi
     cat <<JOB

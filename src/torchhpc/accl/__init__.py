@@ -34,8 +34,8 @@ __all__ = [
 
 def dump_flight_record() -> str:
     """Write this process's record of accl calls now, in torch's flight-recorder format, to
-    ``$TORCH_FR_DUMP_TEMP_FILE<global rank>``, by default ``$TMPDIR/torchhpc-<uid>/flight/nccl_trace_rank_<rank>``
-    (a new 0600 file in this user's 0700 directory); returns the file.
+    ``$TORCH_FR_DUMP_TEMP_FILE<global rank>`` where that directory is this user's alone, else (and by default)
+    ``$TMPDIR/torchhpc-<uid>/flight/nccl_trace_rank_<rank>``, in this user's 0700 directory; returns the file.
 
     accl also writes it by itself when a call times out, a peer dies or the ranks' calls differ; read every
     rank's file with ``torchhpc frtrace DIR``.  ``TORCH_FR_BUFFER_SIZE`` (default 2000 calls; 0: off) sizes it."""

@@ -60,18 +60,24 @@ def load_backend() -> ModuleType:
     if mod.torch_version != torch.__version__:
         raise EngineUnavailableError(f"accl: the C++ backend was built for torch {mod.torch_version}, running "
                                      f"{torch.__version__}; rebuild it with {build} --force")
-    mod.set_flight_prefix(flight_prefix())
+    os.environ["TORCH_FR_DUMP_TEMP_FILE"] = flight_prefix()  # before any dump: torch's writer reads it once
     release_singleton_segment()  # run without mpiexec: Open MPI 5 would leave 16 MiB in /dev/shm
     return mod
 
 
 def flight_prefix() -> str:
-    """Where this process's flight-record dumps go (+ the global rank): ``$TORCH_FR_DUMP_TEMP_FILE`` as torch
-    reads it, else ``$TMPDIR/torchhpc-<uid>/flight/nccl_trace_rank_`` (this user's, 0700; torch's own default
-    is a fixed name in the shared ``/tmp``)."""
+    """Where flight-record dumps go (+ the global rank): ``$TORCH_FR_DUMP_TEMP_FILE`` when its directory is this
+    user's and no one else can write it, else ``$TMPDIR/torchhpc-<uid>/flight/nccl_trace_rank_`` (0700).  torch's
+    own default is a fixed name in the shared ``/tmp``, and its writer follows a symlink planted there."""
     given = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if given:
-        return given
+        try:
+            Path(given).parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as torch's writer would, private
+            private.check_trusted(Path(given).parent)
+            return given
+        except (OSError, private.UnsafePathError) as exc:
+            warnings.warn(f"accl: not writing flight records to TORCH_FR_DUMP_TEMP_FILE={given}: {exc}",
+                          stacklevel=2)
     try:
         folder = private.runtime_dir("flight")
     except private.UnsafePathError as exc:  # someone else holds the name: a directory of our own, say where

@@ -88,16 +88,11 @@ MPI_Comm dup(MPI_Comm comm) {
   return out;
 }
 
-int rankOf(MPI_Comm comm) {
-  int r = 0;
-  ACCL_MPI(MPI_Comm_rank, comm, &r);
-  return r;
-}
-
-int sizeOf(MPI_Comm comm) {
-  int s = 0;
-  ACCL_MPI(MPI_Comm_size, comm, &s);
-  return s;
+// MPI_Comm_rank or MPI_Comm_size of `comm` (one body, the query passed in)
+int commInt(int (*query)(MPI_Comm, int*), const char* name, MPI_Comm comm) {
+  int v = 0;
+  mpiCheck(query(comm, &v), name);
+  return v;
 }
 
 }  // namespace
@@ -259,7 +254,8 @@ void WorkACCL::complete(std::exception_ptr error, int source) {
 // ============================================================================================== group
 
 ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr<Engine> engine)
-    : c10d::Backend(rankOf(comm), sizeOf(comm)), opts_(std::move(config)), engine_(std::move(engine)) {
+    : c10d::Backend(commInt(MPI_Comm_rank, "MPI_Comm_rank", comm), commInt(MPI_Comm_size, "MPI_Comm_size", comm)),
+      opts_(std::move(config)), engine_(std::move(engine)) {
   coll_ = dup(comm);
   ctl_ = dup(comm);
   p2pHead_ = dup(comm);
@@ -269,7 +265,7 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   // whether the ranks span nodes: accl's ring then runs large all_reduces (usesRing)
   MPI_Comm node = MPI_COMM_NULL;
   ACCL_MPI(MPI_Comm_split_type, coll_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
-  spansNodes_ = sizeOf(node) < size_;
+  spansNodes_ = commInt(MPI_Comm_size, "MPI_Comm_size", node) < size_;
   ACCL_MPI(MPI_Comm_free, &node);
   out_.assign(wire::kHeaderBytes + (spansNodes_ ? wire::kNetInlineBytes : wire::kInlineBytes), 0);
   in_.assign(out_.size(), 0);

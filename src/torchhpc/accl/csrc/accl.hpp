@@ -117,10 +117,9 @@ extern const char* const kFieldNames[kFields];
 extern const char* const kKindNames[10];
 extern const char* const kDtypeNames[15];
 extern const char* const kOpNames[8];
-// test hook: the next prefix or envelope this process sends carries its size field off by `delta` (a peer that
-// garbles a message); the one place a wrong size is made on purpose, to test that every reader refuses it
-void garbleNext(int64_t delta);
-int64_t takeGarble();  // the pending delta, once (0 almost always: one relaxed load)
+// test hook (wire.garble_next): the next header-exchange prefix this process sends has its size off by this much,
+// a peer that garbles a message; the one place a wrong size is made on purpose, to test that readers refuse it
+extern std::atomic<int64_t> garble;
 int64_t dtypeCode(at::ScalarType t);  // 1.. in kDtypeNames' order; 99 for a dtype outside the table
 int64_t opCode(RedOpType op);         // 1.. in kOpNames' order; 0 for none
 std::string dtypeName(int64_t code);
@@ -326,8 +325,7 @@ struct FrRecord {  // one call's entry, retired when the call is destroyed (the 
   ~FrRecord();
 };
 bool frBuilt();                         // whether accl was built with torch's recorder
-std::string frWrite(int globalRank);    // the whole record to the prefix + globalRank, a new 0600 file; its path
-void frSetPrefix(std::string prefix);   // where dumps go (Python's choice: TORCH_FR_DUMP_TEMP_FILE or a private dir)
+std::string frWrite(int globalRank);    // the whole record through torch's DebugInfoWriter; its file
 const char* frOpName(c10d::OpType type);  // the analyzer's name of a collective
 
 // ------------------------------------------------------------------------------------------ calls
@@ -526,6 +524,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void step(Xchg& x, int peer, bool send, bool recv, bool result = false);
   void post(const Xchg& x, int peer, MPI_Request* out);         // this rank's message (and pieces) to `peer`
   void take(Xchg& x, int peer, MPI_Request* reqs, bool result);  // the peer's, then every request of the step
+  [[noreturn]] void garbled(int peer, int64_t bytes, MPI_Request* reqs);  // a size no rank could have sent
   [[noreturn]] void refuse(const Call& call);         // every rank's header gathered, then the MismatchError
   // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
   bool testUntil(MPI_Request* reqs, int n, Clock::time_point deadline);

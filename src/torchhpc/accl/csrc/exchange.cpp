@@ -70,24 +70,13 @@ std::pair<const char*, int64_t> outgoing(const Xchg& x) {
   return {nullptr, 0};
 }
 
-// where an agreed peer's data lands: in place, except a partial reduction (into `scratch`, then reduced)
-char* landing(const Xchg& x, const wire::Prefix& pre, char* scratch) {
-  if (x.carry.ride == Ride::kReduce) return scratch;
-  if (x.carry.ride == Ride::kGather) return x.data + pre.lo * x.carry.bytes;
-  return x.data;
-}
-
 // whether an agreed peer's data has the size and layout this rank expects: a size from a peer is checked
 // before anything is copied (a corrupt prefix becomes a refusal on every rank, never a write past a buffer)
 bool layoutAgrees(const Xchg& x, const wire::Prefix& pre, int p) {
-  switch (x.carry.ride) {
-    case Ride::kReduce: return pre.bytes == x.carry.bytes;
-    case Ride::kBroadcast: return pre.bytes == 0 || pre.bytes == x.carry.bytes;
-    case Ride::kGather:
-      return pre.lo >= 0 && pre.hi <= p && pre.lo <= pre.hi && pre.bytes == (pre.hi - pre.lo) * x.carry.bytes;
-    case Ride::kNone: break;
-  }
-  return pre.bytes == 0;
+  if (x.carry.ride == Ride::kGather)
+    return pre.lo >= 0 && pre.hi <= p && pre.lo <= pre.hi && pre.bytes == (pre.hi - pre.lo) * x.carry.bytes;
+  const int64_t want = x.carry.ride == Ride::kNone ? 0 : x.carry.bytes;  // a broadcast's non-root may send none
+  return pre.bytes == want || (x.carry.ride == Ride::kBroadcast && pre.bytes == 0);
 }
 
 // an agreed peer's data, arrived at `src`, into this rank's state (`result`: it is the finished reduction)
@@ -151,7 +140,8 @@ void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result
 
 void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
   const auto [src, bytes] = outgoing(x);
-  const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes + wire::takeGarble(), x.lo, x.hi};
+  const int64_t garbled = wire::garble.load(std::memory_order_relaxed) ? wire::garble.exchange(0) : 0;
+  const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes + garbled, x.lo, x.hi};
   const Split sp = piecesOf(bytes, spansNodes_);
   std::memcpy(out_.data(), &pre, sizeof pre);
   if (sp.head) std::memcpy(out_.data() + kHdr, src, sp.head);
@@ -165,16 +155,18 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   waitRequest(&reqs[0], 1, peer);
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
-  // a size from a peer is used only once checked: agreed, it is exactly what this rank expects; otherwise it is
-  // drained into body_ if it fits there, or (garbled: negative, too large) not read at all; either way every
-  // rank then refuses the call, and nothing is written past a buffer
-  const bool agreed = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0 &&
-                      layoutAgrees(x, pre, size_);
-  const bool fits = pre.bytes >= 0 && (agreed || pre.bytes <= static_cast<int64_t>(body_.size()));
-  const Split sp = piecesOf(fits ? pre.bytes : 0, spansNodes_);
+  // a size from a peer is used only once checked: with the same header it must be exactly what this rank expects,
+  // else (a disagreeing peer's, drained) fit the buffer; one that does neither is garbled, and nothing of it is read
+  const bool same = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
+  const bool agreed = same && layoutAgrees(x, pre, size_);
+  if ((same && !agreed) || pre.bytes < 0 || (!agreed && pre.bytes > static_cast<int64_t>(body_.size())))
+    garbled(peer, pre.bytes, reqs);
+  const Split sp = piecesOf(pre.bytes, spansNodes_);
   const char* src = in_.data() + kHdr;  // all of it when it came in one message
   if (sp.count) {  // the pieces: into place, or drained from a peer that disagreed
-    char* into = agreed ? landing(x, pre, body_.data()) : body_.data();
+    // an agreed peer's data lands in place, except a partial reduction (into body_, then reduced)
+    char* into = !agreed || x.carry.ride == Ride::kReduce ? body_.data()
+                 : x.data + (x.carry.ride == Ride::kGather ? pre.lo * x.carry.bytes : 0);
     std::memcpy(into, src, sp.head);
     for (int k = 0; k < sp.count; ++k)
       ACCL_MPI(MPI_Irecv, into + sp.at(k), static_cast<int>(sp.len(k, pre.bytes)), MPI_BYTE, peer, kTagData, ctl_,
@@ -184,6 +176,16 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   waitRequest(reqs, 2 + 2 * kMaxPieces, peer);  // this rank's data is sent before it is reduced into
   x.bad = !agreed;
   if (agreed && pre.bytes) absorb(x, pre, src, result);
+}
+
+void ProcessGroupACCL::garbled(int peer, int64_t bytes, MPI_Request* reqs) {
+  // corruption, not a disagreement: only this rank saw it, so it cannot be refused together; this rank's sends
+  // complete, then it leaves the group (its peers meet their deadline, as with a rank that died)
+  waitRequest(reqs + 1 + kMaxPieces, 1 + kMaxPieces, peer);
+  const c10::DistBackendError e("accl: garbled header-exchange message from rank " + std::to_string(peer) + " (" +
+                                std::to_string(bytes) + " bytes); group '" + groupName() + "' aborted on this rank");
+  abortWith(e.what(), std::make_exception_ptr(e));
+  throw e;
 }
 
 void ProcessGroupACCL::refuse(const Call& c) {

@@ -1,18 +1,12 @@
 // accl's calls in torch's own flight recorder (torch/csrc/distributed/c10d/FlightRecorder.hpp), so that a dump is
 // the format torch's analyzer (torchfrtrace) reads.  libtorch exports neither its recorder's singleton nor its
 // event instantiations, so accl instantiates the template over its own event type (what a CUDA event is to NCCL's
-// recorder: a time set once, when the call started or completed) and keeps a recorder of its own.  A dump goes to
-// the prefix Python sets (TORCH_FR_DUMP_TEMP_FILE, else this user's 0700 directory) + the global rank, through a
-// new 0600 file (O_EXCL | O_NOFOLLOW): torch's DebugInfoWriter follows a symlink planted in a shared /tmp.
+// recorder: a time set once, when the call started or completed) and keeps a recorder of its own; dumps go through
+// torch's exported DebugInfoWriter to TORCH_FR_DUMP_TEMP_FILE + the global rank, which torchhpc sets to a directory
+// only this user can write (accl/core.py: torch's default is a fixed name in the shared /tmp).
 // The template's detail header needs nlohmann/json.hpp, which the torch wheel does not ship: without it accl
 // builds without the recorder, and dump_flight_record() says so.
 #include "accl.hpp"
-
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
-#include <cstring>
 
 #if __has_include(<nlohmann/json.hpp>)
 #include <torch/csrc/distributed/c10d/FlightRecorderDetail.hpp>
@@ -20,15 +14,6 @@
 #endif
 
 namespace torchhpc::accl {
-namespace {
-std::mutex frPrefixMu;
-std::string frPrefix;  // where dumps go, + the global rank
-}  // namespace
-
-void frSetPrefix(std::string prefix) {
-  std::lock_guard<std::mutex> lock(frPrefixMu);
-  frPrefix = std::move(prefix);
-}
 
 void FrEvent::mark() { ns.store(c10::getTime(), std::memory_order_release); }
 
@@ -137,29 +122,9 @@ void ProcessGroupACCL::record(FrRecord& r, std::string_view op, const std::vecto
 }
 
 std::string frWrite(int globalRank) {
-  std::string path;
-  {
-    std::lock_guard<std::mutex> lock(frPrefixMu);
-    if (frPrefix.empty()) throw std::runtime_error("accl: no flight-record prefix set (torchhpc sets it)");
-    path = frPrefix + std::to_string(globalRank);
-  }
-  std::string text = recorder().dump(std::nullopt, true, stacksRecorded.load(), false);
-  if (::unlink(path.c_str()) != 0 && errno != ENOENT)  // an earlier dump of ours is replaced, another's is not
-    throw std::runtime_error("accl: cannot replace " + path + ": " + std::strerror(errno));
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (fd < 0) throw std::runtime_error("accl: cannot create " + path + ": " + std::strerror(errno));
-  for (size_t done = 0; done < text.size();) {
-    ssize_t n = ::write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      int err = errno;
-      ::close(fd);
-      throw std::runtime_error("accl: cannot write " + path + ": " + std::strerror(err));
-    }
-    done += static_cast<size_t>(n);
-  }
-  ::close(fd);
-  return path;
+  auto& writer = c10d::DebugInfoWriter::getWriter(globalRank);
+  writer.write(recorder().dump(std::nullopt, true, stacksRecorded.load(), false));
+  return writer.getWriterTarget();
 }
 #else
 bool frBuilt() { return false; }

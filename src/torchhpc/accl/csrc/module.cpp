@@ -135,8 +135,7 @@ void defineWire(py::module_ m) {
   w.attr("COMPARE_CALL") = wire::kCompareCall;
   w.attr("FIELDS") = names(wire::kFieldNames);
   w.attr("KINDS") = names(wire::kKindNames);
-  w.def("garble_next", &wire::garbleNext, py::arg("delta"),
-        "test hook: the next prefix or envelope this process sends has its size off by `delta`");
+  w.def("garble_next", [](int64_t delta) { wire::garble = delta; }, "test hook: next prefix's size off by delta");
   w.attr("DTYPES") = names(wire::kDtypeNames);
   w.attr("OPS") = names(wire::kOpNames);
   w.def("dtype_code", &wire::dtypeCode, "a dtype's code (99: not in DTYPES)");
@@ -240,8 +239,7 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   m.attr("ABORT_GRACE_S") = accl::kAbortGraceS;
   m.def("flight_recorder_built", &accl::frBuilt, "whether accl records its calls in torch's flight recorder");
   m.def("dump_flight_record", &accl::frWrite, py::arg("global_rank"), py::call_guard<py::gil_scoped_release>(),
-        "every recorded call of this process, in torch's format, to the prefix + global_rank (a new 0600 file)");
-  m.def("set_flight_prefix", &accl::frSetPrefix, py::arg("prefix"), "where flight-record dumps go (+ the rank)");
+        "every recorded call of this process, in torch's format, through torch's DebugInfoWriter; the file");
   m.attr("torch_version") = TORCH_BUILT_FOR;
   m.attr("module") = ACCL_STR(ACCL_MODULE);
 }

@@ -55,10 +55,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
   op->send = true;
   op->host = host(t, true);
   return startP2P(std::move(op), [this](P2P& op) {
-    wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
-                       static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
+    const wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
+                             static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
     const bool small = env.nbytes <= kPay;
-    env.numel += wire::takeGarble();
     op.envelope.assign(wire::kSlotBytes, 0);
     std::memcpy(op.envelope.data(), &env, sizeof env);
     if (small && env.nbytes) std::memcpy(op.envelope.data() + kHdr, op.host.data_ptr(), env.nbytes);

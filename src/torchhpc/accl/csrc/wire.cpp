@@ -3,7 +3,6 @@
 #include "accl.hpp"
 
 #include <map>
-#include <sstream>
 
 namespace torchhpc::accl {
 
@@ -44,12 +43,7 @@ std::string opNameOf(int64_t code) {
 
 std::string valueOf(int field, int64_t v) {
   switch (field) {
-    case 0: {
-      if (v == kMagic) return "valid";
-      std::ostringstream s;
-      s << "garbled (0x" << std::hex << v << ")";
-      return s.str();
-    }
+    case 0: return v == kMagic ? "valid" : "garbled (" + std::to_string(v) + ")";
     case 1: return kindName(v);
     case 3: return dtypeName(v);
     case 4: return opNameOf(v);
@@ -91,13 +85,7 @@ int64_t fieldOf(const Header& h, int i) {
 
 }  // namespace
 
-namespace {
 std::atomic<int64_t> garble{0};
-}  // namespace
-
-void garbleNext(int64_t delta) { garble.store(delta); }
-
-int64_t takeGarble() { return garble.load(std::memory_order_relaxed) ? garble.exchange(0) : 0; }
 
 int64_t dtypeCode(at::ScalarType t) {
   for (int i = 0; i < 15; ++i)
@@ -143,24 +131,17 @@ std::string describeMismatch(const std::vector<Header>& heads, int compare, cons
   return out + " (" + joined(byValue(heads, describe), ": ", "; ") + ")";
 }
 
-bool envelopeConsistent(const Envelope& env) {
-  // a size from a peer is used only once it is consistent: a known dtype, numel x its size = nbytes, >= 0
-  const bool known = env.dtype > 0 && env.dtype <= 15;
-  const int64_t esz = known ? static_cast<int64_t>(c10::elementSize(scalarTypeOf(env.dtype))) : 0;
-  return env.magic == kMagic && known && env.numel >= 0 && env.numel <= (int64_t{1} << 50) &&
-         env.nbytes == env.numel * esz;
+bool envelopeConsistent(const Envelope& env) {  // a size from a peer is used only once it is consistent
+  const int64_t esz = env.dtype > 0 && env.dtype <= 15 ? c10::elementSize(scalarTypeOf(env.dtype)) : 0;
+  return env.magic == kMagic && esz && env.numel >= 0 && env.numel <= int64_t{1} << 50 && env.nbytes == env.numel * esz;
 }
 
 std::string envelopeMismatch(const Envelope& env, int peer, const at::Tensor& t, const std::string& from, int tag) {
   const std::string head = "accl: recv " + from + " tag " + std::to_string(tag);
-  if (env.magic != kMagic) {
-    std::ostringstream s;
-    s << head << ": garbled message envelope from rank " << peer << " (magic 0x" << std::hex << env.magic << ")";
-    return s.str();
-  }
   if (!envelopeConsistent(env))
-    return head + ": garbled message envelope from rank " + std::to_string(peer) + " (" + std::to_string(env.numel) +
-           " x " + dtypeName(env.dtype) + " in " + std::to_string(env.nbytes) + " bytes)";
+    return head + ": garbled message envelope from rank " + std::to_string(peer) + " (magic " +
+           valueOf(0, env.magic) + ", " + std::to_string(env.numel) + " x " + dtypeName(env.dtype) + " in " +
+           std::to_string(env.nbytes) + " B)";
   const int64_t want = static_cast<int64_t>(t.nbytes()), dcode = dtypeCode(t.scalar_type());
   if (env.nbytes == want && env.dtype == dcode) return "";
   std::string diffs;
