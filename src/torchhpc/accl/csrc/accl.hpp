@@ -524,7 +524,8 @@ class ProcessGroupACCL : public c10d::Backend {
   void step(Xchg& x, int peer, bool send, bool recv, bool result = false);
   void post(const Xchg& x, int peer, MPI_Request* out);         // this rank's message (and pieces) to `peer`
   void take(Xchg& x, int peer, MPI_Request* reqs, bool result);  // the peer's, then every request of the step
-  [[noreturn]] void garbled(int peer, int64_t bytes, MPI_Request* reqs);  // a size no rank could have sent
+  // a peer's size that is neither what this rank expects nor (a disagreeing peer's) drainable: raise, leave
+  void checkReadable(int peer, int64_t bytes, bool same, bool agreed, MPI_Request* reqs);
   [[noreturn]] void refuse(const Call& call);         // every rank's header gathered, then the MismatchError
   // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
   bool testUntil(MPI_Request* reqs, int n, Clock::time_point deadline);

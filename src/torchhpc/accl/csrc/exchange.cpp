@@ -159,8 +159,7 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   // else (a disagreeing peer's, drained) fit the buffer; one that does neither is garbled, and nothing of it is read
   const bool same = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
   const bool agreed = same && layoutAgrees(x, pre, size_);
-  if ((same && !agreed) || pre.bytes < 0 || (!agreed && pre.bytes > static_cast<int64_t>(body_.size())))
-    garbled(peer, pre.bytes, reqs);
+  checkReadable(peer, pre.bytes, same, agreed, reqs);
   const Split sp = piecesOf(pre.bytes, spansNodes_);
   const char* src = in_.data() + kHdr;  // all of it when it came in one message
   if (sp.count) {  // the pieces: into place, or drained from a peer that disagreed
@@ -178,8 +177,9 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   if (agreed && pre.bytes) absorb(x, pre, src, result);
 }
 
-void ProcessGroupACCL::garbled(int peer, int64_t bytes, MPI_Request* reqs) {
-  // corruption, not a disagreement: only this rank saw it, so it cannot be refused together; this rank's sends
+void ProcessGroupACCL::checkReadable(int peer, int64_t bytes, bool same, bool agreed, MPI_Request* reqs) {
+  if (same == agreed && bytes >= 0 && (agreed || bytes <= static_cast<int64_t>(body_.size()))) return;
+  // garbled, not a disagreement: only this rank saw it, so it cannot be refused together; this rank's sends
   // complete, then it leaves the group (its peers meet their deadline, as with a rank that died)
   waitRequest(reqs + 1 + kMaxPieces, 1 + kMaxPieces, peer);
   const c10::DistBackendError e("accl: garbled header-exchange message from rank " + std::to_string(peer) + " (" +
