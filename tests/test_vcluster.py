@@ -427,10 +427,13 @@ def check_flight_records(dumps: Path, stopped: bool) -> None:
     if stopped:
         assert "Missing dump files from ranks {2, 3}" in analysis, analysis
     else:
-        assert "has errors" not in analysis, analysis
+        # a call whose messages crossed before the cut may have completed on one side of it: the analyzer then
+        # reports states ('started' against 'completed'), never different calls: no rank diverged
+        assert set(re.findall(r"Error type: (\w+)", analysis)) <= {"COLLECTIVE_STATE_MISMATCH"}, analysis
     table = frtrace("-j", "--allow-incomplete-ranks")
     last = [line for line in table.splitlines() if "all_reduce(" in line][-1]
-    assert last.count("state=started") == len(written) and "completed" not in last, table[-3000:]
+    stuck = last.count("state=started")
+    assert (stuck == len(written) if stopped else stuck >= 2) and "completed" not in last, table[-3000:]
 
 
 @pytest.mark.parametrize("fault", ["stop", "cut"])
