@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .errors import TorchhpcError
 
-__all__ = ["UnsafePathError", "private_dir", "runtime_dir", "cache_dir", "check_trusted", "create_private_file"]
+__all__ = ["UnsafePathError", "private_dir", "runtime_dir", "cache_dir", "check_trusted"]
 
 
 class UnsafePathError(TorchhpcError):
@@ -77,18 +77,3 @@ def cache_dir(*parts: str) -> Path:
         out = private_dir(out / part)
     return out
 
-
-def create_private_file(path: str | os.PathLike[str]) -> int:
-    """A new file at ``path`` open for writing, 0600, never through a symlink nor over another's file: an
-    existing file of this user's is replaced; the descriptor."""
-    path = Path(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except PermissionError as exc:
-        raise UnsafePathError(f"{path} exists and is not yours to replace ({exc.strerror})") from None
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    except FileExistsError:
-        raise UnsafePathError(f"{path} was created by someone else while torchhpc replaced it") from None
