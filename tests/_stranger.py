@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -23,10 +24,30 @@ needs_two_users = pytest.mark.skipif(
     reason="needs root and setpriv to play two unprivileged users")
 
 
+_OPENED: list[tuple[Path, int]] = []
+
+
+def _reachable() -> None:
+    """The second user must reach this checkout and its environment, which a runner may have cloned under a 0700
+    folder: search permission (o+x, never read) is added to the folders above them that lack it, once, and taken
+    back when the tests end."""
+    if _OPENED or getattr(_reachable, "done", False):
+        return
+    _reachable.done = True  # type: ignore[attr-defined]
+    for target in (ROOT, Path(sys.prefix)):
+        for folder in (target, *target.parents):
+            mode = stat.S_IMODE(folder.stat().st_mode)
+            if not mode & 0o001 and folder not in dict(_OPENED):
+                os.chmod(folder, mode | 0o001)
+                _OPENED.append((folder, mode))
+    atexit.register(lambda: [os.chmod(folder, mode) for folder, mode in reversed(_OPENED)])
+
+
 def run_as(uid: int, code: str, env: dict[str, str] | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run Python ``code`` as ``uid`` (same gid, no groups, no capabilities), torchhpc importable; HOME is a
     fresh directory of that user's, TMPDIR as ``env`` says (default: the same home)."""
+    _reachable()
     home = Path(tempfile.mkdtemp(prefix=f"home-{uid}-"))
     os.chown(home, uid, uid)
     base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home),
