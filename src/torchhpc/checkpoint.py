@@ -45,17 +45,16 @@ def latest(root: str | os.PathLike[str]) -> Path | None:
     root = Path(root)
     if not root.is_dir():
         return None
-    best: tuple[int, int, Path] | None = None
-    for p in root.iterdir():
-        m = _DONE.fullmatch(p.name) or _REPLACED.fullmatch(p.name)
-        if m is None or not (p / ".metadata").is_file():
+    best: tuple[int, bool, Path] | None = None
+    for step, p in _step_dirs(root):
+        if not (p / ".metadata").is_file():
             continue
         try:
             private.check_trusted(p)
         except private.UnsafePathError as exc:
             warnings.warn(f"checkpoint: passing over {exc}", stacklevel=2)
             continue
-        key = (int(m.group(1)), m.re is _DONE, p)  # the finished name before one moved aside
+        key = (step, _DONE.fullmatch(p.name) is not None, p)  # the finished name before one moved aside
         best = max(best, key) if best else key
     return best[2] if best else None
 

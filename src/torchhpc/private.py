@@ -58,13 +58,17 @@ def private_dir(path: str | os.PathLike[str]) -> Path:
     return check_trusted(path, private=True)
 
 
-def runtime_dir(*parts: str) -> Path:
-    """``$TMPDIR/torchhpc-<uid>/<parts>``: this user's scratch on this node (dumps, build objects)."""
-    base = Path(tempfile.gettempdir()) / f"torchhpc-{os.geteuid()}"
+def _private_chain(base: Path, parts: tuple[str, ...]) -> Path:
+    """``base`` and each of ``parts`` below it as :func:`private_dir`: every level checked, not only the last."""
     out = private_dir(base)
     for part in parts:
         out = private_dir(out / part)
     return out
+
+
+def runtime_dir(*parts: str) -> Path:
+    """``$TMPDIR/torchhpc-<uid>/<parts>``: this user's scratch on this node (dumps, build objects)."""
+    return _private_chain(Path(tempfile.gettempdir()) / f"torchhpc-{os.geteuid()}", parts)
 
 
 def cache_dir(*parts: str) -> Path:
@@ -72,8 +76,5 @@ def cache_dir(*parts: str) -> Path:
     extensions in a per-user cache."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     base.mkdir(parents=True, exist_ok=True)
-    out = private_dir(base / "torchhpc")
-    for part in parts:
-        out = private_dir(out / part)
-    return out
+    return _private_chain(base / "torchhpc", parts)
 

@@ -44,8 +44,13 @@ class Setting:
         if self.kind == "choice":
             return "one of " + ", ".join(self.choices)
         noun = "a whole number" if self.kind == "int" else "a number"
-        bounds = [f">= {self.low:g}" if self.low is not None else "", f"<= {self.high:g}" if self.high else ""]
+        bounds = [f">= {self.low:g}" if self.low is not None else "",
+                  f"<= {self.high:g}" if self.high is not None else ""]
         return " ".join([noun, " and ".join(b for b in bounds if b)]).strip()
+
+    def in_range(self, value: float) -> bool:
+        """Whether a number lies within ``low`` and ``high`` (each inclusive, None: unbounded)."""
+        return (self.low is None or value >= self.low) and (self.high is None or value <= self.high)
 
     def parse(self, raw: str) -> Any:
         """``raw`` as this setting's value; :class:`SettingError` naming the variable otherwise."""
@@ -60,8 +65,7 @@ class Setting:
                     raise ValueError
                 return text.lower()
             value = int(text) if self.kind == "int" else float(text)
-            if (self.kind == "float" and not math.isfinite(value)) or \
-                    (self.low is not None and value < self.low) or (self.high is not None and value > self.high):
+            if (self.kind == "float" and not math.isfinite(value)) or not self.in_range(value):
                 raise ValueError
             return value
         except ValueError:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .. import private
 
-__all__ = ["build", "default_objdir", "family_of", "default_mpicc", "default_mpicxx", "CSRC", "SOURCES"]
+__all__ = ["build", "default_objdir", "readable_by_all", "family_of", "default_mpicc", "default_mpicxx", "CSRC",
+           "SOURCES"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: the backend's translation units (csrc/accl.hpp declares them all)
@@ -66,17 +67,19 @@ def _compile(cmd: list[str], out: Path) -> None:
     os.close(fd)
     try:
         subprocess.run([*cmd, "-o", tmp], check=True)
-        os.chmod(tmp, 0o755 & ~_umask())  # mkstemp's 0600 (kept by ld) would hide a shared install's module
+        readable_by_all(tmp)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _umask() -> int:
+def readable_by_all(path: str | os.PathLike[str]) -> None:
+    """A built module's mode as the umask allows (0755 under 022): mkstemp's 0600, which the linker keeps, would
+    hide a shared install's module from every user but its builder."""
     mask = os.umask(0o022)
     os.umask(mask)
-    return mask
+    os.chmod(path, 0o755 & ~mask)
 
 
 def default_mpicxx(mpicc: str | None = None) -> str:

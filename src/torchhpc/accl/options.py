@@ -113,9 +113,8 @@ class AcclOptions:
         for name in ("max_segment_bytes", "ring_min_bytes", "spin_us", "blocking_min_bytes", "accl_start_port",
                      "accl_bufsize"):  # the same ranges as their variables
             setting = settings.SETTINGS["TORCHHPC_ACCL_" + name.upper().removeprefix("ACCL_")]
-            value, low, high = getattr(self, name), setting.low, setting.high
-            if (value is None and setting.default is None) or (
-                    isinstance(value, int) and (low is None or value >= low) and (high is None or value <= high)):
+            value = getattr(self, name)
+            if (value is None and setting.default is None) or (isinstance(value, int) and setting.in_range(value)):
                 continue
             raise ValueError(f"AcclOptions.{name} must be {'None or ' if setting.default is None else ''}"
                              f"{setting.takes()}, got {value!r}")

@@ -256,9 +256,9 @@ def build(mpicxx: str | None = None, dest: Path | None = None, workdir: Path | N
                              f"{proc.stdout}{proc.stderr}")
         if proc.stderr.strip():
             log(proc.stderr.rstrip())
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.chmod(tmp, 0o755 & ~mask)  # mkstemp's 0600 (kept by ld) would hide a shared install's module
+        from torchhpc.accl.corebuild import readable_by_all  # (as family_of: accl's package loads mpi4py)
+
+        readable_by_all(tmp)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
