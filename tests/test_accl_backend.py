@@ -21,18 +21,48 @@ VENV_BIN = Path(sys.executable).parent
 
 
 @pytest.mark.parametrize("mpicc", [VENV_BIN / "mpicc", VENV_BIN.parent / "mpich" / "bin" / "mpicc"])
-def test_backend_builds_warning_free_per_family(tmp_path: Path, mpicc: Path) -> None:
-    """Each MPI wheel's C++ wrapper builds a module named for its family (objects shared with ``make env``'s
-    build, so only an edited translation unit is recompiled); a second build with nothing changed is kept."""
+def test_make_env_built_each_family_from_these_sources(mpicc: Path) -> None:
+    """``make env`` built a module per MPI family (with -Werror) from the sources as they are now: a build asked
+    again keeps it (the stamp names torch and hashes every file of csrc/), so an edit without a rebuild fails here."""
     if not mpicc.exists():
         pytest.skip(f"no {mpicc} (make env installs both MPI wheels)")
     fam = corebuild.family_of(str(mpicc))
-    out = corebuild.build(str(mpicc), tmp_path)
-    assert out.parent == tmp_path and out.name.startswith(f"_backend_{fam}.") and out.stat().st_size > 0
-    stamp = tmp_path / f"_backend_{fam}.stamp"
+    before = list(corebuild.CSRC.parent.glob(f"_backend_{fam}.*.so"))
+    assert len(before) == 1, f"make env built no single _backend_{fam} module: {before}"
+    mtime = before[0].stat().st_mtime_ns
+    assert corebuild.build(str(mpicc)) == before[0]
+    assert before[0].stat().st_mtime_ns == mtime, "the module was rebuilt: csrc/ changed since make env"
+    stamp = corebuild.CSRC.parent / f"_backend_{fam}.stamp"
     assert stamp.read_text().split()[0] == torch.__version__
-    again = corebuild.build(str(mpicc), tmp_path)
-    assert again == out and again.stat().st_mtime == out.stat().st_mtime
+
+
+def test_the_build_compiles_one_unit_straight_into_its_destination(tmp_path: Path) -> None:
+    """One command compiles csrc/accl.cpp and links it into a temporary beside the module: no object file is kept or
+    read anywhere (a shared /tmp's planted objects once went into the module every accl job loads)."""
+    log = tmp_path / "argv"
+    fake = tmp_path / "mpicxx"
+    fake.write_text(f'#!/bin/sh\nfor a; do printf "%s\\n" "$a"; done >> {log}\n'
+                    'while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    fake.chmod(0o755)
+    dest = tmp_path / "dest"
+    out = corebuild.build(str(VENV_BIN / "mpicc"), dest, mpicxx=str(fake))
+    args = log.read_text().splitlines()
+    assert out.parent == dest and out.exists()
+    sources = [a for a in args if a.endswith((".cpp", ".o", ".a", ".so", ".tmp"))]
+    assert sources[0] == str(corebuild.CSRC / "accl.cpp")
+    assert all(Path(a).parent == dest for a in sources[1:]), sources
+
+
+def test_the_stamp_knows_whether_the_flight_recorder_header_is_found(tmp_path: Path) -> None:
+    """Installing nlohmann/json.hpp after a build changes the stamp (same sources, same flags), so the next
+    ``make env`` builds the recorder."""
+    cxx = str(VENV_BIN / "mpicxx")
+    flags = ["-std=c++20", "-nostdinc", f"-isystem{tmp_path}"]  # only tmp_path is searched
+    without = corebuild._stamp(cxx, flags)
+    assert not corebuild._finds_json(cxx, flags)
+    (tmp_path / "nlohmann").mkdir()
+    (tmp_path / "nlohmann" / "json.hpp").write_text("// the header\n")
+    assert corebuild._finds_json(cxx, flags) and corebuild._stamp(cxx, flags) != without
 
 
 def test_loaded_backend_matches_mpi4py_library_and_torch() -> None:

@@ -49,34 +49,6 @@ def test_private_dirs_refuse_a_name_another_user_took_first() -> None:
 
 
 @needs_two_users
-def test_accl_objects_are_built_in_the_users_own_cache_never_a_shared_tmp_name() -> None:
-    """Outside a checkout accl compiled into $TMPDIR/torchhpc-accl-backend/<family> and linked any .o it found
-    there: a stranger's future-dated objects went into the module every accl job loads."""
-    tmp = shared_dir()
-    planted = tmp / "torchhpc-accl-backend" / "openmpi"
-    planted.mkdir(parents=True)
-    _own(planted.parent, STRANGER, 0o777)
-    _own(planted, STRANGER, 0o777)
-    code = f"""
-        import tempfile
-        from pathlib import Path
-        from torchhpc.accl import corebuild
-        print("DIR", corebuild.default_objdir("openmpi", Path({str(tmp)!r})))
-    """
-    out = run_as(VICTIM, code, {"TMPDIR": str(tmp)})
-    assert out.returncode == 0, out.stderr
-    chosen = Path(out.stdout.split("DIR ", 1)[1].strip())
-    assert planted not in (chosen, *chosen.parents) and tmp not in chosen.parents, chosen
-    # a cache directory in a shared place (XDG_CACHE_HOME pointed at scratch) that a stranger made is refused
-    cache = tmp / "cache"
-    (cache / "torchhpc").mkdir(parents=True)
-    _own(cache, STRANGER, 0o777)
-    _own(cache / "torchhpc", STRANGER, 0o777)
-    out = run_as(VICTIM, code, {"TMPDIR": str(tmp), "XDG_CACHE_HOME": str(cache)})
-    assert out.returncode != 0 and f"owned by uid {STRANGER}" in out.stderr, out.stdout + out.stderr
-
-
-@needs_two_users
 def test_the_mpi_backend_build_keeps_its_download_in_the_users_own_cache() -> None:
     tmp = shared_dir()
     planted = _own(tmp / "torchhpc-mpi-backend", STRANGER, 0o777)

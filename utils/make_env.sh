@@ -104,18 +104,25 @@ for side in openmpi mpich; do
 done
 
 # accl's C++ backend (src/torchhpc/accl/csrc/): one module per MPI family, as mpi4py has, for the environment's
-# MPI and for the side prefix's (the other family), against the environment's torch.  Re-run safe: an
-# up-to-date build is kept.
+# MPI and for the side prefix's (the other family), against the environment's torch.  Each build is one
+# single-threaded compile, so the two run side by side.  Re-run safe: an up-to-date build is kept.
 main_mpicc="$VENV/bin/mpicc"
 [[ "$MPI" == system ]] && main_mpicc="$MPICC"
 main_family=$("$VENV/bin/python" -c 'import sys; from torchhpc.accl.corebuild import family_of; print(family_of(sys.argv[1]))' "$main_mpicc")
+builds=("$main_mpicc")
 for side in openmpi mpich; do
   [[ "$side" == "$main_family" || ! -x "$VENV/$side/bin/mpicc" ]] && continue
-  step "building accl's C++ backend for the side prefix's $side"
-  "$VENV/bin/python" -m torchhpc.accl.corebuild --mpicc "$VENV/$side/bin/mpicc"
+  builds+=("$VENV/$side/bin/mpicc")
 done
-step "building accl's C++ backend for $main_family ($main_mpicc) against this torch"
-"$VENV/bin/python" -m torchhpc.accl.corebuild --mpicc "$main_mpicc"
+step "building accl's C++ backend for ${builds[*]} against this torch"
+pids=()
+for mpicc in "${builds[@]}"; do
+  "$VENV/bin/python" -m torchhpc.accl.corebuild --mpicc "$mpicc" &
+  pids+=("$!")
+done
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || die "accl's C++ backend did not build for ${builds[$i]} (its compiler's messages are above)"
+done
 
 step "checking the environment"
 "$VENV/bin/python" - <<'PY'

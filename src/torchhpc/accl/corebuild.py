@@ -5,8 +5,10 @@ The module links the MPI library behind the given wrapper; like mpi4py's per-fam
 that family (``_backend_openmpi``, ``_backend_mpich``), so one installation can hold both and
 :func:`torchhpc.accl.core.load_backend` loads the one matching the library mpi4py loaded.  ``make env`` runs
 this for the environment's MPI and for the side prefix of the other wheel; the Spack recipe runs it after
-install.  Re-running is cheap: a stamp (torch version, sha256 of the sources and flags) keeps an unchanged
-module, and object files are kept per family, so an edit recompiles only its translation unit.
+install.  The backend is one translation unit (``csrc/accl.cpp`` includes the rest: torch's headers are parsed
+once), compiled and linked in one command straight into a temporary beside the module, so no object file is
+kept anywhere.  Re-running is cheap: a stamp (torch version, sha256 of the sources and flags, whether torch's
+flight recorder can be built) keeps an unchanged module.
 """
 
 from __future__ import annotations
@@ -20,15 +22,11 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from .. import private
-
-__all__ = ["build", "default_objdir", "readable_by_all", "family_of", "default_mpicc", "default_mpicxx", "CSRC",
-           "SOURCES"]
+__all__ = ["build", "readable_by_all", "family_of", "default_mpicc", "default_mpicxx", "CSRC"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-#: the backend's translation units (csrc/accl.hpp declares them all)
-SOURCES = ("wire.cpp", "reduction.cpp", "engine.cpp", "ProcessGroupACCL.cpp", "exchange.cpp", "collectives.cpp",
-           "ring.cpp", "p2p.cpp", "flight.cpp", "module.cpp")
+#: the backend's one translation unit (it includes every other file of csrc/)
+UNIT = CSRC / "accl.cpp"
 
 
 def default_mpicc() -> str:
@@ -96,38 +94,41 @@ def default_mpicxx(mpicc: str | None = None) -> str:
     raise SystemExit(f"accl backend build: no mpicxx beside {base}; set MPICXX")
 
 
-def default_objdir(fam: str, root: Path = CSRC.parents[3]) -> Path:
-    """Where object files of ``fam`` are kept: ``build/accl-backend/<family>`` of the checkout at ``root``,
-    else (an installed package) this user's 0700 ``~/.cache/torchhpc/accl-backend/<family>``, never a fixed
-    name in a shared ``/tmp``: objects found there are linked into the module."""
-    if (root / "Makefile").exists():
-        return root / "build" / "accl-backend" / fam
-    return private.cache_dir("accl-backend", fam)
-
-
 def _stamp(cxx: str, flags: list[str]) -> str:
+    """What the module was built from: torch's version, then a digest of every source, the command's flags and
+    whether the compiler finds nlohmann/json.hpp (the flight recorder is built exactly when it does: installing
+    the header after a build changes the stamp, so the next ``make env`` builds the recorder)."""
     import hashlib
 
     import torch
 
     h = hashlib.sha256()
-    for name in (*SOURCES, "accl.hpp"):
-        h.update((CSRC / name).read_bytes())
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cpp", ".hpp"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(" ".join([cxx, *flags]).encode())
+    h.update(b"recorder" if _finds_json(cxx, flags) else b"no recorder")
     return f"{torch.__version__} {h.hexdigest()}"
 
 
+def _finds_json(cxx: str, flags: list[str]) -> bool:
+    """Whether ``cxx`` with ``flags`` finds ``<nlohmann/json.hpp>`` (what ``csrc/flight.cpp`` tests)."""
+    probe = "#if __has_include(<nlohmann/json.hpp>)\nTORCHHPC_FOUND\n#endif\n"
+    out = subprocess.run([cxx, *flags, "-E", "-x", "c++", "-"], input=probe, text=True, capture_output=True,
+                         check=False)
+    return out.returncode == 0 and "TORCHHPC_FOUND" in out.stdout
+
+
 def build(mpicc: str | None = None, dest: Path | None = None, force: bool = False,
-                  objdir: Path | None = None, mpicxx: str | None = None) -> Path:
+          mpicxx: str | None = None) -> Path:
     """Compile the C++ backend (``csrc/``) for the MPI family behind ``mpicc`` (its C++ wrapper) against the
-    importable torch, into ``_backend_<family>`` in ``dest`` (default: this package); the output's path.
-    Object files are kept per family in ``objdir`` (default: :func:`default_objdir`), so an edit recompiles only
-    its translation unit; a stamp (torch version, sha256 of the sources and flags) keeps a module whose inputs
-    did not change."""
+    importable torch, into ``_backend_<family>`` in ``dest`` (default: this package); the output's path.  A
+    stamp (:func:`_stamp`) keeps a module whose inputs did not change."""
     import torch
     from torch.utils import cpp_extension
 
     mpicxx = mpicxx or default_mpicxx(mpicc)
+    mpicxx = os.path.abspath(shutil.which(mpicxx) or mpicxx)  # one stamp however the path was spelled
     fam = family_of(mpicc or default_mpicc())
     name = f"_backend_{fam}"
     dest = Path(dest) if dest is not None else CSRC.parent
@@ -145,18 +146,8 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
     stamp = _stamp(mpicxx, flags)
     if not force and out.exists() and stamp_file.exists() and stamp_file.read_text().strip() == stamp:
         return out
-    objdir = Path(objdir) if objdir is not None else default_objdir(fam)
-    objdir.mkdir(parents=True, exist_ok=True)
-    header = CSRC / "accl.hpp"
-    objs = []
-    for src in SOURCES:
-        obj = objdir / (Path(src).stem + ".o")
-        objs.append(obj)
-        newest = max((CSRC / src).stat().st_mtime, header.stat().st_mtime)
-        if force or not obj.exists() or obj.stat().st_mtime < newest:
-            _compile([mpicxx, *flags, "-c", str(CSRC / src)], obj)
     dest.mkdir(parents=True, exist_ok=True)
-    _compile([mpicxx, "-shared", *map(str, objs), f"-L{lib}", "-ltorch_python", "-ltorch_cpu", "-ltorch", "-lc10",
+    _compile([mpicxx, *flags, "-shared", str(UNIT), f"-L{lib}", "-ltorch_python", "-ltorch_cpu", "-ltorch", "-lc10",
               f"-Wl,-rpath,{lib}"], out)
     stamp_file.write_text(stamp + "\n")
     return out

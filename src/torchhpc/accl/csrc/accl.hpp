@@ -1,8 +1,9 @@
 // torchhpc.accl: the "accl" backend as one c10d::Backend over MPI (or an ACCL engine).
 //
 // Every declaration of the backend: the errors, the wire protocol, the reduction rules, the engines, the Work and
-// ProcessGroupACCL itself.  Built per MPI family against the installed torch (python -m torchhpc.accl.corebuild);
-// module.cpp is the only file that knows Python.
+// ProcessGroupACCL itself.  Built per MPI family against the installed torch as one translation unit (accl.cpp;
+// python -m torchhpc.accl.corebuild).  module.cpp holds the Python bindings; besides it only the blocking data
+// phase touches Python (it releases the caller's GIL, ProcessGroupACCL.cpp).
 #pragma once
 
 #include <mpi.h>
@@ -81,9 +82,9 @@ std::string mpiErrorText(int rc);
 // larger payloads follow on their own.
 namespace wire {
 constexpr int64_t kMagic = 0x4ACC1;
-constexpr size_t kHeaderBytes = 128;
-constexpr size_t kPayloadBytes = 1024;
-constexpr size_t kSlotBytes = kHeaderBytes + kPayloadBytes;
+constexpr int64_t kHeaderBytes = 128;
+constexpr int64_t kPayloadBytes = 1024;
+constexpr int64_t kSlotBytes = kHeaderBytes + kPayloadBytes;
 constexpr int64_t kCarryBytes = 64 << 10;  // the most data a collective carries through the header exchange
 // the largest message Open MPI's shared-memory transport sends eagerly (4 KiB fragments less its own headers; one
 // byte more and it is sent by rendezvous, a handshake that costs more than a second message)

@@ -33,9 +33,8 @@ struct Xchg {
 namespace {
 
 constexpr int kTagPrefix = 16, kTagData = 17;  // on the control communicator (the monitored barrier's: 1, 2)
-constexpr size_t kHdr = wire::kHeaderBytes;
 constexpr int64_t kInline = wire::kInlineBytes;
-static_assert(sizeof(wire::Prefix) <= kHdr);
+static_assert(sizeof(wire::Prefix) <= wire::kHeaderBytes);
 // Data beyond the prefix's message travels, within one node, in pieces that are each one eager message too while
 // there are at most kMaxPieces of them (Open MPI's shared-memory transport sends a larger message by rendezvous,
 // whose handshake costs more than the extra messages), and in one message beyond that.  Across nodes the prefix's
@@ -144,8 +143,8 @@ void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
   const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes + garbled, x.lo, x.hi};
   const Split sp = piecesOf(bytes, spansNodes_);
   std::memcpy(out_.data(), &pre, sizeof pre);
-  if (sp.head) std::memcpy(out_.data() + kHdr, src, sp.head);
-  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(kHdr + sp.head), MPI_BYTE, peer, kTagPrefix, ctl_, &out[0]);
+  if (sp.head) std::memcpy(out_.data() + wire::kHeaderBytes, src, sp.head);
+  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(wire::kHeaderBytes + sp.head), MPI_BYTE, peer, kTagPrefix, ctl_, &out[0]);
   for (int k = 0; k < sp.count; ++k)
     ACCL_MPI(MPI_Isend, src + sp.at(k), static_cast<int>(sp.len(k, bytes)), MPI_BYTE, peer, kTagData, ctl_,
              &out[1 + k]);
@@ -161,7 +160,7 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
   const bool agreed = same && layoutAgrees(x, pre, size_);
   checkReadable(peer, pre.bytes, same, agreed, reqs);
   const Split sp = piecesOf(pre.bytes, spansNodes_);
-  const char* src = in_.data() + kHdr;  // all of it when it came in one message
+  const char* src = in_.data() + wire::kHeaderBytes;  // all of it when it came in one message
   if (sp.count) {  // the pieces: into place, or drained from a peer that disagreed
     // an agreed peer's data lands in place, except a partial reduction (into body_, then reduced)
     char* into = !agreed || x.carry.ride == Ride::kReduce ? body_.data()

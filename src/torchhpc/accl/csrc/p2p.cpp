@@ -13,8 +13,6 @@
 namespace torchhpc::accl {
 namespace {
 
-constexpr size_t kHdr = wire::kHeaderBytes;
-constexpr int64_t kPay = wire::kPayloadBytes;
 // the monitored barrier's tags, on the control communicator (which carries no user message)
 constexpr int kToken = 1, kRelease = 2;
 const int64_t kTokenValue = 0;
@@ -57,12 +55,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
   return startP2P(std::move(op), [this](P2P& op) {
     const wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
                              static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
-    const bool small = env.nbytes <= kPay;
+    const bool small = env.nbytes <= wire::kPayloadBytes;
     op.envelope.assign(wire::kSlotBytes, 0);
     std::memcpy(op.envelope.data(), &env, sizeof env);
-    if (small && env.nbytes) std::memcpy(op.envelope.data() + kHdr, op.host.data_ptr(), env.nbytes);
+    if (small && env.nbytes) std::memcpy(op.envelope.data() + wire::kHeaderBytes, op.host.data_ptr(), env.nbytes);
     op.reqs.push_back(MPI_REQUEST_NULL);
-    ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(kHdr + (small ? env.nbytes : 0)), MPI_BYTE, op.peer,
+    ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(wire::kHeaderBytes + (small ? env.nbytes : 0)), MPI_BYTE, op.peer,
              op.tag, p2pHead_, &op.reqs.back());
     if (small) return;
     forSegments(Coll::kSend, env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
@@ -193,10 +191,10 @@ bool ProcessGroupACCL::openEnvelope(P2P& op) {
   const std::string bad = wire::envelopeMismatch(env, op.source, op.tensor, fromText(op.peer), op.tag);
   if (!bad.empty()) op.error = std::make_exception_ptr(MismatchError(bad));
   if (!wire::envelopeConsistent(env)) return true;  // garbled: nothing more can be trusted to follow
-  if (env.nbytes <= kPay) {                    // the payload came with the envelope
+  if (env.nbytes <= wire::kPayloadBytes) {                    // the payload came with the envelope
     if (bad.empty()) {
       op.host = host(op.tensor, false);
-      if (env.nbytes) std::memcpy(op.host.data_ptr(), op.envelope.data() + kHdr, env.nbytes);
+      if (env.nbytes) std::memcpy(op.host.data_ptr(), op.envelope.data() + wire::kHeaderBytes, env.nbytes);
       deliver(op.host, op.tensor);
     }
     return true;
