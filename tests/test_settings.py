@@ -100,3 +100,32 @@ def test_the_rendezvous_store_listens_on_the_jobs_interface_only() -> None:
 
     with pytest.raises(LauncherError, match=f"cannot listen on 127.0.0.1:{store.port}.*MASTER_PORT"):
         job_store("127.0.0.1", store.port, 2, True, timeout)  # taken (by another user, say)
+
+
+def test_every_accl_option_is_one_row_of_the_docs_table_with_the_settings_default() -> None:
+    """docs/accl.md's options table is the one list: a row per AcclOptions field, named with its variable, and
+    for the variables torchhpc.settings parses, the same default there as in the table."""
+    import dataclasses
+
+    from torchhpc.accl import AcclOptions
+    from torchhpc.settings import SETTINGS
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "accl.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[1].startswith("TORCHHPC_ACCL_"):
+            rows[cells[0]] = cells
+    fields = [f.name for f in dataclasses.fields(AcclOptions)]
+    assert sorted(rows) == sorted(fields), (sorted(rows), sorted(fields))
+    for field, (_, variable, default, _, why) in rows.items():
+        assert variable == "TORCHHPC_ACCL_" + field.upper().removeprefix("ACCL_") and why, field
+        setting = SETTINGS.get(variable)
+        if setting is None:
+            continue
+        if setting.default is None:
+            assert default.startswith("unset"), (variable, default)
+        elif setting.kind == "bool":
+            assert default == ("on" if setting.default else "off"), (variable, default)
+        else:
+            assert default.strip("`") == str(setting.default), (variable, default, setting.default)

@@ -213,7 +213,7 @@ def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
     global _exit_timeout_s
     ranks = list(dist_opts.global_ranks_in_group)
     rank, size = dist_opts.group_rank, dist_opts.group_size
-    timeout: timedelta = dist_opts.timeout if dist_opts.timeout is not None else timedelta(minutes=30)
+    timeout: timedelta = dist_opts.timeout if dist_opts.timeout is not None else dist.default_pg_timeout
     timeout_s = timeout.total_seconds()
     name = str(dist_opts.group_id)
     error: Exception | None = None

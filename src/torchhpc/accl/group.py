@@ -3,7 +3,8 @@
 The group is torch's own ``ProcessGroup`` with accl's ``c10d::Backend`` (``csrc/``, loaded by
 :func:`.core.load_backend`) registered for ``cpu`` and ``cuda``: torch's dispatcher hands every collective and
 point-to-point call to the C++ class, which owns checks, the header exchange, segmenting, ordering, deadlines
-and completion.  This class defines no call; it only identifies the group (its name, options, counters).
+and completion.  This class identifies the group (its name, options, counters) and adds the one call torch
+gives only gloo: :meth:`ProcessGroupACCL.monitored_barrier`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from . import core
-from .options import AcclOptions, default_spin_us
+from .options import AcclOptions
 
 __all__ = ["ProcessGroupACCL"]
 
@@ -32,18 +33,14 @@ class ProcessGroupACCL(dist.ProcessGroup):
             raise RuntimeError(f"accl: MPI communicator is rank {comm.Get_rank()} of {comm.Get_size()} "
                                f"but torch expects rank {rank} of {size}")
         self.options = opts = options if options is not None else AcclOptions()
-        timeout_s = timeout.total_seconds() if timeout is not None else 1800.0
         accl_engine = None
         if opts.engine == "accl":
             from .accl_engine import AcclEngine  # pyaccl's driver: imported only when asked for
 
             accl_engine = AcclEngine(comm, opts)
         self._accl_engine = accl_engine  # the Python half of the C++ engine: alive as long as the group
-        self._backend = core.load_backend().ProcessGroupACCL(
-            MPI._handleof(comm), opts.max_segment_bytes or 0, opts.check, opts.blocking_min_bytes, timeout_s,
-            group_name, accl_engine, sorted(opts.sidestep),
-            -1 if opts.ring_min_bytes is None else opts.ring_min_bytes, opts.flight_stacks,
-            default_spin_us() if opts.spin_us is None else opts.spin_us)
+        self._backend = core.load_backend().ProcessGroupACCL(MPI._handleof(comm), opts.backend_options(timeout,
+                                                             group_name), accl_engine)
         if global_ranks:  # torch's global ranks (none for the world): the flight record names members by them
             self._backend.set_global_ranks(list(global_ranks))
         kind = dist.ProcessGroup.BackendType.CUSTOM

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from .. import settings
 
@@ -67,9 +68,10 @@ class AcclOptions:
       (for the dtype/op at hand); the others raise instead.
     - ``check``: exchange a small header before each collective so that mismatched sizes,
       dtypes, ops, roots or call order across ranks raise a clear error instead of hanging
-      or corrupting memory (one message each way per round of a recursive doubling; a call moving up to
-      64 KiB rides in it whole). Every larger checked call then runs MPI's blocking (tuned) algorithms:
-      the header proved that every rank entered it.
+      or corrupting memory (one message each way per round of a recursive doubling; an all_reduce, broadcast,
+      all_gather or, within a node, reduce_scatter moving up to 64 KiB rides in it whole: docs/accl.md's plan
+      table). Every other checked call then runs MPI's blocking (tuned) algorithms: the header proved that every
+      rank entered it.
     - ``blocking_min_bytes``: with ``check`` off, a collective moving fewer bytes (and fitting one
       segment) skips the header and runs as one nonblocking MPI call waited on against the group
       timeout (the lowest latency); one moving at least this many exchanges the header anyway, as the
@@ -124,3 +126,16 @@ class AcclOptions:
         if unknown:
             raise ValueError(f"AcclOptions.sidestep names unknown collectives {sorted(unknown)}; "
                              f"known: {', '.join(known)}")
+
+    def backend_options(self, timeout: timedelta, group_name: str):  # noqa: ANN201 (the built module's class)
+        """These options as the C++ backend's one struct (``Options``), with the group's timeout and name; accl's
+        choices (None) stay unset there, except ``spin_us``, chosen here for this node."""
+        from . import core
+
+        o = core.load_backend().Options()
+        o.max_segment_bytes, o.check = self.max_segment_bytes, self.check
+        o.blocking_min_bytes, o.ring_min_bytes = self.blocking_min_bytes, self.ring_min_bytes
+        o.timeout, o.group_name = timeout, group_name
+        o.sidestep, o.flight_stacks = sorted(self.sidestep), self.flight_stacks
+        o.spin = timedelta(microseconds=default_spin_us() if self.spin_us is None else self.spin_us)
+        return o

@@ -58,12 +58,12 @@ void watch(ProcessGroupACCL* pg, bool on) {
   else gWatched.erase(std::remove(gWatched.begin(), gWatched.end(), pg), gWatched.end());
 }
 
-// torchhpc.waiting.Backoff's shape: spin, yield the core until 20 ms, then sleep from 50 us doubling to 1 ms.  The
-// spin is timed (Config::spin, AcclOptions.spin_us), not 64 polls: when compute threads hold every core (a DDP bucket's
-// all_reduce under the backward pass), a waiter that yields at once falls out of step with its peer, which then
-// spins in MPI's blocking call for its time slice.
+// torchhpc.waiting.Backoff's shape: spin (at least 64 polls, and for `spin`: Config::spin, AcclOptions.spin_us),
+// yield the core until 20 ms, then sleep from 50 us doubling to 1 ms.  The spin is timed: when compute threads hold
+// every core (a DDP bucket's all_reduce under the backward pass), a waiter that yields at once falls out of step
+// with its peer, which then spins in MPI's blocking call for its time slice.
 struct Backoff {
-  explicit Backoff(std::chrono::microseconds spin = kShortSpin) : spin(spin) {}
+  explicit Backoff(std::chrono::microseconds spin) : spin(spin) {}
   std::chrono::microseconds spin;
   int polls = 0;
   Clock::time_point start = Clock::now();
@@ -199,7 +199,7 @@ std::vector<at::Tensor> WorkACCL::result() {
 
 bool WorkACCL::wait(std::chrono::milliseconds timeout) {
   auto limit = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
-  Backoff backoff;
+  Backoff backoff(std::chrono::microseconds(100));  // a point-to-point waiter progresses its own ops
   std::unique_lock<std::mutex> lock(mutex_);
   while (!completed_) {
     if (Clock::now() > limit)
@@ -419,12 +419,12 @@ Engine* ProcessGroupACCL::engineFor(Coll coll, std::optional<at::ScalarType> dty
 bool ProcessGroupACCL::needsHeader(int64_t bytes) const {
   // always when checked; unchecked, unless the call fits one nonblocking call below blocking_min_bytes: the header
   // then proves that every rank entered the call before MPI's blocking algorithms run
-  const int64_t oneCall = opts_.maxSegmentBytes > 0 ? opts_.maxSegmentBytes + 1 : INT64_MAX;
+  const int64_t oneCall = opts_.maxSegmentBytes ? *opts_.maxSegmentBytes + 1 : INT64_MAX;
   return opts_.check || bytes >= std::min(oneCall, opts_.blockingMinBytes);
 }
 
 int64_t ProcessGroupACCL::segmentFor(Coll coll) const {
-  if (opts_.maxSegmentBytes > 0) return opts_.maxSegmentBytes;
+  if (opts_.maxSegmentBytes) return *opts_.maxSegmentBytes;
   const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduce || coll == Coll::kReduceScatter;
   return reduces && !engine_ ? int64_t{4} << 20 : int64_t{1} << 30;
 }

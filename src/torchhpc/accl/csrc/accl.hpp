@@ -379,19 +379,18 @@ struct P2P {
 };
 
 // ------------------------------------------------------------------------------------------ the backend
-// a wait's spin before it yields the core: a group's default (AcclOptions.spin_us chooses), and point-to-point
-// Work.wait's
-constexpr std::chrono::microseconds kShortSpin{100};
+// The group's options as torchhpc.accl.AcclOptions gives them (module.cpp binds this struct as Options): their
+// defaults, ranges and reasons live there and in torchhpc.settings, none here.
 struct Config {
-  int64_t maxSegmentBytes = 0;          // the user's cap on one engine call's buffer (0: accl's choice, segmentFor)
-  bool check = true;
-  int64_t blockingMinBytes = 64 << 10;  // unchecked calls from this size exchange the header, then block
-  int64_t ringMinBytes = -1;  // all_reduce/reduce_scatter from this size run accl's ring (-1: accl's choice)
-  std::chrono::milliseconds timeout{1800 * 1000};
+  std::optional<int64_t> maxSegmentBytes;  // the user's cap on one engine call's buffer (none: segmentFor)
+  bool check = true;                       // exchange the header before every collective
+  int64_t blockingMinBytes = 0;            // unchecked calls from this size exchange the header, then block
+  std::optional<int64_t> ringMinBytes;     // reductions from this size run accl's ring (none: usesRing's choice)
+  std::chrono::milliseconds timeout{0};    // the group's deadline for every wait on peers
   std::string groupName;
-  std::vector<std::string> sidestep;    // collectives an engine lacks that may fall back to MPI
-  bool flightStacks = false;            // flight records carry the caller's Python stack
-  std::chrono::microseconds spin = kShortSpin;  // a wait on peers spins this long before yielding the core
+  std::vector<std::string> sidestep;       // collectives an engine lacks that may fall back to MPI
+  bool flightStacks = false;               // flight records carry the caller's Python stack
+  std::chrono::microseconds spin{0};       // a wait on peers spins this long before yielding the core
 };
 
 class ProcessGroupACCL : public c10d::Backend {

@@ -24,7 +24,7 @@ std::string shape(const at::Tensor& t) {
 
 bool ProcessGroupACCL::ride(Call& c, const Engine* eng, Carry carry, std::function<bool()> carried, bool capped) {
   const int64_t bytes = carry.ride == Ride::kGather ? carry.bytes * size_ : carry.bytes;
-  const int64_t cap = capped && opts_.maxSegmentBytes > 0 ? opts_.maxSegmentBytes : wire::kCarryBytes;
+  const int64_t cap = capped && opts_.maxSegmentBytes ? *opts_.maxSegmentBytes : wire::kCarryBytes;
   if (!onMpi(eng) || !c.header || bytes > std::min(wire::kCarryBytes, cap)) return false;
   c.carry = std::move(carry);
   c.carried = std::move(carried);

@@ -4,6 +4,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <pybind11/chrono.h>  // Options.timeout and .spin as datetime.timedelta
+
 #ifndef ACCL_MODULE
 #error "build with -DACCL_MODULE=_backend_<family> (torchhpc.accl.corebuild does)"
 #endif
@@ -76,21 +78,9 @@ class PyEngine : public accl::Engine {
   }
 };
 
-c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, int64_t maxSegmentBytes, bool check,
-                                            int64_t blockingMinBytes, double timeoutS, std::string name,
-                                            std::shared_ptr<accl::Engine> engine, std::vector<std::string> sidestep,
-                                            int64_t ringMinBytes, bool flightStacks, int64_t spinUs) {
-  accl::Config o;
-  o.flightStacks = flightStacks;
-  o.spin = std::chrono::microseconds(spinUs);
-  o.ringMinBytes = ringMinBytes;
-  o.maxSegmentBytes = maxSegmentBytes;
-  o.check = check;
-  o.blockingMinBytes = blockingMinBytes;
-  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0));
-  o.groupName = std::move(name);
-  o.sidestep = std::move(sidestep);
-  return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(o), std::move(engine));
+c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, accl::Config options,
+                                            std::shared_ptr<accl::Engine> engine) {
+  return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(options), std::move(engine));
 }
 
 // the group's counters by name, as a mapping (ProcessGroupACCL.stats)
@@ -196,11 +186,21 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
       .def("__iter__", [](accl::Stats&) { return py::iter(counterNames()); })
       .def("__len__", [](accl::Stats&) { return kCounters.size(); })
       .def("keys", [](accl::Stats&) { return counterNames(); });
+  // the group's options, one struct: torchhpc.accl.AcclOptions fills every field (group.py)
+  py::class_<accl::Config>(m, "Options")
+      .def(py::init<>())
+      .def_readwrite("max_segment_bytes", &accl::Config::maxSegmentBytes)
+      .def_readwrite("check", &accl::Config::check)
+      .def_readwrite("blocking_min_bytes", &accl::Config::blockingMinBytes)
+      .def_readwrite("ring_min_bytes", &accl::Config::ringMinBytes)
+      .def_readwrite("timeout", &accl::Config::timeout)
+      .def_readwrite("group_name", &accl::Config::groupName)
+      .def_readwrite("sidestep", &accl::Config::sidestep)
+      .def_readwrite("flight_stacks", &accl::Config::flightStacks)
+      .def_readwrite("spin", &accl::Config::spin);
   py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
-      .def(py::init(&create), py::arg("comm"), py::arg("max_segment_bytes"), py::arg("check"),
-           py::arg("blocking_min_bytes"), py::arg("timeout_s"), py::arg("group_name"), py::arg("engine") = nullptr,
-           py::arg("sidestep") = std::vector<std::string>{}, py::arg("ring_min_bytes") = -1,
-           py::arg("flight_stacks") = false, py::arg("spin_us") = 100, py::call_guard<py::gil_scoped_release>(),
+      .def(py::init(&create), py::arg("comm"), py::arg("options"), py::arg("engine") = nullptr,
+           py::call_guard<py::gil_scoped_release>(),
            "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
            "of the communicator constructs it")
       .def(

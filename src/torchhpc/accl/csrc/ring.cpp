@@ -53,7 +53,7 @@ constexpr int kWindow = 16;  // receives posted ahead in a step (a 1 Gbit/s link
 
 bool ProcessGroupACCL::usesRing(const Engine* eng, Coll coll, int64_t bytes) const {
   if (!onMpi(eng) || mpi_->mode != Mode::kBlocking || size_ == 1) return false;
-  if (opts_.ringMinBytes >= 0) return bytes >= opts_.ringMinBytes;
+  if (opts_.ringMinBytes) return bytes >= *opts_.ringMinBytes;
   // reduce_scatter: always (Open MPI's allocates and faults in a buffer of the whole input per call);
   // all_reduce: across nodes (on one node MPI's segmented calls are as fast or faster)
   return coll == Coll::kReduceScatter || spansNodes_;
