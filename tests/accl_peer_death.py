@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One rank of an ``accl`` job dies mid-run; the survivors must fail fast with ``AcclPeerFailedError``.
+"""One rank of an ``accl`` job dies mid-run; the survivors must fail fast with ``PeerFailedError``.
 
 Run under a fault-tolerant mpiexec (``torchhpc.mpirun.mpiexec_argv(..., fault_tolerant=True)``:
 Open MPI's ULFM), otherwise the launcher kills the whole job when the rank
@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-import torchhpc.accl as accl
+import torchhpc.accl  # noqa: F401  (registers "accl")
+from torchhpc.errors import PeerFailedError
 
 MODES = ("sync", "sync-large", "async", "queued", "recv")
 
@@ -69,7 +70,7 @@ def main(argv: list[str]) -> int:
             call()
         print(f"SURVIVOR {rank} NO-ERROR", flush=True)
         return 1
-    except accl.AcclPeerFailedError as exc:
+    except PeerFailedError as exc:
         took = time.monotonic() - t0
         failed = ",".join(map(str, exc.failed_ranks))
         msg = str(exc).replace("\n", " ")
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> int:
         later = "accepted"
     except dist.DistBackendError:
         later = "refused"
-    print(f"SURVIVOR {rank} AcclPeerFailedError failed_ranks={failed} took={took:.2f}s "
+    print(f"SURVIVOR {rank} PeerFailedError failed_ranks={failed} took={took:.2f}s "
           f"later_call={later} in {time.monotonic() - t1:.3f}s :: {msg}", flush=True)
     # The survivors can go on among themselves (ULFM's shrink): they wait for each other's report here,
     # then leave; accl ends each process with MPI_Abort at exit since MPI_Finalize would wait for the dead.

@@ -73,10 +73,6 @@ def test_loaded_backend_matches_mpi4py_library_and_torch() -> None:
     assert mod.torch_version == torch.__version__
     assert mod.library_version().splitlines()[0] == MPI.Get_library_version().splitlines()[0]
     assert {"ProcessGroupACCL", "AcclWork", "Engine"} <= set(dir(mod))
-    # the same answer as the Python side's query (mpi4py), e.g. False for both PyPI wheels
-    from torchhpc.accl import mpi_cuda_aware
-
-    assert mod.cuda_aware() == mpi_cuda_aware()
 
 
 def test_backend_for_another_torch_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,3 +113,7 @@ def test_accl_imports_before_its_build_and_creating_a_group_says_how_to_build(tm
                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=False)
     assert out.returncode == 0, out.stderr
     assert "REFUSED accl: the C++ backend for" in out.stdout and "corebuild --mpicc" in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr  # nor at exit
+    bare = subprocess.run([sys.executable, "-c", "import torchhpc.accl.corebuild"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=False)
+    assert bare.returncode == 0 and not bare.stderr.strip(), bare.stderr  # what `make env` does before the build

@@ -1,4 +1,4 @@
-"""A rank of an ``accl`` job is SIGKILLed; every survivor must raise ``AcclPeerFailedError`` naming it,
+"""A rank of an ``accl`` job is SIGKILLed; every survivor must raise ``PeerFailedError`` naming it,
 fast (not by the 120 s group timeout), refuse later calls at once, and be able to go on among the
 survivors (ULFM shrink).  Runs ``tests/accl_peer_death.py`` under a fault-tolerant mpiexec."""
 
@@ -45,7 +45,7 @@ def test_survivors_fail_fast_naming_the_dead_rank(mode: str, nprocs: int) -> Non
     survivors = [r for r in range(nprocs) if r != VICTIM]
     named = 0
     for r in survivors:
-        m = re.search(rf"^SURVIVOR {r} AcclPeerFailedError failed_ranks=([\d,]*) took=([\d.]+)s "
+        m = re.search(rf"^SURVIVOR {r} PeerFailedError failed_ranks=([\d,]*) took=([\d.]+)s "
                       rf"later_call=(\w+) in ([\d.]+)s :: (.*)$", out, re.M)
         assert m, f"rank {r} did not report the peer failure:\n{out[-6000:]}"
         failed, took, later, later_s, msg = m.groups()

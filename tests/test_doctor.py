@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +120,23 @@ def test_fault_tolerance_follows_the_launch(monkeypatch: pytest.MonkeyPatch) -> 
         assert "ULFM on" in doctor._fault_tolerance().value
     else:
         assert "no ULFM" in check.value
+
+
+def test_one_reading_of_what_an_mpi_says_of_itself() -> None:
+    """Libraries' and launchers' own words (both wheels' mpiexec here, and the texts of Cray MPICH, Intel MPI,
+    MVAPICH) map to the family every part of torchhpc uses: accl's loader, the upstream backend, mpiexec's
+    flags."""
+    from mpi4py import MPI
+
+    from torchhpc.mpi_info import family_of_text
+
+    venv = Path(sys.executable).parent
+    ompi = subprocess.run([venv / "mpiexec", "--version"], capture_output=True, text=True, check=False).stdout
+    hydra = subprocess.run([venv.parent / "mpich" / "bin" / "mpiexec", "--version"], capture_output=True, text=True,
+                           check=False).stdout
+    assert family_of_text(ompi) == "openmpi" and family_of_text(hydra) == "mpich", (ompi, hydra)
+    assert family_of_text(MPI.Get_library_version()) in ("openmpi", "mpich")
+    for text in ("MPI VERSION    : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)", "Intel(R) MPI Library 2021.10",
+                 "MVAPICH2 Version      :	2.3.7"):
+        assert family_of_text(text) == "mpich", text
+    assert family_of_text("Microsoft MPI 10.1.12498.18") is None

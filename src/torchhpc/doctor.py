@@ -151,13 +151,13 @@ def _fault_tolerance() -> Check:
 
     capable, enabled = mpi_info.fault_tolerance()
     if enabled:
-        return Check("fault tolerance", OK, "ULFM on: survivors of a dead rank raise AcclPeerFailedError")
+        return Check("fault tolerance", OK, "ULFM on: survivors of a dead rank raise PeerFailedError")
     if not capable:
         return Check("fault tolerance", OK, "no ULFM in this MPI: a dead rank ends the job")
     flavor = mpi_flavor()
     how = " ".join(fault_tolerant_args(flavor)) if flavor in ("openmpi", "mpich") else "your MPI's ULFM option"
     return Check("fault tolerance", OK, "ULFM available, off for this job: a dead rank ends the job",
-                 f"to let survivors raise AcclPeerFailedError instead: mpiexec {how} ...")
+                 f"to let survivors raise PeerFailedError instead: mpiexec {how} ...")
 
 
 def _backends() -> Check:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import settings
 
-__all__ = ["CudaAwareness", "library_version", "library_path", "thread_level", "cuda_aware_query",
+__all__ = ["CudaAwareness", "family_of_text", "library_version", "library_path", "thread_level", "cuda_aware_query",
            "cuda_aware_probe", "fault_tolerance", "release_singleton_segment"]
 
 MPIX_GPU_SUPPORT_CUDA = 0  # MPICH's type id for CUDA in MPIX_GPU_query_support
@@ -26,6 +26,18 @@ class CudaAwareness:
 
     supported: bool | None
     source: str
+
+
+def family_of_text(text: str) -> str | None:
+    """``openmpi`` or ``mpich`` (MPICH and its derivatives: Cray MPICH, Intel MPI, MVAPICH) from what a library
+    or its launcher says of itself (``MPI_Get_library_version``, ``mpiexec --version``); None for neither.  The
+    one reading of such text; a build asks ``mpi.h`` instead (:func:`torchhpc.accl.corebuild.family_of`)."""
+    t = text.lower()
+    if any(name in t for name in ("open mpi", "openrte", "prte")):
+        return "openmpi"
+    if any(name in t for name in ("mpich", "hydra", "intel(r) mpi", "mvapich")):
+        return "mpich"
+    return None
 
 
 def library_version() -> str:
@@ -46,7 +58,7 @@ def thread_level() -> str:
 
 def fault_tolerance() -> tuple[bool, bool]:
     """(the library has ULFM's ``MPIX_Comm_revoke``, this job was launched with it switched on): only then
-    do survivors of a dead rank get MPI errors (``torchhpc.accl.AcclPeerFailedError``) instead of being
+    do survivors of a dead rank get MPI errors (``torchhpc.errors.PeerFailedError``) instead of being
     killed by the launcher."""
     from mpi4py import MPI  # noqa: F401  (loads the library)
 

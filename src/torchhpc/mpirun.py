@@ -15,6 +15,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .mpi_info import family_of_text
+
 __all__ = ["find_mpiexec", "mpi_flavor", "mpiexec_argv", "fault_tolerant_args", "local_job_env", "available_cores",
            "side_mpich", "side_mpich_env", "across_hosts"]
 
@@ -43,12 +45,7 @@ def mpi_flavor(mpiexec: str | None = None) -> str:
         )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
-    text = (out.stdout + out.stderr).lower()
-    if "open mpi" in text or "openrte" in text or "prte" in text:
-        return "openmpi"
-    if "hydra" in text or "mpich" in text or "intel" in text:
-        return "mpich"
-    return "unknown"
+    return family_of_text(out.stdout + out.stderr) or "unknown"
 
 
 def fault_tolerant_args(flavor: str, detector_s: float | None = None) -> list[str]:

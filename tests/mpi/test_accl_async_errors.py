@@ -11,6 +11,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import torchhpc.accl as accl
+from torchhpc.errors import MismatchError, PeerTimeoutError
 
 MPI_RANKS = (2, 4)
 MPI_TIMEOUT = 240
@@ -69,7 +70,7 @@ def _rank_dependent(rank: int) -> int:
 @pytest.mark.parametrize("what", ["numel", "dtype", "op", "kind", "root"])
 def test_mismatch_raises_on_every_rank_and_group_survives(what: str) -> None:
     rank, p = dist.get_rank(), dist.get_world_size()
-    with pytest.raises(accl.AcclMismatchError, match="ranks disagree"):
+    with pytest.raises(MismatchError, match="ranks disagree"):
         if what == "numel":
             dist.all_reduce(torch.ones(_rank_dependent(rank) * 100))
         elif what == "dtype":
@@ -94,7 +95,7 @@ def test_all_to_all_split_mismatch_is_reported() -> None:
     out_splits = [1] * p
     if rank == 0:
         out_splits = [2] + [1] * (p - 2) + [0]
-    with pytest.raises(accl.AcclMismatchError, match="split sizes do not match"):
+    with pytest.raises(MismatchError, match="split sizes do not match"):
         dist.all_to_all_single(torch.empty(p), inp, out_splits, [1] * p)
 
 
@@ -137,7 +138,7 @@ def test_p2p_size_mismatch_is_reported_and_nothing_is_corrupted(n_recv: int) -> 
         dist.send(torch.full((7,), 42.0), 1, group=tiny)
     elif rank == 1:
         got = torch.zeros(n_recv)
-        with pytest.raises(accl.AcclMismatchError, match="expects"):
+        with pytest.raises(MismatchError, match="expects"):
             dist.recv(got, 0, group=tiny)
         assert torch.all(got == 0)
         nxt = torch.zeros(7)
@@ -151,7 +152,7 @@ def test_wait_timeout_then_completion() -> None:
     if rank == 1:
         got = torch.zeros(3)
         w = dist.irecv(got, 0)
-        with pytest.raises(accl.AcclTimeoutError, match="expired"):
+        with pytest.raises(PeerTimeoutError, match="expired"):
             w.wait(timeout=timedelta(milliseconds=300))
         MPI.COMM_WORLD.Barrier()
         w.wait()
@@ -169,7 +170,7 @@ def test_group_timeout_when_a_peer_never_joins() -> None:
     if rank == 0:
         start = time.monotonic()
         # named: the peer it waits on (its partner in the header exchange's first round)
-        with pytest.raises(accl.AcclTimeoutError, match=r"did not complete within the group timeout of 2 s: "
+        with pytest.raises(PeerTimeoutError, match=r"did not complete within the group timeout of 2 s: "
                                                         r"rank 1 \(this rank was waiting on it\) died, hung"):
             dist.all_reduce(torch.ones(4), group=g)
         assert time.monotonic() - start < 20
@@ -183,7 +184,7 @@ def test_group_timeout_when_a_peer_never_joins() -> None:
         try:
             dist.all_reduce(torch.ones(4), group=g)
             outcome = "done"
-        except accl.AcclTimeoutError as e:
+        except PeerTimeoutError as e:
             assert "rank 0 (this rank was waiting on it)" in str(e), e
             outcome = "timed out"
     else:
@@ -197,7 +198,7 @@ def test_monitored_barrier_method() -> None:
     pg = dist.group.WORLD
     pg.monitored_barrier(timedelta(seconds=30))
     if dist.get_rank() == 0:
-        with pytest.raises(accl.AcclTimeoutError, match=r"ranks \[1"):
+        with pytest.raises(PeerTimeoutError, match=r"ranks \[1"):
             pg.monitored_barrier(timedelta(milliseconds=300))
     MPI.COMM_WORLD.Barrier()
     pg.monitored_barrier(timedelta(seconds=30))  # the cancelled receives did not swallow these tokens
@@ -236,11 +237,11 @@ def test_monitored_barrier_names_missing_ranks_as_gloo(wait_all_ranks: bool) -> 
             want = rf"\[Rank 0\]: Ranks {', '.join(map(str, odd))} failed to pass monitoredBarrier in 400 ms"
         else:
             want = r"\[Rank 0\]: Rank 1 failed to pass monitoredBarrier in 400 ms"
-        with pytest.raises(accl.AcclTimeoutError, match=want) as info:
+        with pytest.raises(PeerTimeoutError, match=want) as info:
             pg.monitored_barrier(timedelta(milliseconds=400), wait_all_ranks=wait_all_ranks)
         assert f"ranks {odd}" in str(info.value)
     elif rank % 2 == 0:
-        with pytest.raises(accl.AcclTimeoutError, match="successfully reached monitoredBarrier"):
+        with pytest.raises(PeerTimeoutError, match="successfully reached monitoredBarrier"):
             pg.monitored_barrier(timedelta(milliseconds=400), wait_all_ranks=wait_all_ranks)
     MPI.COMM_WORLD.Barrier()
     pg.monitored_barrier(timedelta(seconds=30), wait_all_ranks=wait_all_ranks)  # still usable
@@ -249,11 +250,11 @@ def test_monitored_barrier_names_missing_ranks_as_gloo(wait_all_ranks: bool) -> 
 @pytest.mark.parametrize("what", ["all_reduce_fused_vs_not", "broadcast", "all_gather", "reduce_scatter",
                                   "all_to_all"])
 def test_fast_path_size_mismatch_raises_on_every_rank(what: str) -> None:
-    """Synchronous calls with sizes that differ across ranks: AcclMismatchError on every rank from
+    """Synchronous calls with sizes that differ across ranks: MismatchError on every rank from
     the fast path's header check, and the group stays usable."""
     rank, p = dist.get_rank(), dist.get_world_size()
     n = 8 if rank == 0 else 20_000  # rank 0 rides whole in the header exchange, the others past its 64 KiB
-    with pytest.raises(accl.AcclMismatchError, match="ranks disagree|split sizes do not match"):
+    with pytest.raises(MismatchError, match="ranks disagree|split sizes do not match"):
         if what == "all_reduce_fused_vs_not":
             dist.all_reduce(torch.ones(n))
         elif what == "broadcast":

@@ -39,7 +39,7 @@ WORKLOADS = ("allreduce", "checkpoint", "rehearsal", "chunkstore")
 NODES = ("node1", "node2", "node3", "node4")
 DEADLINE_S = 6.0  # accl's (and each workload's) deadline on its peers
 # past the deadline, a rank still alive this much later is a hang: the barrier at exit waits one more deadline,
-# then MPI_Abort gets accl's ABORT_GRACE_S (10 s, torchhpc.accl's native module) to end the job
+# then MPI_Abort gets accl's abort grace (10 s, kAbortGraceS in csrc/accl.hpp) to end the job
 HANG_MARGIN_S = 30.0
 FINISH_S = 240.0  # the requeued job's bound: Slurm noticing the node, the requeue's delay, the rest of the run
 STEPS = {"allreduce": 300, "rehearsal": 150, "chunkstore": 150}

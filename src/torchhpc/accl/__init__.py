@@ -8,28 +8,35 @@ Importing this package registers the backend::
     dist.init_process_group("accl")  # under mpiexec: no MASTER_ADDR/MASTER_PORT needed
 
 Every call runs in one C++ class, ``ProcessGroupACCL`` (a ``c10d::Backend``, ``csrc/``); this package registers
-it, holds its options (:class:`AcclOptions`) and reports the environment it will run in.
+it and holds its options (:class:`AcclOptions`).  Its errors are :mod:`torchhpc.errors`' (``PeerTimeoutError``,
+``PeerFailedError``, ``MismatchError``, ``EngineUnavailableError``).
+
+Importing it has two effects beyond registering the name, both listed in docs/accl.md ("What importing accl
+does"): torch's ``env://`` rendezvous learns to read an MPI launcher's variables, and an exit hook meets the
+other ranks (or ends the job) before ``MPI_Finalize``, which would wait for a lost peer for ever.
 """
 
 from __future__ import annotations
 
-from ..errors import EngineUnavailableError, MismatchError, PeerFailedError, PeerTimeoutError
+import functools
+
+from ..errors import EngineUnavailableError
+from ..mpi_info import cuda_aware_query
 from . import core
 from .backend import create_process_group, register
 from .group import ProcessGroupACCL
-from .info import environment_report, mpi_cuda_aware
 from .options import AcclOptions
 
-#: the errors of accl's calls under their accl names (one family: :mod:`torchhpc.errors`)
-AcclMismatchError = MismatchError
-AcclTimeoutError = PeerTimeoutError
-AcclPeerFailedError = PeerFailedError
+__all__ = ["AcclOptions", "ProcessGroupACCL", "AcclWork", "EngineUnavailableError", "mpi_cuda_aware",
+           "create_process_group", "register", "dump_flight_record"]
 
-__all__ = [
-    "AcclOptions", "ProcessGroupACCL", "AcclWork", "AcclMismatchError", "AcclTimeoutError",
-    "AcclPeerFailedError", "EngineUnavailableError", "mpi_cuda_aware",
-    "create_process_group", "register", "environment_report", "dump_flight_record",
-]
+
+@functools.cache
+def mpi_cuda_aware() -> bool:
+    """Whether the MPI library takes CUDA device pointers (:func:`torchhpc.mpi_info.cuda_aware_query`;
+    ``TORCHHPC_CUDA_AWARE_MPI=0/1`` overrides).  Reported only: accl stages device tensors through pinned host
+    memory whatever it answers."""
+    return cuda_aware_query().supported is True
 
 
 def dump_flight_record() -> str:

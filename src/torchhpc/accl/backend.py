@@ -18,6 +18,7 @@ failed makes every member raise (:class:`~torchhpc.errors.RemoteError` naming it
 from __future__ import annotations
 
 import atexit
+import functools
 import hashlib
 import struct
 import sys
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 from mpi4py.run import set_abort_status
 
-from ..errors import PeerTimeoutError, RemoteError
+from ..errors import EngineUnavailableError, PeerTimeoutError, RemoteError
 from ..waiting import agree, agreed, wait_requests
 from . import core
 from .group import ProcessGroupACCL
@@ -177,7 +178,10 @@ def _leave() -> None:
     recovered from a timeout all arrive and finalize as usual."""
     if not MPI.Is_initialized() or MPI.Is_finalized():
         return
-    died, silent_s = core.load_backend().peers_lost()
+    try:
+        died, silent_s = core.load_backend().peers_lost()
+    except EngineUnavailableError:  # the backend is not built: no group was made, none saw a peer
+        died, silent_s = False, 0.0
     if not died and _met_at_exit(silent_s):
         return
     why = "saw peers die" if died else \
@@ -188,6 +192,13 @@ def _leave() -> None:
     # Open MPI 5.0.11's prterun can deadlock when two survivors abort at once under ULFM, by this path or not.
     set_abort_status(1)
     core.load_backend().arm_abort_grace()  # MPI_Abort cannot reach a launcher behind a cut link
+
+
+@functools.cache
+def _leave_at_exit() -> None:
+    """Register :func:`_leave` once, when this process makes its first accl group (never at import: a process
+    that only imports accl, such as ``make env`` before the backend is built, has nothing to do at exit)."""
+    atexit.register(_leave)
 
 
 def _met_at_exit(silent_s: float) -> bool:
@@ -203,14 +214,15 @@ def _met_at_exit(silent_s: float) -> bool:
     return True
 
 
-atexit.register(_leave)
-
 
 def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
     """``Backend.register_backend`` creator (extended API): builds the group's MPI communicator.
 
-    Called by torch on the group's members only; every member either gets the group or raises."""
+    Called by torch on the group's members only; every member either gets the group or raises.  The first group
+    of the process also registers the exit hook (:func:`_leave`): before MPI_Finalize the ranks meet within the
+    default group's timeout, or the job ends with MPI_Abort."""
     global _exit_timeout_s
+    _leave_at_exit()
     ranks = list(dist_opts.global_ranks_in_group)
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout: timedelta = dist_opts.timeout if dist_opts.timeout is not None else dist.default_pg_timeout

@@ -19,19 +19,14 @@ from mpi4py import MPI
 
 from .. import private
 from ..errors import EngineUnavailableError
-from ..mpi_info import release_singleton_segment
+from ..mpi_info import family_of_text, release_singleton_segment
 
 __all__ = ["load_backend", "family", "flight_prefix"]
 
 
 def family(version: str | None = None) -> str | None:
     """``openmpi`` or ``mpich`` for an MPI library version string (default: the loaded library's)."""
-    v = (version if version is not None else MPI.Get_library_version()).upper()
-    if "OPEN MPI" in v:
-        return "openmpi"
-    if any(name in v for name in ("MPICH", "INTEL(R) MPI", "MVAPICH")):
-        return "mpich"
-    return None
+    return family_of_text(version if version is not None else MPI.Get_library_version())
 
 
 def _first_line(text: str) -> str:

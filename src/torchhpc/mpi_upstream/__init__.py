@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import settings
+from ..mpi_info import family_of_text
 
 __all__ = ["NAME", "family", "module_name", "load", "create_backend", "register", "init_process_group",
            "use_as_torch_mpi", "cuda_aware", "UnsupportedGroupError"]
@@ -46,15 +47,6 @@ class UnsupportedGroupError(NotImplementedError):
     """A group upstream's backend cannot make under torch.distributed (a strict subset of the world)."""
 
 
-def _family_of_version(version: str) -> str | None:
-    v = version.upper()
-    if "OPEN MPI" in v:
-        return "openmpi"
-    if any(name in v for name in ("MPICH", "INTEL(R) MPI", "MVAPICH")):
-        return "mpich"
-    return None
-
-
 def family() -> str:
     """The MPI family of this process: ``$TORCHHPC_MPI_FAMILY``; else the library mpi4py loaded, if it did;
     else the launcher's (:func:`torchhpc.launcher.mpi_launcher`) or ``$MPI4PY_LIBMPI``; else the only family
@@ -63,7 +55,7 @@ def family() -> str:
     if forced:
         return forced
     if "mpi4py.MPI" in sys.modules:
-        fam = _family_of_version(sys.modules["mpi4py.MPI"].Get_library_version())
+        fam = family_of_text(sys.modules["mpi4py.MPI"].Get_library_version())
         if fam is not None:
             return fam
     from ..launcher import mpi_launcher

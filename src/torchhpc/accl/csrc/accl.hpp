@@ -233,11 +233,6 @@ class MpiEngine final : public Engine {
   at::Tensor scratch_;  // reduce_scatter's rows, copied together (one segment, kept)
 };
 
-// Whether the MPI library takes CUDA device buffers: the same query as our PyTorch patch
-// (patches/pytorch/*/0001-c10d-mpi-ask-mpich-for-cuda-support.patch).  Reported only: accl stages device
-// tensors through pinned host memory whatever it answers.
-bool cudaAwareMpi();
-
 // Whether a group of this process saw peers die, and the longest timeout of its groups aborted because peers fell
 // silent (0: none).  MPI_Finalize would wait for such peers for ever: at exit torchhpc.accl ends the job with
 // MPI_Abort at once after a death, and otherwise after that long (or the default group's timeout) at a barrier.

@@ -4,11 +4,6 @@
 
 #include <climits>
 #include <cstring>
-#include <cstdlib>
-
-#if defined(OPEN_MPI) && __has_include(<mpi-ext.h>)
-#include <mpi-ext.h>  // MPIX_CUDA_AWARE_SUPPORT, MPIX_Query_cuda_support
-#endif
 
 namespace torchhpc::accl {
 
@@ -24,20 +19,6 @@ std::string mpiErrorText(int rc) {
 
 MpiCallError::MpiCallError(int code, const char* fn)
     : c10::DistBackendError(std::string("accl: ") + fn + " failed: " + mpiErrorText(code)), rc(code), call(fn) {}
-
-bool cudaAwareMpi() {
-#if !defined(MPIX_CUDA_AWARE_SUPPORT) && defined(MPICH_VERSION) && defined(MPIX_GPU_SUPPORT_CUDA)
-  int supported = 0;
-  return MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA, &supported) == MPI_SUCCESS && supported != 0;
-#elif !defined(MPIX_CUDA_AWARE_SUPPORT) && defined(MPICH_VERSION)
-  const char* enabled = std::getenv("MPICH_GPU_SUPPORT_ENABLED");
-  return enabled != nullptr && std::string(enabled) == "1";
-#elif defined(MPIX_CUDA_AWARE_SUPPORT)
-  return MPIX_Query_cuda_support() == 1;
-#else
-  return false;
-#endif
-}
 
 void Stats::count(int64_t bytes) {
   engineCalls.fetch_add(1, std::memory_order_relaxed);

@@ -227,16 +227,12 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   defineWire(m);
   m.attr("COLLECTIVES") = names(accl::kCollNames);
   m.def("library_version", &libraryVersion, "MPI_Get_library_version");
-  m.def("cuda_aware", &accl::cudaAwareMpi,
-        "whether this MPI library takes CUDA device buffers (the query of our PyTorch patch; reported only: accl "
-        "stages device tensors through pinned host memory whatever it answers)");
   m.def("peers_lost", [] { return py::make_tuple(accl::peersDied(), accl::peersSilentTimeout()); },
         "(whether a group of this process saw peers die, the longest timeout of its groups aborted because peers "
         "fell silent or 0)");
   m.def("arm_abort_grace", &accl::armAbortGrace,
-        "before an MPI_Abort: the process ends itself (SIGALRM) if the launcher has not ended it within "
-        "ABORT_GRACE_S");
-  m.attr("ABORT_GRACE_S") = accl::kAbortGraceS;
+        "before an MPI_Abort: the process ends itself (SIGALRM) if the launcher has not ended it in time "
+        "(kAbortGraceS)");
   m.def("flight_recorder_built", &accl::frBuilt, "whether accl records its calls in torch's flight recorder");
   m.def("dump_flight_record", &accl::frWrite, py::arg("global_rank"), py::call_guard<py::gil_scoped_release>(),
         "every recorded call of this process, in torch's format, through torch's DebugInfoWriter; the file");
