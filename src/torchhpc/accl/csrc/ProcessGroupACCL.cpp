@@ -416,31 +416,10 @@ Engine* ProcessGroupACCL::engineFor(Coll coll, std::optional<at::ScalarType> dty
 
 // ---------------------------------------------------------------------------------------- running calls
 
-bool ProcessGroupACCL::needsHeader(int64_t bytes) const {
-  // always when checked; unchecked, unless the call fits one nonblocking call below blocking_min_bytes: the header
-  // then proves that every rank entered the call before MPI's blocking algorithms run
-  const int64_t oneCall = opts_.maxSegmentBytes ? *opts_.maxSegmentBytes + 1 : INT64_MAX;
-  return opts_.check || bytes >= std::min(oneCall, opts_.blockingMinBytes);
-}
-
 int64_t ProcessGroupACCL::segmentFor(Coll coll) const {
   if (opts_.maxSegmentBytes) return *opts_.maxSegmentBytes;
   const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduce || coll == Coll::kReduceScatter;
   return reduces && !engine_ ? int64_t{4} << 20 : int64_t{1} << 30;
-}
-
-std::unique_ptr<Call> ProcessGroupACCL::newCall(wire::Kind kind, at::ScalarType dtype, const Reduction* red,
-                                                int64_t root, int64_t nbytes, int64_t numel,
-                                                std::vector<at::Tensor> outputs, c10d::OpType type,
-                                                std::vector<at::Tensor> inputs) {
-  auto c = std::make_unique<Call>();
-  c->inputs = inputs.empty() ? outputs : std::move(inputs);
-  c->outputs = outputs;
-  c->head = {wire::kMagic, kind, 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes, numel, 0};
-  c->header = needsHeader(nbytes);
-  c->stream = callerStream(outputs);
-  c->work = c10::make_intrusive<WorkACCL>(rank_, type, "", std::move(outputs));
-  return c;
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::enqueue(std::unique_ptr<Call> call, bool asyncOp) {
@@ -521,23 +500,29 @@ void ProcessGroupACCL::run(Call& c) {
   c.fr.started();
   deadline_ = Clock::now() + opts_.timeout;
   c10::OptionalStreamGuard onCallerStream(c.stream);  // staging copies of device tensors (host())
-  if (c.stage) c.stage();
-  mpi_->mode = c.header ? Mode::kBlocking : Mode::kNonblocking;
-  const bool done = c.header && exchange(c);
-  if (!done && c.data) {  // after a header, MPI's blocking calls: watched, without the caller's GIL (threads run on)
-    blockedHead_ = c.head;
-    blockedUntil_.store(c.header ? (deadline_ + std::chrono::seconds(1)).time_since_epoch().count() : 0);
-    struct Unblock {
-      std::atomic<Clock::rep>& until;
-      PyThreadState* gil;
-      ~Unblock() {
-        until.store(0);
-        if (gil) PyEval_RestoreThread(gil);
-      }
-    } unblock{blockedUntil_, c.header && Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr};
-    c.data();
-  }
-  if (c.finish) c.finish();
+  mpi_->mode = c.path == Path::kNonblocking ? Mode::kNonblocking : Mode::kBlocking;
+  (this->*c.body)(c);
+}
+
+template <typename F>
+void ProcessGroupACCL::blocking(const Call& c, F phase) {
+  if (c.path == Path::kNonblocking) return phase();
+  blockedHead_ = c.head;
+  blockedUntil_.store((deadline_ + std::chrono::seconds(1)).time_since_epoch().count());
+  struct Unblock {
+    std::atomic<Clock::rep>& until;
+    PyThreadState* gil;
+    ~Unblock() {
+      until.store(0);
+      if (gil) PyEval_RestoreThread(gil);
+    }
+  } unblock{blockedUntil_, Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr};
+  phase();
+}
+
+char* ProcessGroupACCL::carryBuffer() {
+  if (!carry_.defined()) carry_ = at::empty({wire::kCarryBytes}, at::kByte);
+  return ptr(carry_);
 }
 
 void ProcessGroupACCL::checkBlocked() {

@@ -325,31 +325,41 @@ std::string frWrite(int globalRank);    // the whole record through torch's Debu
 const char* frOpName(c10d::OpType type);  // the analyzer's name of a collective
 
 // ------------------------------------------------------------------------------------------ calls
+// How a call moves its data: chosen once per call by plan() (collectives.cpp), the rows of docs/accl.md's plan.
+enum class Path {
+  kCarried,      // whole in the header exchange: the exchange is the call (small calls on MPI)
+  kMpi,          // the header exchange, then the engine's blocking calls segment by segment
+  kRing,         // the header exchange, then accl's pipelined ring (large reductions, ring.cpp)
+  kNonblocking,  // no header (unchecked and small): one nonblocking MPI call waited on against the deadline
+};
+extern const char* const kPathNames[4];
+
 // How a small call's data rides in the header exchange (exchange.cpp): reduced (all_reduce, reduce_scatter), sent
 // from the root (broadcast), or every rank's block gathered (all_gather, all_to_all's byte matrix).
 enum class Ride { kNone, kReduce, kBroadcast, kGather };
 struct Carry {
   Ride ride = Ride::kNone;
-  std::shared_ptr<at::Tensor> buf;  // reduced in place; the root's data or where it lands; p blocks of `bytes`
-  int64_t bytes = 0;                // kGather: one rank's block (this rank's filled by the stage); else buf's
+  char* data = nullptr;  // reduced in place; the root's data or where it lands; p blocks of `bytes`
+  int64_t bytes = 0;     // kGather: one rank's block (this rank's filled before); else all of data's
   const Reduction* red = nullptr;
   int root = 0;
 };
 
-// One collective as the group runs it: its header words, its data riding with the header when small, its engine
-// calls segment by segment and its copy-back.  Made by a ProcessGroupACCL method, run inline or queued.
+// One collective as the group runs it: what the caller passed, the path plan() chose, and the one function that
+// runs it top to bottom (stage, header exchange, data, copy-back).  Made by a ProcessGroupACCL method, run inline
+// or queued.  It owns its staged buffers: a call given up at its deadline is kept while MPI may still write them.
 struct Call {
-  wire::Header head;                                    // kind, dtype, op, root, nbytes, numel, extra
-  bool header = true;                                   // exchanges the header first
-  int compare = wire::kCompareAll;
-  std::function<void()> stage;                          // staging when the call's turn comes (may be empty)
-  Carry carry;                                          // data that rides with the header
-  std::function<bool()> carried;                        // after it rode: take the results; done? (empty: done)
-  std::function<void()> data;                           // engine calls
-  std::function<void()> finish;                         // copy back, AVG's division (may be empty)
+  wire::Header head;                       // kind, dtype, op, root, nbytes, numel, extra
+  int compare = wire::kCompareAll;         // the header fields every rank must agree on
+  Path path = Path::kMpi;
+  void (ProcessGroupACCL::*body)(Call&) = nullptr;
+  std::vector<at::Tensor> inputs, outputs;  // the caller's tensors (in place: inputs are the outputs)
+  const Reduction* red = nullptr;
+  Engine* eng = nullptr;                    // what moves the data (MPI's engine, or the group's)
+  std::vector<int64_t> sendBytes, recvBytes;  // all_to_all: bytes to and from each rank
+  at::Tensor src, dst;                      // the staged host buffers
   std::optional<c10::Stream> stream;  // device tensors: the caller's current stream at issue (staging runs on it)
   c10::intrusive_ptr<WorkACCL> work;
-  std::vector<at::Tensor> inputs, outputs;  // for the flight record
   FrRecord fr;
 };
 
@@ -380,13 +390,17 @@ struct Config {
   std::optional<int64_t> maxSegmentBytes;  // the user's cap on one engine call's buffer (none: segmentFor)
   bool check = true;                       // exchange the header before every collective
   int64_t blockingMinBytes = 0;            // unchecked calls from this size exchange the header, then block
-  std::optional<int64_t> ringMinBytes;     // reductions from this size run accl's ring (none: usesRing's choice)
+  std::optional<int64_t> ringMinBytes;     // reductions from this size run accl's ring (none: plan()'s choice)
   std::chrono::milliseconds timeout{0};    // the group's deadline for every wait on peers
   std::string groupName;
   std::vector<std::string> sidestep;       // collectives an engine lacks that may fall back to MPI
   bool flightStacks = false;               // flight records carry the caller's Python stack
   std::chrono::microseconds spin{0};       // a wait on peers spins this long before yielding the core
 };
+
+// The one choice: the path of a `type` call moving `bytes` in all (every rank's block for the gathers, scatters
+// and reduce_scatter) on `ranks` ranks, `spansNodes` or not, on MPI or another engine, under options `o`.
+Path plan(c10d::OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, const Config& o);
 
 class ProcessGroupACCL : public c10d::Backend {
  public:
@@ -486,8 +500,6 @@ class ProcessGroupACCL : public c10d::Backend {
                     std::optional<RedOpType> op = std::nullopt);
   bool onMpi(const Engine* eng) const { return eng == mpi_.get(); }
 
-  // ---- the one rule: whether a call moving `bytes` exchanges the header
-  bool needsHeader(int64_t bytes) const;
   // the largest buffer one engine call of `coll` touches: max_segment_bytes where the user set it; else 4 MiB for
   // the reductions on MPI (Open MPI's own reduction algorithms are slower on one larger call, measured:
   // docs/accl.md), one call up to 1 GiB for data movement (segmenting it only adds calls)
@@ -496,24 +508,28 @@ class ProcessGroupACCL : public c10d::Backend {
   // element) stays within segmentFor(coll); each piece is one engine call, counted in stats_
   template <typename F>
   void forSegments(Coll coll, int64_t n, int64_t unitBytes, F step);
-  // small calls on MPI: `carry` rides with the header when it fits wire::kCarryBytes and (`capped`: user data,
-  // not the call's own metadata) max_segment_bytes; `carried` takes the results
-  bool ride(Call& c, const Engine* eng, Carry carry, std::function<bool()> carried = {}, bool capped = true);
 
   // ---- running calls
-  std::unique_ptr<Call> newCall(wire::Kind kind, at::ScalarType dtype, const Reduction* red, int64_t root,
-                                int64_t nbytes, int64_t numel, std::vector<at::Tensor> outputs, c10d::OpType type,
-                                std::vector<at::Tensor> inputs = {});  // inputs: none for in-place calls
+  // `made` (a new Call: its header words, body and tensors) with its engine, the path plan() chooses for `bytes`
+  // moved in all, the caller's stream and its Work, enqueued
+  c10::intrusive_ptr<c10d::Work> start(Call* made, c10d::OpType type, Engine* eng, int64_t bytes, bool asyncOp);
   c10::intrusive_ptr<c10d::Work> enqueue(std::unique_ptr<Call> call, bool asyncOp);
   void workerLoop();
   void runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);  // marks the group busy meanwhile
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
-  void run(Call& call);                      // stage, header, data, finish; throws
+  void run(Call& call);                      // the call's body on the caller's stream, against its deadline; throws
+  // the call's header exchange, carrying `carry` on the carried path (none on the nonblocking path); true when the
+  // data rode with it (the exchange was the call)
+  bool header(Call& c, const Carry& carry = {});
+  // the data phase after a header: MPI's blocking calls, watched against the deadline, without the caller's GIL
+  template <typename F>
+  void blocking(const Call& c, F phase);
+  char* carryBuffer();  // the group's kept buffer for carried data the call does not hold (calls run one at a time)
   // ---- the flight recorder (flight.cpp): `op` in the analyzer's words ("all_reduce", "send 0->1")
   void record(FrRecord& r, std::string_view op, const std::vector<at::Tensor>& in,
               const std::vector<at::Tensor>& out, int64_t collSeq, bool p2p);
   // ---- the header exchange (exchange.cpp)
-  bool exchange(Call& call);                 // true when the data rode with the header (the call is done)
+  void exchange(const Call& c, const Carry& carry);  // raises the MismatchError when the ranks' headers differ
   void doubling(Xchg& x);                    // recursive doubling, the ranks past a power of two folded in
   // one message each way with `peer` (or one way), merged into x (`result`: the data received is the result)
   void step(Xchg& x, int peer, bool send, bool recv, bool result = false);
@@ -537,29 +553,33 @@ class ProcessGroupACCL : public c10d::Backend {
 
   // ---- accl's own algorithm for large reductions (ring.cpp)
   static constexpr int64_t kRingChunk = 512 << 10;  // bytes per message
-  // whether a reduction `coll` of `bytes` runs the ring: on MPI, after a header, from ring_min_bytes where set,
-  // else accl's choice (reduce_scatter always; all_reduce when the group spans nodes)
-  bool usesRing(const Engine* eng, Coll coll, int64_t bytes) const;
   // all_reduce in place over `data` (own null), or reduce_scatter of `own` with block `rank` into `out`
   void ring(const Reduction& red, int64_t n, char* data, const char* own, char* out);
   void ringSend(RingRun& x, int step, int64_t chunk);
   void ringRecv(RingRun& x, size_t g);  // the g-th chunk received, into a scratch chunk
   void ringLand(RingRun& x, size_t g);  // ... reduced or copied into place
 
-  // ---- the collectives' shared shapes
-  std::unique_ptr<Call> allreduceCall(std::vector<at::Tensor> ts, const Reduction& red, wire::Kind kind,
-                                      c10d::OpType type);
-  std::unique_ptr<Call> allgatherCall(const at::Tensor& input, at::Tensor output, std::vector<at::Tensor> outputs,
-                                      c10d::OpType type);
-  std::unique_ptr<Call> reduceScatterCall(std::vector<at::Tensor> inputs, const at::Tensor& output,
-                                          const Reduction& red, c10d::OpType type);
-  // gather (rows to the root) and scatter (rows from the root): checks, then the call; `mineList` is every rank's
-  // one tensor, `lists` the root's list of rows (none elsewhere)
-  std::unique_ptr<Call> rootedCall(wire::Kind kind, const std::vector<at::Tensor>& mineList,
-                                   const std::vector<std::vector<at::Tensor>>& lists, int64_t rootRank);
-  std::unique_ptr<Call> alltoallCall(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
-                                     std::vector<int64_t> sb, std::vector<int64_t> rb, c10d::OpType type);
-  std::unique_ptr<Call> sparseCall(const at::Tensor& t, const c10d::ReduceOp& op);
+  // ---- the collectives (collectives.cpp): each one's body, and the starts that entry points share
+  void allreduceBody(Call& c);
+  void sparseBody(Call& c);
+  void broadcastBody(Call& c);
+  void reduceBody(Call& c);
+  void allgatherBody(Call& c);
+  void reduceScatterBody(Call& c);
+  void rootedBody(Call& c);  // gather (rows to the root) and scatter (rows from the root)
+  void alltoallBody(Call& c);
+  void barrierBody(Call& c);
+  c10::intrusive_ptr<c10d::Work> allgatherStart(const at::Tensor& input, std::vector<at::Tensor> outputs,
+                                                c10d::OpType type, bool asyncOp);
+  c10::intrusive_ptr<c10d::Work> reduceScatterStart(std::vector<at::Tensor> inputs, const at::Tensor& output,
+                                                    c10d::ReduceOp op, c10d::OpType type, bool asyncOp);
+  // `mineList`: every rank's one tensor; `lists`: the root's list of rows (none elsewhere)
+  c10::intrusive_ptr<c10d::Work> rootedStart(wire::Kind kind, const std::vector<at::Tensor>& mineList,
+                                             const std::vector<std::vector<at::Tensor>>& lists, int64_t root,
+                                             bool asyncOp);
+  c10::intrusive_ptr<c10d::Work> alltoallStart(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+                                               std::vector<int64_t> sendBytes, std::vector<int64_t> recvBytes,
+                                               c10d::OpType type, bool asyncOp);
   template <typename F>
   c10::intrusive_ptr<c10d::Work> inOrder(size_t n, F one);
 
@@ -585,9 +605,7 @@ class ProcessGroupACCL : public c10d::Backend {
   std::shared_ptr<Engine> engine_;         // null: MPI
   std::vector<char> out_, in_, body_;  // the exchange's messages: sent, received, received data
   std::vector<char> ringScratch_, ringPartial_;  // the ring's chunks in flight; reduce_scatter's partial sums
-  at::Tensor a2aBlocks_;                          // all_to_all's blocks in the header exchange
-  int64_t a2aBlock_ = wire::kPayloadBytes;        // one rank's block there, chosen by the previous all_to_all
-  at::Tensor rsWhole_;                            // a small reduce_scatter's input, reduced in the exchange
+  at::Tensor carry_;                              // carryBuffer()'s memory
   bool spansNodes_ = false;                       // the group's ranks are on more than one node
   int tagUb_ = 32767;
 

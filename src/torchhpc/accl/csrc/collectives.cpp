@@ -1,6 +1,6 @@
-// The collectives of ProcessGroupACCL.  Each entry point is one shape: its argument checks (helpers written once),
-// one Call (header words; staging; small data riding whole in the header exchange; the engine calls, segment by
-// segment through forSegments; the copy-back), then enqueue.
+// The collectives of ProcessGroupACCL.  Each has an entry point (its argument checks, written once as helpers; its
+// Call; start) and one body that runs it top to bottom when its turn comes: stage into host buffers, the header
+// exchange (the whole call on the carried path), the data phase on the path plan() chose, the copy-back.
 #include "accl.hpp"
 
 #include <torch/csrc/distributed/c10d/Utils.hpp>
@@ -12,23 +12,73 @@
 namespace torchhpc::accl {
 namespace {
 
-constexpr int64_t kPay = wire::kPayloadBytes;  // all_to_all's block in the exchange: its byte matrix row and sends
-
 std::string shape(const at::Tensor& t) {
   std::string s = "(";
   for (int64_t i = 0; i < t.dim(); ++i) s += std::to_string(t.size(i)) + (t.dim() == 1 ? "," : i + 1 < t.dim() ? ", " : "");
   return s + ")";
 }
 
+wire::Header callHeader(wire::Kind kind, at::ScalarType dtype, int64_t root, int64_t nbytes, int64_t numel,
+                        const Reduction* red = nullptr) {
+  return {wire::kMagic, kind, 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes, numel, 0};
+}
+
+using T = c10d::OpType;
+
+bool isReduceScatter(T t) { return t == T::REDUCE_SCATTER || t == T::_REDUCE_SCATTER_BASE; }
+bool isAllreduce(T t) { return t == T::ALLREDUCE || t == T::ALLREDUCE_COALESCED; }
+
+// Small calls ride whole in the header exchange (on MPI, within max_segment_bytes): all_reduce, broadcast and
+// all_gather, and reduce_scatter, which sends every rank's whole input there (p times what it needs), so across
+// nodes only while that fits the prefix's own message.
+bool rides(T t, int64_t bytes, bool spansNodes, const Config& o) {
+  const bool kind = isAllreduce(t) || t == T::BROADCAST || t == T::ALLGATHER || t == T::_ALLGATHER_BASE ||
+                    (isReduceScatter(t) && (!spansNodes || bytes <= wire::kInlineBytes));
+  return kind && bytes <= std::min(wire::kCarryBytes, o.maxSegmentBytes.value_or(wire::kCarryBytes));
+}
+
+// accl's ring: from ring_min_bytes where set; else reduce_scatter always (Open MPI's faults in a buffer of the whole
+// input on every call), all_reduce when the ranks span nodes (the ring moves the least data over a link).
+bool rings(T t, int64_t bytes, int ranks, bool spansNodes, const Config& o) {
+  if (!(isAllreduce(t) || isReduceScatter(t)) || ranks == 1) return false;
+  return o.ringMinBytes ? bytes >= *o.ringMinBytes : isReduceScatter(t) || spansNodes;
+}
+
 }  // namespace
 
-bool ProcessGroupACCL::ride(Call& c, const Engine* eng, Carry carry, std::function<bool()> carried, bool capped) {
-  const int64_t bytes = carry.ride == Ride::kGather ? carry.bytes * size_ : carry.bytes;
-  const int64_t cap = capped && opts_.maxSegmentBytes ? *opts_.maxSegmentBytes : wire::kCarryBytes;
-  if (!onMpi(eng) || !c.header || bytes > std::min(wire::kCarryBytes, cap)) return false;
-  c.carry = std::move(carry);
-  c.carried = std::move(carried);
-  return true;
+// ============================================================================================== the plan
+
+const char* const kPathNames[4] = {"carried", "mpi", "ring", "nonblocking"};
+
+Path plan(c10d::OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, const Config& o) {
+  if (type == T::BARRIER) return o.check ? Path::kCarried : Path::kNonblocking;  // the checked exchange is one
+  // all_to_all's byte matrix and a sparse tensor's sizes are always exchanged before the data
+  if (type == T::ALLTOALL || type == T::ALLTOALL_BASE || type == T::_ALLREDUCE_SPARSE) return Path::kMpi;
+  // unchecked, a call that fits one nonblocking call below blocking_min_bytes skips the header; a larger one
+  // exchanges it anyway, the proof that every rank entered before MPI's blocking algorithms run
+  const bool oneCall = !o.maxSegmentBytes || bytes <= *o.maxSegmentBytes;
+  if (!o.check && oneCall && bytes < o.blockingMinBytes) return Path::kNonblocking;
+  if (!onMpi) return Path::kMpi;  // another engine: its own calls after the header
+  if (rides(type, bytes, spansNodes, o)) return Path::kCarried;
+  return rings(type, bytes, ranks, spansNodes, o) ? Path::kRing : Path::kMpi;
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::start(Call* made, c10d::OpType type, Engine* eng, int64_t bytes,
+                                                       bool asyncOp) {
+  std::unique_ptr<Call> c(made);
+  c->eng = eng;
+  c->path = plan(type, bytes, size_, spansNodes_, onMpi(eng), opts_);
+  if (c->inputs.empty()) c->inputs = c->outputs;  // for the flight record: a scatter off the root
+  c->stream = callerStream(c->outputs);
+  if (!c->stream) c->stream = callerStream(c->inputs);  // a gather's input off the root
+  c->work = c10::make_intrusive<WorkACCL>(rank_, type, "", c->outputs);
+  return enqueue(std::move(c), asyncOp);
+}
+
+bool ProcessGroupACCL::header(Call& c, const Carry& carry) {
+  if (c.path == Path::kNonblocking) return false;
+  exchange(c, c.path == Path::kCarried ? carry : Carry{});
+  return c.path == Path::kCarried;
 }
 
 template <typename F>
@@ -40,27 +90,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::inOrder(size_t n, F one) {
 
 // ============================================================================================== all_reduce
 
-std::unique_ptr<Call> ProcessGroupACCL::allreduceCall(std::vector<at::Tensor> ts, const Reduction& red,
-                                                      wire::Kind kind, c10d::OpType type) {
-  int64_t numel = 0;
-  for (const auto& x : ts) numel += x.numel();
-  auto c = newCall(kind, red.dtype, &red, 0, numel * static_cast<int64_t>(red.esz), numel, ts, type);
-  Engine* eng = engineFor(Coll::kAllreduce, red.dtype, red.op);
-  auto buf = std::make_shared<at::Tensor>();
-  c->stage = [ts, buf] { *buf = flatHost(ts); };
-  ride(*c, eng, {Ride::kReduce, buf, c->head.nbytes, &red});
-  c->data = [this, buf, numel, &red, eng] {
-    if (usesRing(eng, Coll::kAllreduce, numel * static_cast<int64_t>(red.esz))) {
-      return ring(red, numel, ptr(*buf), nullptr, nullptr);
-    }
-    forSegments(Coll::kAllreduce, numel, red.esz,
-                [&](int64_t off, int64_t cnt) { eng->allreduce(seg(*buf, off, cnt), red); });
-  };
-  c->finish = [ts, buf, &red, p = size_] {
-    if (red.avg) buf->div_(p);
-    deliverEach(*buf, ts);
-  };
-  return c;
+// The tensors staged end to end in one host buffer; reduced whole in the header exchange when small, else by accl's
+// ring or the engine's calls segment by segment; AVG runs as SUM and divides afterwards.
+void ProcessGroupACCL::allreduceBody(Call& c) {
+  const Reduction& red = *c.red;
+  c.src = flatHost(c.outputs);
+  const int64_t n = c.src.numel();
+  if (!header(c, {Ride::kReduce, ptr(c.src), c.head.nbytes, &red})) {
+    blocking(c, [&] {
+      if (c.path == Path::kRing) return ring(red, n, ptr(c.src), nullptr, nullptr);
+      forSegments(Coll::kAllreduce, n, red.esz,
+                  [&](int64_t off, int64_t cnt) { c.eng->allreduce(seg(c.src, off, cnt), red); });
+    });
+  }
+  if (red.avg) c.src.div_(size_);
+  deliverEach(c.src, c.outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce(std::vector<at::Tensor>& tensors,
@@ -69,22 +113,30 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce(std::vector<at::Tenso
   const at::Tensor& t = one(tensors, "all_reduce");
   const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "all_reduce");
   checkOpen();
-  return enqueue(allreduceCall(tensors, red, wire::kAllReduce, c10d::OpType::ALLREDUCE), opts.asyncOp);
+  const int64_t bytes = t.numel() * static_cast<int64_t>(red.esz);
+  return start(new Call{.head = callHeader(wire::kAllReduce, red.dtype, 0, bytes, t.numel(), &red),
+                        .body = &ProcessGroupACCL::allreduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
+               c10d::OpType::ALLREDUCE, engineFor(Coll::kAllreduce, red.dtype, red.op), bytes, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                                      const c10d::AllreduceCoalescedOptions& opts) {
   if (tensors.empty()) valueError("accl: all_reduce_coalesced needs at least one tensor");
+  int64_t numel = 0;
   for (const auto& t : tensors) {
     if (t.scalar_type() != tensors[0].scalar_type())
       typeError("accl: all_reduce_coalesced needs tensors of one dtype, got " +
                 wire::torchName(tensors[0].scalar_type()) + " and " + wire::torchName(t.scalar_type()));
     if (t.device() != tensors[0].device()) valueError("accl: all_reduce_coalesced needs tensors on one device");
+    numel += t.numel();
   }
   const Reduction& red = reductionFor(tensors[0].scalar_type(), opts.reduceOp.op_, "all_reduce_coalesced");
   checkOpen();
-  return enqueue(allreduceCall(tensors, red, wire::kAllReduceCoalesced, c10d::OpType::ALLREDUCE_COALESCED),
-                 opts.asyncOp);
+  const int64_t bytes = numel * static_cast<int64_t>(red.esz);
+  return start(new Call{.head = callHeader(wire::kAllReduceCoalesced, red.dtype, 0, bytes, numel, &red),
+                        .body = &ProcessGroupACCL::allreduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
+               c10d::OpType::ALLREDUCE_COALESCED, engineFor(Coll::kAllreduce, red.dtype, red.op), bytes,
+               opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_sparse(std::vector<at::Tensor>& tensors,
@@ -97,20 +149,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_sparse(std::vector<at
     valueError("accl: sparse all_reduce supports ReduceOp.SUM only (as gloo), got ReduceOp." +
                opName(opts.reduceOp.op_));
   checkOpen();
-  return enqueue(sparseCall(t, opts.reduceOp), opts.asyncOp);
+  Call* c = new Call{.head = callHeader(wire::kAllReduce, t.scalar_type(), 0, 0, t.numel()),
+                     .body = &ProcessGroupACCL::sparseBody, .inputs = tensors, .outputs = tensors};
+  c->head.op = wire::opCode(opts.reduceOp.op_);
+  c->head.extra = t.sparse_dim();
+  return start(c, c10d::OpType::_ALLREDUCE_SPARSE, engineFor(Coll::kAllreduce), 0, opts.asyncOp);
 }
 
-std::unique_ptr<Call> ProcessGroupACCL::sparseCall(const at::Tensor& t, const c10d::ReduceOp& op) {
-  // every rank's (indices, values) all-gathered, then summed by coalescing (gloo's algorithm): the header checks
-  // dtype and dense size; the nnz counts travel first
+// Every rank's (indices, values) all-gathered, then summed by coalescing (gloo's algorithm): the header checks dtype
+// and dense size; the nnz counts travel first.
+void ProcessGroupACCL::sparseBody(Call& c) {
+  const at::Tensor& t = c.outputs[0];
   const int p = size_;
-  engineFor(Coll::kAllreduce);  // MPI's, where the engine may sidestep
-  auto c = newCall(wire::kAllReduce, t.scalar_type(), nullptr, 0, 0, t.numel(), {t}, c10d::OpType::_ALLREDUCE_SPARSE);
-  c->head.op = wire::opCode(op.op_);
-  c->head.extra = t.sparse_dim();
-  c->header = true;
-  auto result = std::make_shared<at::Tensor>();
-  c->data = [this, t, result, p] {
+  header(c);
+  blocking(c, [&] {
     at::Tensor mine = t.cpu().coalesce();
     at::Tensor indices = mine.indices().t().contiguous(), values = mine.values().contiguous();
     at::Tensor mineNnz = at::full({1}, indices.size(0), at::kLong), nnz = at::empty({p}, at::kLong);
@@ -131,13 +183,26 @@ std::unique_ptr<Call> ProcessGroupACCL::sparseCall(const at::Tensor& t, const c1
       stats_.count(static_cast<int64_t>(all.nbytes()));
       mpi_->allgatherv(ptr(part), bytes[rank_], ptr(all), bytes.data(), displs.data());
     }
-    *result = at::sparse_coo_tensor(allIndices.t(), allValues, t.sizes()).coalesce();
-  };
-  c->finish = [t, result] { at::Tensor(t).copy_(result->to(t.device())); };
-  return c;
+    c.dst = at::sparse_coo_tensor(allIndices.t(), allValues, t.sizes()).coalesce();
+  });
+  at::Tensor(t).copy_(c.dst.to(t.device()));
 }
 
 // ============================================================================================== broadcast, reduce
+
+// The root's tensor (staged on the root only); carried from the root through the header exchange when small, else
+// the engine's broadcast segment by segment.
+void ProcessGroupACCL::broadcastBody(Call& c) {
+  const int root = static_cast<int>(c.head.root);
+  c.src = host(c.outputs[0], rank_ == root);
+  if (!header(c, {Ride::kBroadcast, ptr(c.src), c.head.nbytes, nullptr, root})) {
+    blocking(c, [&] {
+      forSegments(Coll::kBroadcast, c.src.numel(), c.src.element_size(),
+                  [&](int64_t off, int64_t cnt) { c.eng->broadcast(seg(c.src, off, cnt), root); });
+    });
+  }
+  if (rank_ != root) deliver(c.src, c.outputs[0]);
+}
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tensor>& tensors,
                                                            const c10d::BroadcastOptions& opts) {
@@ -145,22 +210,25 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tenso
   if (opts.rootTensor != 0) valueError("accl: broadcast rootTensor must be 0, got " + std::to_string(opts.rootTensor));
   checkRoot(opts.rootRank, "broadcast");
   checkOpen();
-  const int root = static_cast<int>(opts.rootRank);
-  const bool isRoot = rank_ == root;
-  auto c = newCall(wire::kBroadcast, t.scalar_type(), nullptr, root, t.nbytes(), t.numel(), {t},
-                   c10d::OpType::BROADCAST);
-  Engine* eng = engineFor(Coll::kBroadcast, t.scalar_type());
-  auto buf = std::make_shared<at::Tensor>();
-  c->stage = [t, buf, isRoot] { *buf = host(t, isRoot); };
-  ride(*c, eng, {Ride::kBroadcast, buf, c->head.nbytes, nullptr, root});
-  c->data = [this, buf, root, eng] {
-    forSegments(Coll::kBroadcast, buf->numel(), buf->element_size(),
-                [&](int64_t off, int64_t cnt) { eng->broadcast(seg(*buf, off, cnt), root); });
-  };
-  c->finish = [t, buf, isRoot] {
-    if (!isRoot) deliver(*buf, t);
-  };
-  return enqueue(std::move(c), opts.asyncOp);
+  const int64_t bytes = t.nbytes();
+  return start(new Call{.head = callHeader(wire::kBroadcast, t.scalar_type(), opts.rootRank, bytes, t.numel()),
+                        .body = &ProcessGroupACCL::broadcastBody, .inputs = tensors, .outputs = tensors},
+               c10d::OpType::BROADCAST, engineFor(Coll::kBroadcast, t.scalar_type()), bytes, opts.asyncOp);
+}
+
+// Every rank's tensor reduced into the root's by the engine, segment by segment; the others' are left as they were.
+void ProcessGroupACCL::reduceBody(Call& c) {
+  const Reduction& red = *c.red;
+  const int root = static_cast<int>(c.head.root);
+  c.src = host(c.outputs[0], true);
+  header(c);
+  blocking(c, [&] {
+    forSegments(Coll::kReduce, c.src.numel(), red.esz,
+                [&](int64_t off, int64_t cnt) { c.eng->reduce(seg(c.src, off, cnt), red, root); });
+  });
+  if (rank_ != root) return;
+  if (red.avg) c.src.div_(size_);
+  deliver(c.src, c.outputs[0]);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>& tensors,
@@ -169,60 +237,49 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>&
   checkRoot(opts.rootRank, "reduce");
   const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "reduce");
   checkOpen();
-  const int root = static_cast<int>(opts.rootRank);
-  const int64_t numel = t.numel();
-  auto c = newCall(wire::kReduce, red.dtype, &red, root, numel * static_cast<int64_t>(red.esz), numel, {t},
-                   c10d::OpType::REDUCE);
-  Engine* eng = engineFor(Coll::kReduce, red.dtype, red.op);
-  auto buf = std::make_shared<at::Tensor>();
-  c->stage = [t, buf] { *buf = host(t, true); };
-  c->data = [this, buf, numel, &red, root, eng] {
-    forSegments(Coll::kReduce, numel, red.esz,
-                [&](int64_t off, int64_t cnt) { eng->reduce(seg(*buf, off, cnt), red, root); });
-  };
-  c->finish = [t, buf, &red, isRoot = rank_ == root, p = size_] {
-    if (!isRoot) return;  // the others' tensors are left as they were
-    if (red.avg) buf->div_(p);
-    deliver(*buf, t);
-  };
-  return enqueue(std::move(c), opts.asyncOp);
+  const int64_t bytes = t.numel() * static_cast<int64_t>(red.esz);
+  return start(new Call{.head = callHeader(wire::kReduce, red.dtype, opts.rootRank, bytes, t.numel(), &red),
+                        .body = &ProcessGroupACCL::reduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
+               c10d::OpType::REDUCE, engineFor(Coll::kReduce, red.dtype, red.op), bytes, opts.asyncOp);
 }
 
 // ============================================================================================== all_gather
 
-std::unique_ptr<Call> ProcessGroupACCL::allgatherCall(const at::Tensor& input, at::Tensor output,
-                                                      std::vector<at::Tensor> outputs, c10d::OpType type) {
-  // `output`: the p x n tensor (all_gather_into_tensor), or undefined: the rows go to `outputs` in order
+// Into one host buffer of p rows (the output tensor's own memory where it can be): this rank's row placed first and
+// the others gathered in the header exchange when small, else the engine's all_gather segment by segment (every
+// row's segment at once); then into the output tensor or list.
+void ProcessGroupACCL::allgatherBody(Call& c) {
   const int p = size_;
-  const int64_t n = input.numel(), esz = input.element_size();
-  auto c = newCall(wire::kAllGather, input.scalar_type(), nullptr, 0, n * esz, n, outputs, type, {input});
-  c->header = needsHeader(n * esz * p);
-  Engine* eng = engineFor(Coll::kAllgather, input.scalar_type());
-  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  const bool rides = ride(*c, eng, {Ride::kGather, dst, n * esz});
-  c->stage = [input, output, src, dst, p, rides, mine = ptrdiff_t(rank_ * n * esz)] {
-    *src = host(input, true);
-    *dst = output.defined() ? host(output, false) : at::empty({p * input.numel()}, src->options());
-    if (rides && ptr(*src) != ptr(*dst) + mine) std::memcpy(ptr(*dst) + mine, ptr(*src), src->nbytes());
-  };
-  c->data = [this, src, dst, n, esz, p, eng] {
-    forSegments(Coll::kAllgather, n, esz * p, [&](int64_t off, int64_t cnt) {
-      eng->allgather(seg(*src, off, cnt), seg(*dst, off, cnt, p, n));
+  const int64_t n = c.inputs[0].numel(), esz = c.inputs[0].element_size();
+  c.src = host(c.inputs[0], true);
+  c.dst = c.outputs.size() == 1 ? host(c.outputs[0], false) : at::empty({p * n}, c.src.options());
+  char* mine = ptr(c.dst) + rank_ * n * esz;
+  if (c.path == Path::kCarried && ptr(c.src) != mine) std::memcpy(mine, ptr(c.src), n * esz);
+  if (!header(c, {Ride::kGather, ptr(c.dst), n * esz})) {
+    blocking(c, [&] {
+      forSegments(Coll::kAllgather, n, esz * p, [&](int64_t off, int64_t cnt) {
+        c.eng->allgather(seg(c.src, off, cnt), seg(c.dst, off, cnt, p, n));
+      });
     });
-  };
-  c->finish = [output, outputs, dst] {
-    if (output.defined()) deliver(*dst, output);
-    else deliverEach(*dst, outputs);
-  };
-  return c;
+  }
+  deliverEach(c.dst, c.outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgatherStart(const at::Tensor& input,
+                                                                std::vector<at::Tensor> outputs, c10d::OpType type,
+                                                                bool asyncOp) {
+  checkOpen();
+  const int64_t n = input.numel(), esz = input.element_size();
+  return start(new Call{.head = callHeader(wire::kAllGather, input.scalar_type(), 0, n * esz, n),
+                        .body = &ProcessGroupACCL::allgatherBody, .inputs = {input}, .outputs = std::move(outputs)},
+               type, engineFor(Coll::kAllgather, input.scalar_type()), n * esz * size_, asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::AllgatherOptions& opts) {
   checkSameDtype(output, input, "all_gather_into_tensor");
   checkWhole(output, input, "all_gather_into_tensor", "output", "input");
-  checkOpen();
-  return enqueue(allgatherCall(input, output, {output}, c10d::OpType::_ALLGATHER_BASE), opts.asyncOp);
+  return allgatherStart(input, {output}, c10d::OpType::_ALLGATHER_BASE, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -232,8 +289,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather(std::vector<std::vect
   if (outputs.size() != 1)
     valueError("accl: all_gather takes one output list, got " + std::to_string(outputs.size()));
   checkList(outputs[0], input, "all_gather", "output_tensor_list");
-  checkOpen();
-  return enqueue(allgatherCall(input, at::Tensor(), outputs[0], c10d::OpType::ALLGATHER), opts.asyncOp);
+  return allgatherStart(input, outputs[0], c10d::OpType::ALLGATHER, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
@@ -263,53 +319,47 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_coalesced(std::vector
 
 // ============================================================================================== reduce_scatter
 
-std::unique_ptr<Call> ProcessGroupACCL::reduceScatterCall(std::vector<at::Tensor> inputs, const at::Tensor& output,
-                                                          const Reduction& red, c10d::OpType type) {
+// Every rank's p blocks staged end to end.  Small: the whole input reduced in the header exchange, in a buffer the
+// group keeps (the caller's input stays as given; calls run one at a time), and this rank's block taken.  Else accl's
+// ring or the engine's reduce_scatter segment by segment (every block's segment at once).
+void ProcessGroupACCL::reduceScatterBody(Call& c) {
+  const Reduction& red = *c.red;
   const int p = size_;
-  const int64_t n = output.numel(), esz = static_cast<int64_t>(red.esz);
-  auto c = newCall(wire::kReduceScatter, red.dtype, &red, 0, n * esz, n, {output}, type, inputs);
-  c->header = needsHeader(n * esz * p);
-  Engine* eng = engineFor(Coll::kReduceScatter, red.dtype, red.op);
-  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  // small: every rank's input reduced whole in the exchange, which sends p times what a reduce-scatter needs;
-  // across nodes only while one message's latency outweighs that (else the ring sends its 1/p)
-  auto whole = std::make_shared<at::Tensor>();
-  const bool rides = (!spansNodes_ || n * esz * p <= wire::kInlineBytes) &&
-                     ride(*c, eng, {Ride::kReduce, whole, n * esz * p, &red}, [dst, whole, n, esz, me = rank_] {
-                       std::memcpy(ptr(*dst), ptr(*whole) + me * n * esz, n * esz);
-                       return true;
-                     });
-  c->stage = [this, inputs, output, src, dst, whole, rides, bytes = n * esz * p] {
-    *src = flatHost(inputs);
-    *dst = host(output, false);
-    if (!rides) return;
-    // reduced in place in the exchange: into a buffer the group keeps (calls run one at a time), the input as given
-    if (!rsWhole_.defined()) rsWhole_ = at::empty({wire::kCarryBytes}, at::kByte);
-    *whole = rsWhole_;
-    std::memcpy(ptr(*whole), ptr(*src), bytes);
-  };
-  c->data = [this, src, dst, n, esz, p, &red, eng] {
-    if (usesRing(eng, Coll::kReduceScatter, n * esz * p)) {
-      return ring(red, n * p, nullptr, ptr(*src), ptr(*dst));
-    }
-    forSegments(Coll::kReduceScatter, n, esz * p, [&](int64_t off, int64_t cnt) {
-      eng->reduceScatter(seg(*src, off, cnt, p, n), seg(*dst, off, cnt), red);
+  const int64_t n = c.outputs[0].numel(), bytes = n * static_cast<int64_t>(red.esz);
+  c.src = flatHost(c.inputs);
+  c.dst = host(c.outputs[0], false);
+  if (c.path == Path::kCarried) std::memcpy(carryBuffer(), ptr(c.src), bytes * p);
+  if (header(c, {Ride::kReduce, carryBuffer(), bytes * p, &red})) {
+    std::memcpy(ptr(c.dst), carryBuffer() + rank_ * bytes, bytes);
+  } else {
+    blocking(c, [&] {
+      if (c.path == Path::kRing) return ring(red, n * p, nullptr, ptr(c.src), ptr(c.dst));
+      forSegments(Coll::kReduceScatter, n, red.esz * p, [&](int64_t off, int64_t cnt) {
+        c.eng->reduceScatter(seg(c.src, off, cnt, p, n), seg(c.dst, off, cnt), red);
+      });
     });
-  };
-  c->finish = [output, dst, &red, p] {
-    if (red.avg) dst->div_(p);
-    deliver(*dst, output);
-  };
-  return c;
+  }
+  if (red.avg) c.dst.div_(p);
+  deliver(c.dst, c.outputs[0]);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduceScatterStart(std::vector<at::Tensor> inputs,
+                                                                    const at::Tensor& output, c10d::ReduceOp op,
+                                                                    c10d::OpType type, bool asyncOp) {
+  const Reduction& red = reductionFor(output.scalar_type(), op.op_, "reduce_scatter");
+  checkOpen();
+  const int64_t n = output.numel(), bytes = n * static_cast<int64_t>(red.esz);
+  return start(new Call{.head = callHeader(wire::kReduceScatter, red.dtype, 0, bytes, n, &red),
+                        .body = &ProcessGroupACCL::reduceScatterBody, .inputs = std::move(inputs),
+                        .outputs = {output}, .red = &red},
+               type, engineFor(Coll::kReduceScatter, red.dtype, red.op), bytes * size_, asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                       const c10d::ReduceScatterOptions& opts) {
   checkSameDtype(output, input, "reduce_scatter_tensor");
   checkWhole(input, output, "reduce_scatter_tensor", "input", "output");
-  const Reduction& red = reductionFor(output.scalar_type(), opts.reduceOp.op_, "reduce_scatter");
-  checkOpen();
-  return enqueue(reduceScatterCall({input}, output, red, c10d::OpType::_REDUCE_SCATTER_BASE), opts.asyncOp);
+  return reduceScatterStart({input}, output, opts.reduceOp, c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter(std::vector<at::Tensor>& outputs,
@@ -318,9 +368,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter(std::vector<at::
   const at::Tensor& output = one(outputs, "reduce_scatter");
   if (inputs.size() != 1) valueError("accl: reduce_scatter takes one input list");
   checkList(inputs[0], output, "reduce_scatter", "input_list");
-  const Reduction& red = reductionFor(output.scalar_type(), opts.reduceOp.op_, "reduce_scatter");
-  checkOpen();
-  return enqueue(reduceScatterCall(inputs[0], output, red, c10d::OpType::REDUCE_SCATTER), opts.asyncOp);
+  return reduceScatterStart(inputs[0], output, opts.reduceOp, c10d::OpType::REDUCE_SCATTER, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter_tensor_coalesced(
@@ -331,52 +379,56 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter_tensor_coalesced
 
 // ============================================================================================== gather, scatter
 
-std::unique_ptr<Call> ProcessGroupACCL::rootedCall(wire::Kind kind, const std::vector<at::Tensor>& mineList,
-                                                   const std::vector<std::vector<at::Tensor>>& lists, int64_t rootRank) {
+// Rows to the root (gather) or from it (scatter): every rank's one tensor, and on the root p rows in one host buffer;
+// the engine's call segment by segment (every row's segment at once).
+void ProcessGroupACCL::rootedBody(Call& c) {
+  const bool toRoot = c.head.kind == wire::kGather, isRoot = rank_ == c.head.root;
+  const int root = static_cast<int>(c.head.root), p = size_;
+  const at::Tensor& mine = toRoot ? c.inputs[0] : c.outputs[0];
+  const std::vector<at::Tensor>& rows = toRoot ? c.outputs : c.inputs;  // the root's list
+  const int64_t n = mine.numel(), esz = mine.element_size();
+  c.src = host(mine, toRoot);
+  if (isRoot) c.dst = toRoot ? at::empty({p * n}, c.src.options()) : flatHost(rows);
+  header(c);
+  blocking(c, [&] {
+    forSegments(toRoot ? Coll::kGather : Coll::kScatter, n, esz * p, [&](int64_t off, int64_t cnt) {
+      const Seg part = seg(c.src, off, cnt), block = seg(c.dst, off, cnt, p, n);
+      if (toRoot) c.eng->gather(part, block, root);
+      else c.eng->scatter(block, part, root);
+    });
+  });
+  if (!toRoot) deliver(c.src, mine);
+  else if (isRoot) deliverEach(c.dst, rows);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::rootedStart(wire::Kind kind, const std::vector<at::Tensor>& mineList,
+                                                             const std::vector<std::vector<at::Tensor>>& lists,
+                                                             int64_t root, bool asyncOp) {
   const bool toRoot = kind == wire::kGather;
   const char* what = toRoot ? "gather" : "scatter";
   const at::Tensor& mine = one(mineList, what);
-  checkRoot(rootRank, what);
-  std::vector<at::Tensor> rows = rootList(lists, mine, rootRank, what, toRoot ? "gather_list" : "scatter_list");
+  checkRoot(root, what);
+  std::vector<at::Tensor> rows = rootList(lists, mine, root, what, toRoot ? "gather_list" : "scatter_list");
   checkOpen();
-  const int root = static_cast<int>(rootRank);
-  const bool isRoot = rank_ == root;
-  const int p = size_;
   const int64_t n = mine.numel(), esz = mine.element_size();
-  auto c = newCall(kind, mine.scalar_type(), nullptr, root, n * esz, n, toRoot ? rows : std::vector{mine},
-                   toRoot ? c10d::OpType::GATHER : c10d::OpType::SCATTER, toRoot ? std::vector{mine} : rows);
-  if (!c->stream) c->stream = callerStream({mine});  // a gather's input off the root
-  c->header = needsHeader(n * esz * p);
-  Engine* eng = engineFor(toRoot ? Coll::kGather : Coll::kScatter, mine.scalar_type());
-  auto one = std::make_shared<at::Tensor>(), all = std::make_shared<at::Tensor>();
-  c->stage = [mine, rows, one, all, toRoot, isRoot, n, p] {
-    *one = host(mine, toRoot);
-    if (isRoot) *all = toRoot ? at::empty({p * n}, one->options()) : flatHost(rows);
-  };
-  c->data = [this, one, all, n, esz, p, root, toRoot, eng] {
-    forSegments(toRoot ? Coll::kGather : Coll::kScatter, n, esz * p, [&](int64_t off, int64_t cnt) {  // same pieces
-      const Seg part = seg(*one, off, cnt), block = seg(*all, off, cnt, p, n);
-      if (toRoot) eng->gather(part, block, root);
-      else eng->scatter(block, part, root);
-    });
-  };
-  c->finish = [mine, rows, one, all, toRoot] {
-    if (!toRoot) deliver(*one, mine);
-    else if (all->defined()) deliverEach(*all, rows);
-  };
-  return c;
+  std::vector<at::Tensor> one{mine};
+  return start(new Call{.head = callHeader(kind, mine.scalar_type(), root, n * esz, n),
+                        .body = &ProcessGroupACCL::rootedBody, .inputs = toRoot ? one : rows,
+                        .outputs = toRoot ? rows : one},
+               toRoot ? c10d::OpType::GATHER : c10d::OpType::SCATTER,
+               engineFor(toRoot ? Coll::kGather : Coll::kScatter, mine.scalar_type()), n * esz * size_, asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                                         std::vector<at::Tensor>& inputs,
                                                         const c10d::GatherOptions& opts) {
-  return enqueue(rootedCall(wire::kGather, inputs, outputs, opts.rootRank), opts.asyncOp);
+  return rootedStart(wire::kGather, inputs, outputs, opts.rootRank, opts.asyncOp);
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>& outputs,
                                                          std::vector<std::vector<at::Tensor>>& inputs,
                                                          const c10d::ScatterOptions& opts) {
-  return enqueue(rootedCall(wire::kScatter, outputs, inputs, opts.rootRank), opts.asyncOp);
+  return rootedStart(wire::kScatter, outputs, inputs, opts.rootRank, opts.asyncOp);
 }
 
 // ============================================================================================== all_to_all
@@ -395,40 +447,6 @@ void ProcessGroupACCL::checkSplits(const std::vector<int64_t>& sizes, const at::
   const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
   if (sum != rows)
     fail("_split_sizes sum to " + std::to_string(sum) + " but " + name + " has " + std::to_string(rows) + " rows");
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                               std::vector<int64_t>& outputSplits,
-                                                               std::vector<int64_t>& inputSplits,
-                                                               const c10d::AllToAllOptions& opts) {
-  checkSameDtype(output, input, "all_to_all_single");
-  checkSplits(inputSplits, input, "input");
-  checkSplits(outputSplits, output, "output");
-  checkOpen();
-  std::vector<int64_t> sb(size_), rb(size_), offsets(size_);
-  c10d::computeLengthsAndOffsets(inputSplits, input, &sb, &offsets);  // elements, to bytes below
-  c10d::computeLengthsAndOffsets(outputSplits, output, &rb, &offsets);
-  for (auto* v : {&sb, &rb})
-    for (auto& x : *v) x *= input.element_size();
-  return enqueue(alltoallCall({input}, {output}, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL_BASE),
-                 opts.asyncOp);
-}
-
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor>& outputs,
-                                                          std::vector<at::Tensor>& inputs,
-                                                          const c10d::AllToAllOptions& opts) {
-  const size_t p = static_cast<size_t>(size_);
-  if (outputs.size() != p || inputs.size() != p)
-    valueError("accl: all_to_all needs " + std::to_string(p) + " input and " + std::to_string(p) +
-               " output tensors, got " + std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
-  for (const auto* list : {&inputs, &outputs})
-    for (const auto& t : *list)
-      if (t.scalar_type() != inputs[0].scalar_type()) typeError("accl: all_to_all needs every tensor of one dtype");
-  checkOpen();
-  std::vector<int64_t> sb, rb;
-  for (const auto& t : inputs) sb.push_back(static_cast<int64_t>(t.nbytes()));
-  for (const auto& t : outputs) rb.push_back(static_cast<int64_t>(t.nbytes()));
-  return enqueue(alltoallCall(inputs, outputs, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL), opts.asyncOp);
 }
 
 namespace {
@@ -463,122 +481,103 @@ void alltoallSegment(const std::vector<int64_t>& bytes, int64_t done, int64_t pe
     displ[j] = static_cast<int>(at + std::min(done, bytes[j]));
   }
 }
-
-// one all_to_all's byte counts, shared by its steps
-struct AlltoallPlan {
-  std::vector<int64_t> sb, rb;  // bytes to and from each rank
-  int64_t most = 0;             // the largest send of any rank, from the agreed matrix
-  bool even = false;            // ... and whether every send is that size
-  int64_t block = 0, fits = 0;  // the exchange's block per rank, and the sends that fit it (set when the call runs)
-};
-
-// the sends that rode in the exchange's blocks (`block` bytes a rank: its matrix row, then its sends) into `dst` in
-// rank order; false (nothing taken) unless every rank's sends fit `fits` bytes
-bool alltoallFromBlocks(const char* all, int p, int me, char* dst, int64_t block, int64_t fits) {
-  const int64_t stride = block / 8;
-  const auto* rows = reinterpret_cast<const int64_t*>(all);
-  for (int i = 0; i < p; ++i)
-    if (std::accumulate(rows + i * stride, rows + i * stride + p, int64_t{0}) > fits) return false;
-  for (int r = 0; r < p; ++r) {
-    const int64_t* row = rows + r * stride;
-    const int64_t off = 16 * p + std::accumulate(row, row + me, int64_t{0});
-    std::memcpy(dst, all + r * block + off, row[me]);
-    dst += row[me];
-  }
-  return true;
-}
-
-// this rank's block: its matrix row (bytes to each rank, then from each), then its sends when they fit
-void alltoallFillBlock(char* mine, const AlltoallPlan& a, int p, const char* src, int64_t sent) {
-  std::memcpy(mine, a.sb.data(), 8 * p);
-  std::memcpy(mine + 8 * p, a.rb.data(), 8 * p);
-  if (sent <= a.fits) std::memcpy(mine + 16 * p, src, sent);
-}
-
-// the largest block a rank may carry through the exchange (p of them fill at most kCarryBytes)
-int64_t alltoallBlockMax(int p) { return std::max<int64_t>(kPay, wire::kCarryBytes / p / 64 * 64); }
-
-// the block the next all_to_all carries: what held the largest sends of this one (the matrix every rank agreed on,
-// so every rank picks the same size), or the matrix row alone when they cannot ride; a call whose sends outgrow
-// its block sends them after the exchange
-int64_t alltoallBlockFor(int64_t most, int p) {
-  const int64_t need = (16 * p + most * p + 1023) / 1024 * 1024;
-  return need <= alltoallBlockMax(p) ? std::max<int64_t>(need, kPay) : kPay;
-}
-
 }  // namespace
 
-std::unique_ptr<Call> ProcessGroupACCL::alltoallCall(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
-                                                     std::vector<int64_t> sb, std::vector<int64_t> rb,
-                                                     c10d::OpType type) {
+// Every rank's byte counts (to each rank, then from each) gathered with the header up to 64 ranks, by an all_gather
+// after it beyond, and checked against each other; then MPI's all-to-all segment by segment: without counts where
+// every rank sends every rank the same bytes in one segment (MPICH runs it 2-3x faster than Alltoallv at 1-4 MiB).
+void ProcessGroupACCL::alltoallBody(Call& c) {
   const int p = size_;
-  engineFor(Coll::kAlltoall);  // no engine has it: MPI's, if the engine may sidestep
-  auto c = newCall(wire::kAllToAll, inputs[0].scalar_type(), nullptr, 0, 0, 0, outputs, type, inputs);
-  c->head.extra = p;
-  c->compare = wire::kCompareCall;  // sizes are checked on the byte matrix
-  c->header = true;                 // always: the matrix fixes the rounds and checks sends against receives
-  const int64_t sent = std::accumulate(sb.begin(), sb.end(), int64_t{0});
+  const int64_t row = 16 * p;
   int64_t received = 0;
-  for (const auto& t : outputs) received += t.numel();
-  auto src = std::make_shared<at::Tensor>(), dst = std::make_shared<at::Tensor>();
-  auto a = std::make_shared<AlltoallPlan>(AlltoallPlan{std::move(sb), std::move(rb)});
-  // up to 64 ranks, every rank's matrix row rides with the header, and its sends after it when every rank's fit the
-  // block the group's previous all_to_all chose (a2aBlock_, read when the call runs: calls run in issue order)
-  auto blocks = std::make_shared<at::Tensor>();
-  Call* self = c.get();  // the stage sets the block's size when the call runs
-  const bool rides = ride(
-      *c, mpi_.get(), {Ride::kGather, blocks, alltoallBlockMax(p)},
-      [this, blocks, dst, a, p] {
-        a->most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(ptr(*blocks)), a->block / 8, p, &a->even);
-        a2aBlock_ = alltoallBlockFor(a->most, p);
-        return alltoallFromBlocks(ptr(*blocks), p, rank_, ptr(*dst), a->block, a->fits);
-      },
-      false);
-  c->stage = [this, inputs, outputs, src, dst, received, blocks, rides, a, p, sent, self, me = rank_] {
-    *src = flatHost(inputs);
-    *dst = outputs.size() == 1 ? host(outputs[0], false) : at::empty({received}, src->options());
-    if (!rides) return;
-    if (!a2aBlocks_.defined()) a2aBlocks_ = at::empty({p * alltoallBlockMax(p)}, at::kByte);
-    *blocks = a2aBlocks_;
-    a->block = self->carry.bytes = a2aBlock_;
-    a->fits = std::min(a->block - 16 * p, segmentFor(Coll::kAlltoall));
-    alltoallFillBlock(ptr(*blocks) + me * a->block, *a, p, ptr(*src), sent);
-  };
-  c->data = [this, src, dst, a, p, rides] {
-    if (!rides) {  // many ranks: the byte matrix by a second all-gather, then its check
-      at::Tensor mine = at::cat({at::tensor(a->sb), at::tensor(a->rb)}), matrix = at::empty({p * 2 * p}, at::kLong);
-      stats_.count(static_cast<int64_t>(matrix.nbytes()));
-      mpi_->allgather(seg(mine, 0, 2 * p), seg(matrix, 0, 2 * p, p, 2 * p));
-      a->most = checkAlltoallMatrix(matrix.data_ptr<int64_t>(), 2 * p, p, &a->even);
-    }
-    forSegments(Coll::kAlltoall, a->most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
-      // even splits in one segment: MPI_Alltoall, which MPICH runs 2-3x faster than its Alltoallv at 1-4 MiB
-      if (a->even && per >= a->most) return mpi_->alltoall(ptr(*src), static_cast<int>(a->most), ptr(*dst));
+  for (const auto& t : c.outputs) received += t.numel();
+  c.src = flatHost(c.inputs);
+  c.dst = c.outputs.size() == 1 ? host(c.outputs[0], false) : at::empty({received}, c.src.options());
+  std::vector<int64_t> mine(c.sendBytes);
+  mine.insert(mine.end(), c.recvBytes.begin(), c.recvBytes.end());
+  at::Tensor many;  // beyond 64 ranks the matrix outgrows the exchange's buffer: gathered after it
+  if (p * row > wire::kCarryBytes) many = at::empty({p * row}, at::kByte);
+  char* all = many.defined() ? ptr(many) : carryBuffer();
+  if (!many.defined()) {
+    std::memcpy(all + rank_ * row, mine.data(), row);
+    exchange(c, {Ride::kGather, all, row});
+  } else {
+    exchange(c, {});
+    stats_.count(p * row);
+    mpi_->allgather({reinterpret_cast<char*>(mine.data()), row}, {all, row, at::kByte, p, row});
+  }
+  bool even = false;
+  const int64_t most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(all), 2 * p, p, &even);
+  blocking(c, [&] {
+    forSegments(Coll::kAlltoall, most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
+      if (even && per >= most) return mpi_->alltoall(ptr(c.src), static_cast<int>(most), ptr(c.dst));
       std::vector<int> sc(p), sd(p), rc(p), rd(p);
-      alltoallSegment(a->sb, done, per, sc, sd);
-      alltoallSegment(a->rb, done, per, rc, rd);
-      mpi_->alltoallv(ptr(*src), sc.data(), sd.data(), ptr(*dst), rc.data(), rd.data());
+      alltoallSegment(c.sendBytes, done, per, sc, sd);
+      alltoallSegment(c.recvBytes, done, per, rc, rd);
+      mpi_->alltoallv(ptr(c.src), sc.data(), sd.data(), ptr(c.dst), rc.data(), rd.data());
     });
-  };
-  c->finish = [outputs, dst] {
-    if (outputs.size() == 1 && outputs[0].numel()) deliver(*dst, outputs[0]);
-    else if (outputs.size() > 1) deliverEach(*dst, outputs);
-  };
-  return c;
+  });
+  if (c.outputs.size() > 1 || c.outputs[0].numel()) deliverEach(c.dst, c.outputs);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoallStart(std::vector<at::Tensor> inputs,
+                                                               std::vector<at::Tensor> outputs,
+                                                               std::vector<int64_t> sendBytes,
+                                                               std::vector<int64_t> recvBytes, c10d::OpType type,
+                                                               bool asyncOp) {
+  Call* c = new Call{.head = callHeader(wire::kAllToAll, inputs[0].scalar_type(), 0, 0, 0),
+                     .compare = wire::kCompareCall,  // sizes are checked on the byte matrix
+                     .body = &ProcessGroupACCL::alltoallBody, .inputs = std::move(inputs), .outputs = std::move(outputs),
+                     .sendBytes = std::move(sendBytes), .recvBytes = std::move(recvBytes)};
+  c->head.extra = size_;
+  return start(c, type, engineFor(Coll::kAlltoall), 0, asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                               std::vector<int64_t>& outputSplits,
+                                                               std::vector<int64_t>& inputSplits,
+                                                               const c10d::AllToAllOptions& opts) {
+  checkSameDtype(output, input, "all_to_all_single");
+  checkSplits(inputSplits, input, "input");
+  checkSplits(outputSplits, output, "output");
+  checkOpen();
+  std::vector<int64_t> sb(size_), rb(size_), offsets(size_);
+  c10d::computeLengthsAndOffsets(inputSplits, input, &sb, &offsets);  // elements, to bytes below
+  c10d::computeLengthsAndOffsets(outputSplits, output, &rb, &offsets);
+  for (auto* v : {&sb, &rb})
+    for (auto& x : *v) x *= input.element_size();
+  return alltoallStart({input}, {output}, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL_BASE, opts.asyncOp);
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor>& outputs,
+                                                          std::vector<at::Tensor>& inputs,
+                                                          const c10d::AllToAllOptions& opts) {
+  const size_t p = static_cast<size_t>(size_);
+  if (outputs.size() != p || inputs.size() != p)
+    valueError("accl: all_to_all needs " + std::to_string(p) + " input and " + std::to_string(p) +
+               " output tensors, got " + std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  for (const auto* list : {&inputs, &outputs})
+    for (const auto& t : *list)
+      if (t.scalar_type() != inputs[0].scalar_type()) typeError("accl: all_to_all needs every tensor of one dtype");
+  checkOpen();
+  std::vector<int64_t> sb, rb;
+  for (const auto& t : inputs) sb.push_back(static_cast<int64_t>(t.nbytes()));
+  for (const auto& t : outputs) rb.push_back(static_cast<int64_t>(t.nbytes()));
+  return alltoallStart(inputs, outputs, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL, opts.asyncOp);
 }
 
 // ============================================================================================== barrier
 
+// Checked: the header exchange is itself a full synchronisation.  Unchecked: MPI's (nonblocking) barrier.
+void ProcessGroupACCL::barrierBody(Call& c) {
+  if (!header(c)) mpi_->barrier();
+}
+
 c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::barrier(const c10d::BarrierOptions& opts) {
   checkOpen();
-  engineFor(Coll::kBarrier);
-  auto c = newCall(wire::kBarrier, at::kByte, nullptr, 0, 0, 0, {}, c10d::OpType::BARRIER);
+  Call* c = new Call{.head = callHeader(wire::kBarrier, at::kByte, 0, 0, 0), .body = &ProcessGroupACCL::barrierBody};
   c->head.dtype = 0;
-  c->header = opts_.check;  // checked: the header exchange is itself a full synchronisation
-  c->data = [this, header = c->header] {
-    if (!header) mpi_->barrier();
-  };
-  return enqueue(std::move(c), opts.asyncOp);
+  return start(c, c10d::OpType::BARRIER, engineFor(Coll::kBarrier), 0, opts.asyncOp);
 }
 
 }  // namespace torchhpc::accl

@@ -19,13 +19,13 @@ namespace torchhpc::accl {
 
 struct Xchg {
   Xchg(Carry what, const wire::Header& h, int cmp, int rank)
-      : carry(std::move(what)), head(h), compare(cmp), data(carry.buf ? ptr(*carry.buf) : nullptr),
+      : carry(what), head(h), compare(cmp), data(carry.data),
         have(carry.ride == Ride::kBroadcast && rank == carry.root), lo(rank), hi(rank + 1) {}
   Carry carry;               // what rides (Ride::kNone: the header only)
   wire::Header head;         // this rank's header
   int compare = wire::kCompareAll;
   bool bad = false;          // some rank's header differs from another's
-  char* data = nullptr;      // carry.buf's memory
+  char* data = nullptr;      // carry.data
   bool have = false;         // broadcast: this rank holds the root's data
   int64_t lo = 0, hi = 0;    // gather: this rank holds the blocks of ranks [lo, hi)
 };
@@ -101,12 +101,10 @@ void absorb(Xchg& x, const wire::Prefix& pre, const char* src, bool result) {
 
 }  // namespace
 
-bool ProcessGroupACCL::exchange(Call& c) {
-  Xchg x(c.carry, c.head, c.compare, rank_);
+void ProcessGroupACCL::exchange(const Call& c, const Carry& carry) {
+  Xchg x(carry, c.head, c.compare, rank_);
   doubling(x);
   if (x.bad) refuse(c);
-  if (c.carry.ride == Ride::kNone) return false;
-  return !c.carried || c.carried();
 }
 
 void ProcessGroupACCL::doubling(Xchg& x) {
@@ -190,12 +188,10 @@ void ProcessGroupACCL::checkReadable(int peer, int64_t bytes, bool same, bool ag
 void ProcessGroupACCL::refuse(const Call& c) {
   // every rank's header, gathered through the same pattern under a header every rank shares
   constexpr int64_t hb = sizeof(wire::Header);
-  auto all = std::make_shared<at::Tensor>(at::empty({size_ * hb}, at::kByte));
-  std::memcpy(ptr(*all) + rank_ * hb, &c.head, hb);
-  Xchg x({Ride::kGather, all, hb}, wire::Header{}, wire::kCompareAll, rank_);
-  doubling(x);
   std::vector<wire::Header> heads(size_);
-  std::memcpy(heads.data(), ptr(*all), size_ * hb);
+  heads[rank_] = c.head;
+  Xchg x({Ride::kGather, reinterpret_cast<char*>(heads.data()), hb}, wire::Header{}, wire::kCompareAll, rank_);
+  doubling(x);
   dumpFlightRecord();
   throw MismatchError(wire::describeMismatch(heads, c.compare, groupName()));
 }

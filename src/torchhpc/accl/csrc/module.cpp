@@ -149,6 +149,32 @@ void defineWire(py::module_ m) {
   }, "the receiver's error text when an envelope from `peer` does not fit `t` ('' when it fits)");
 }
 
+// the group's options, one struct: torchhpc.accl.AcclOptions fills every field (options.py), and plan() reads them
+void defineOptions(py::module_ m) {
+  py::class_<accl::Config>(m, "Options")
+      .def(py::init<>())
+      .def_readwrite("max_segment_bytes", &accl::Config::maxSegmentBytes)
+      .def_readwrite("check", &accl::Config::check)
+      .def_readwrite("blocking_min_bytes", &accl::Config::blockingMinBytes)
+      .def_readwrite("ring_min_bytes", &accl::Config::ringMinBytes)
+      .def_readwrite("timeout", &accl::Config::timeout)
+      .def_readwrite("group_name", &accl::Config::groupName)
+      .def_readwrite("sidestep", &accl::Config::sidestep)
+      .def_readwrite("flight_stacks", &accl::Config::flightStacks)
+      .def_readwrite("spin", &accl::Config::spin);
+  m.def("plan", [](const std::string& collective, int64_t bytes, int ranks, bool spansNodes, const accl::Config& o,
+                   bool onMpi) {
+    using T = c10d::OpType;
+    for (T t : {T::ALLREDUCE, T::ALLREDUCE_COALESCED, T::BROADCAST, T::REDUCE, T::ALLGATHER, T::_ALLGATHER_BASE,
+                T::GATHER, T::SCATTER, T::REDUCE_SCATTER, T::_REDUCE_SCATTER_BASE, T::ALLTOALL_BASE, T::ALLTOALL,
+                T::BARRIER})
+      if (collective == accl::frOpName(t))
+        return std::string(accl::kPathNames[static_cast<int>(accl::plan(t, bytes, ranks, spansNodes, onMpi, o))]);
+    throw py::value_error("accl: no collective named '" + collective + "'");
+  }, py::arg("collective"), py::arg("bytes"), py::arg("ranks"), py::arg("spans_nodes"), py::arg("options"),
+        py::arg("on_mpi") = true, "the path plan() chooses for a call (collectives by the flight recorder's names)");
+}
+
 // accl's C++ errors as torchhpc.errors' classes (the suites and users catch those)
 void translate(std::exception_ptr p) {
   static py::handle timeout, failed, mismatch;
@@ -186,18 +212,7 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
       .def("__iter__", [](accl::Stats&) { return py::iter(counterNames()); })
       .def("__len__", [](accl::Stats&) { return kCounters.size(); })
       .def("keys", [](accl::Stats&) { return counterNames(); });
-  // the group's options, one struct: torchhpc.accl.AcclOptions fills every field (group.py)
-  py::class_<accl::Config>(m, "Options")
-      .def(py::init<>())
-      .def_readwrite("max_segment_bytes", &accl::Config::maxSegmentBytes)
-      .def_readwrite("check", &accl::Config::check)
-      .def_readwrite("blocking_min_bytes", &accl::Config::blockingMinBytes)
-      .def_readwrite("ring_min_bytes", &accl::Config::ringMinBytes)
-      .def_readwrite("timeout", &accl::Config::timeout)
-      .def_readwrite("group_name", &accl::Config::groupName)
-      .def_readwrite("sidestep", &accl::Config::sidestep)
-      .def_readwrite("flight_stacks", &accl::Config::flightStacks)
-      .def_readwrite("spin", &accl::Config::spin);
+  defineOptions(m);
   py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
       .def(py::init(&create), py::arg("comm"), py::arg("options"), py::arg("engine") = nullptr,
            py::call_guard<py::gil_scoped_release>(),

@@ -51,14 +51,6 @@ constexpr int kTagRing = 32;
 constexpr int kWindow = 16;  // receives posted ahead in a step (a 1 Gbit/s link held 0.086 GB/s of 0.12 with 4)
 }  // namespace
 
-bool ProcessGroupACCL::usesRing(const Engine* eng, Coll coll, int64_t bytes) const {
-  if (!onMpi(eng) || mpi_->mode != Mode::kBlocking || size_ == 1) return false;
-  if (opts_.ringMinBytes) return bytes >= *opts_.ringMinBytes;
-  // reduce_scatter: always (Open MPI's allocates and faults in a buffer of the whole input per call);
-  // all_reduce: across nodes (on one node MPI's segmented calls are as fast or faster)
-  return coll == Coll::kReduceScatter || spansNodes_;
-}
-
 void ProcessGroupACCL::ring(const Reduction& red, int64_t n, char* data, const char* own, char* out) {
   if (size_ == 1) {
     if (own) std::memcpy(out, own, n * red.esz);
