@@ -13,7 +13,7 @@ from datetime import timedelta
 
 from .. import settings
 
-__all__ = ["AcclOptions", "collectives", "default_spin_us"]
+__all__ = ["AcclOptions", "collectives", "default_spin_us", "plan"]
 
 
 def collectives() -> tuple[str, ...]:
@@ -139,3 +139,15 @@ class AcclOptions:
         o.sidestep, o.flight_stacks = sorted(self.sidestep), self.flight_stacks
         o.spin = timedelta(microseconds=default_spin_us() if self.spin_us is None else self.spin_us)
         return o
+
+
+def plan(collective: str, nbytes: int, ranks: int, spans_nodes: bool, options: AcclOptions | None = None) -> str:
+    """The path accl takes for one call (``carried``: whole in the header exchange; ``mpi``: the header, then
+    MPI's algorithm; ``ring``: the header, then accl's ring; ``nonblocking``: one nonblocking MPI call, no header),
+    from the C++ backend's one choice point.  ``collective`` by the flight recorder's names (``all_reduce``,
+    ``_all_gather_base``, ``all_to_all_single``...); ``nbytes`` what the call moves in all (all_gather's output,
+    reduce_scatter's input)."""
+    from . import core
+
+    opts = (options if options is not None else AcclOptions()).backend_options(timedelta(minutes=30), "")
+    return core.load_backend().plan(collective, nbytes, ranks, spans_nodes, opts)

@@ -5,6 +5,7 @@ Usage::
     torchhpc bench all --np 2 --json bench-2.json --plot busbw-2.png   # the five collectives, 8 B - 64 MiB
     torchhpc bench allreduce --np 4 --quick                             # three sizes, seconds
     torchhpc bench --from-json bench-2.json bench-4.json --plot busbw.svg   # tables and plot again, no MPI
+    torchhpc bench --plan --np 4                                        # accl's path per call, no MPI job
     mpiexec -n 2 python -m torchhpc bench all    # already under mpiexec: runs in place
 
 Outside an MPI job the command starts itself under ``mpiexec -n NP`` (``--oversubscribe`` and yield-when-idle
@@ -46,7 +47,7 @@ from datetime import datetime, timezone
 
 from . import runners, timing
 from .plot import PlotUnavailableError, write_plot
-from .report import legend, print_table
+from .report import human, legend, print_table
 from .results import COLLECTIVES, DEFAULT_IMPLS, IMPLS, JSON_FORMAT, LABELS, Point, read_json, write_json
 
 __all__ = ["main", "run", "FULL_SIZES", "QUICK_SIZES"]
@@ -75,6 +76,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                     help="no run: print the tables (and --plot) of these --json files")
     ap.add_argument("--no-check", action="store_true", help="accl without the cross-rank header check")
+    ap.add_argument("--plan", action="store_true", help="no run: the path accl takes for each collective and size "
+                    "at --np ranks, on one node and across nodes (TORCHHPC_ACCL_* apply)")
     return ap.parse_args(argv)
 
 
@@ -241,6 +244,26 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the benchmark's collectives by the names accl's plan knows (the calls the benchmark makes)
+PLAN_NAMES = {"allreduce": "all_reduce", "broadcast": "broadcast", "allgather": "_all_gather_base",
+              "reduce_scatter": "_reduce_scatter_base", "alltoall": "all_to_all_single"}
+
+
+def _print_plan(args: argparse.Namespace) -> int:
+    """accl's path for each collective and size at ``--np`` ranks: one node / across nodes."""
+    from torchhpc.accl.options import AcclOptions, plan
+
+    opts = AcclOptions(check=not args.no_check)
+    colls = COLLECTIVES if args.collective in (None, "all") else (args.collective,)
+    print(f"# accl's path per call at {args.np} ranks, one node / across nodes (docs/accl.md, 'How accl chooses')")
+    print("#     size | " + " | ".join(f"{c:>25}" for c in colls))
+    for size in _sizes(args):
+        cells = [" / ".join(plan(PLAN_NAMES[c], size, args.np, spans, opts) for spans in (False, True))
+                 for c in colls]
+        print(f"{human(size):>10} | " + " | ".join(f"{c:>25}" for c in cells))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``torchhpc bench``: relaunch under mpiexec unless already inside an MPI job."""
     from torchhpc.accl.rendezvous import under_mpi_launcher
@@ -252,6 +275,8 @@ def main(argv: list[str]) -> int:
         return 2
     if args.from_json:
         return _replay(args)
+    if args.plan:
+        return _print_plan(args)
     if not under_mpi_launcher():
         return _relaunch(list(argv), args.np)
     return run(args)
