@@ -253,7 +253,7 @@ def test_fast_path_size_mismatch_raises_on_every_rank(what: str) -> None:
     """Synchronous calls with sizes that differ across ranks: MismatchError on every rank from
     the fast path's header check, and the group stays usable."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    n = 8 if rank == 0 else 20_000  # rank 0 rides whole in the header exchange, the others past its 64 KiB
+    n = 8 if rank == 0 else 20_000  # rank 0 rides whole in the header exchange, the others past its carry limit
     with pytest.raises(MismatchError, match="ranks disagree|split sizes do not match"):
         if what == "all_reduce_fused_vs_not":
             dist.all_reduce(torch.ones(n))

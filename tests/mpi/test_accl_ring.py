@@ -14,7 +14,8 @@ MPI_RANKS = (2, 3, 4)
 MPI_TIMEOUT = 240
 R = dist.ReduceOp
 
-# elements: past the carry limit (64 KiB); not a multiple of the ranks; several 512 KiB chunks per block
+# elements: past the carry limit (16 KiB on a node, 64 KiB across); not a multiple of the ranks; several
+# 512 KiB chunks per block
 SIZES = (20_000, 131_071, 1_000_003)
 
 

@@ -68,10 +68,10 @@ class AcclOptions:
       (for the dtype/op at hand); the others raise instead.
     - ``check``: exchange a small header before each collective so that mismatched sizes,
       dtypes, ops, roots or call order across ranks raise a clear error instead of hanging
-      or corrupting memory (one message each way per round of a recursive doubling; an all_reduce, broadcast,
-      all_gather or, within a node, reduce_scatter moving up to 64 KiB rides in it whole: docs/accl.md's plan
-      table). Every other checked call then runs MPI's blocking (tuned) algorithms: the header proved that every
-      rank entered it.
+      or corrupting memory (one message each way per round of a recursive doubling; a small all_reduce,
+      broadcast, all_gather or reduce_scatter rides in it whole: up to 16 KiB on one node, 64 KiB across nodes,
+      ``torchhpc bench --plan``). Every other checked call then runs MPI's blocking (tuned) algorithms or accl's
+      ring: the header proved that every rank entered it.
     - ``blocking_min_bytes``: with ``check`` off, a collective moving fewer bytes (and fitting one
       segment) skips the header and runs as one nonblocking MPI call waited on against the group
       timeout (the lowest latency); one moving at least this many exchanges the header anyway, as the

@@ -261,13 +261,13 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
   mpi_ = std::make_unique<MpiEngine>(coll_, [this](MPI_Request& req) { waitRequest(&req); });
-  body_.assign(wire::kCarryBytes, 0);
   // whether the ranks span nodes: accl's ring then runs large all_reduces (usesRing)
   MPI_Comm node = MPI_COMM_NULL;
   ACCL_MPI(MPI_Comm_split_type, coll_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   spansNodes_ = commInt(MPI_Comm_size, "MPI_Comm_size", node) < size_;
   ACCL_MPI(MPI_Comm_free, &node);
-  out_.assign(wire::kHeaderBytes + (spansNodes_ ? wire::kNetInlineBytes : wire::kInlineBytes), 0);
+  body_.assign(wire::carryBytes(spansNodes_), 0);  // a peer's size is checked against it before use
+  out_.assign(wire::kHeaderBytes + (spansNodes_ ? body_.size() : wire::kInlineBytes), 0);
   in_.assign(out_.size(), 0);
   void* ub = nullptr;
   int flag = 0;
@@ -521,7 +521,7 @@ void ProcessGroupACCL::blocking(const Call& c, F phase) {
 }
 
 char* ProcessGroupACCL::carryBuffer() {
-  if (!carry_.defined()) carry_ = at::empty({wire::kCarryBytes}, at::kByte);
+  if (!carry_.defined()) carry_ = at::empty({static_cast<int64_t>(body_.size())}, at::kByte);
   return ptr(carry_);
 }
 

@@ -85,14 +85,18 @@ constexpr int64_t kMagic = 0x4ACC1;
 constexpr int64_t kHeaderBytes = 128;
 constexpr int64_t kPayloadBytes = 1024;
 constexpr int64_t kSlotBytes = kHeaderBytes + kPayloadBytes;
-constexpr int64_t kCarryBytes = 64 << 10;  // the most data a collective carries through the header exchange
+// the most data a collective carries through the header exchange (all ranks' blocks together): across nodes what
+// Open MPI's TCP transport sends in one eager message (a second message costs a second trip through the network:
+// 32 KiB all_gather at 10 Gbit/s, raw + 10.6 -> + 4.2 us); within a node less, measured at 2 ranks against builds
+// that carried up to 4 and 64 KiB (docs/accl.md, "How accl chooses"): carried, all_reduce at 8-16 KiB took 0.86x the
+// header and MPI's call, and from 32 KiB broadcast, all_gather and reduce_scatter took 1.4-2.6x
+constexpr int64_t kCarryBytes = (64 << 10) - 256;
+constexpr int64_t kNodeCarryBytes = 16 << 10;
+inline int64_t carryBytes(bool spansNodes) { return spansNodes ? kCarryBytes : kNodeCarryBytes; }
 // the largest message Open MPI's shared-memory transport sends eagerly (4 KiB fragments less its own headers; one
 // byte more and it is sent by rendezvous, a handshake that costs more than a second message)
 constexpr int64_t kEagerBytes = (4 << 10) - 128;
 constexpr int64_t kInlineBytes = kEagerBytes - kHeaderBytes;  // carried data that shares the prefix's message
-// across nodes: Open MPI's TCP transport sends up to 64 KiB (its headers included) eagerly, so there the prefix's
-// message carries nearly all of a small call's data (a second message cost a second trip through the network)
-constexpr int64_t kNetInlineBytes = (64 << 10) - 128 - kHeaderBytes;
 constexpr int kCompareAll = 8;   // every field but `extra`
 constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes checked on its byte matrix)
 enum Kind : int64_t {

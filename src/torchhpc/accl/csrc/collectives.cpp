@@ -28,13 +28,14 @@ using T = c10d::OpType;
 bool isReduceScatter(T t) { return t == T::REDUCE_SCATTER || t == T::_REDUCE_SCATTER_BASE; }
 bool isAllreduce(T t) { return t == T::ALLREDUCE || t == T::ALLREDUCE_COALESCED; }
 
-// Small calls ride whole in the header exchange (on MPI, within max_segment_bytes): all_reduce, broadcast and
-// all_gather, and reduce_scatter, which sends every rank's whole input there (p times what it needs), so across
-// nodes only while that fits the prefix's own message.
+// Small calls ride whole in the header exchange (on MPI, within wire::carryBytes and max_segment_bytes): all_reduce,
+// broadcast and all_gather, and reduce_scatter, which sends every rank's whole input there (p times what it needs),
+// so across nodes only while that fits a within-node prefix (else the ring sends its 1/p).
 bool rides(T t, int64_t bytes, bool spansNodes, const Config& o) {
   const bool kind = isAllreduce(t) || t == T::BROADCAST || t == T::ALLGATHER || t == T::_ALLGATHER_BASE ||
                     (isReduceScatter(t) && (!spansNodes || bytes <= wire::kInlineBytes));
-  return kind && bytes <= std::min(wire::kCarryBytes, o.maxSegmentBytes.value_or(wire::kCarryBytes));
+  const int64_t most = wire::carryBytes(spansNodes);
+  return kind && bytes <= std::min(most, o.maxSegmentBytes.value_or(most));
 }
 
 // accl's ring: from ring_min_bytes where set; else reduce_scatter always (Open MPI's faults in a buffer of the whole
@@ -496,7 +497,7 @@ void ProcessGroupACCL::alltoallBody(Call& c) {
   std::vector<int64_t> mine(c.sendBytes);
   mine.insert(mine.end(), c.recvBytes.begin(), c.recvBytes.end());
   at::Tensor many;  // beyond 64 ranks the matrix outgrows the exchange's buffer: gathered after it
-  if (p * row > wire::kCarryBytes) many = at::empty({p * row}, at::kByte);
+  if (p * row > wire::carryBytes(spansNodes_)) many = at::empty({p * row}, at::kByte);
   char* all = many.defined() ? ptr(many) : carryBuffer();
   if (!many.defined()) {
     std::memcpy(all + rank_ * row, mine.data(), row);

@@ -35,26 +35,22 @@ namespace {
 constexpr int kTagPrefix = 16, kTagData = 17;  // on the control communicator (the monitored barrier's: 1, 2)
 constexpr int64_t kInline = wire::kInlineBytes;
 static_assert(sizeof(wire::Prefix) <= wire::kHeaderBytes);
-// Data beyond the prefix's message travels, within one node, in pieces that are each one eager message too while
-// there are at most kMaxPieces of them (Open MPI's shared-memory transport sends a larger message by rendezvous,
-// whose handshake costs more than the extra messages), and in one message beyond that.  Across nodes the prefix's
-// message itself carries up to kNetInlineBytes (eager over TCP), the rest (if any) in one message.
-constexpr int kMaxPieces = 16;
+// Within one node, data beyond the prefix's message travels in pieces that are each one eager message too (Open
+// MPI's shared-memory transport sends a larger message by rendezvous, whose handshake costs more than the extra
+// messages).  Across nodes the prefix's message carries all of it: Open MPI's TCP transport sends up to 64 KiB
+// eagerly, and a second message costs a second trip through the network.
+constexpr int kMaxPieces = (wire::kNodeCarryBytes - kInline + wire::kEagerBytes - 1) / wire::kEagerBytes;
 
 struct Split {
   int64_t head = 0;  // in the prefix's message
-  int64_t size = 0;  // a piece's (the last may be shorter)
-  int count = 0;     // pieces
-  int64_t at(int k) const { return head + k * size; }
-  int64_t len(int k, int64_t bytes) const { return std::min(size, bytes - at(k)); }
+  int count = 0;     // pieces of kEagerBytes (the last may be shorter)
+  int64_t at(int k) const { return head + k * wire::kEagerBytes; }
+  int64_t len(int k, int64_t bytes) const { return std::min(wire::kEagerBytes, bytes - at(k)); }
 };
 
 Split piecesOf(int64_t bytes, bool acrossNodes) {
-  const int64_t head = std::min(bytes, acrossNodes ? wire::kNetInlineBytes : kInline), rest = bytes - head;
-  if (rest == 0) return {head, 0, 0};
-  constexpr int64_t piece = wire::kEagerBytes;
-  if (acrossNodes || rest > kMaxPieces * piece) return {head, rest, 1};
-  return {head, piece, static_cast<int>((rest + piece - 1) / piece)};
+  const int64_t head = acrossNodes ? bytes : std::min(bytes, kInline);
+  return {head, static_cast<int>((bytes - head + wire::kEagerBytes - 1) / wire::kEagerBytes)};
 }
 
 // the data this rank sends now (none once a mismatch is known: only the verdict matters then)
