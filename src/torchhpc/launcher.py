@@ -32,7 +32,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from .errors import LauncherError
+from .errors import LauncherError, RemoteError
 
 __all__ = ["LauncherError", "WorldInfo", "world_info", "mpi_launcher", "MPI_LAUNCHER_VARS",
            "init_distributed", "agree_on_master", "job_store"]
@@ -305,9 +305,11 @@ def job_store(host: str, port: int, world_size: int, is_master: bool, timeout: d
                          master_listen_fd=sock.detach())  # the store owns the descriptor from here
 
 
-def agree_on_master(info: WorldInfo, timeout: float = 300.0):  # -> torch.distributed.Store
-    """The job's rendezvous store, its address agreed through MPI (``COMM_WORLD``): rank 0 listens on a free port
-    of its host (127.0.0.1 for a job on one node) and broadcasts it; every rank then joins.
+def agree_on_master(world_size: int, timeout: float = 300.0, call: str = "init_distributed()"):
+    """The job's rendezvous store, its address agreed through MPI (``COMM_WORLD``), the one MPI rendezvous of the
+    package (:func:`init_distributed` and accl's ``env://``): rank 0 listens on a free port of its host (127.0.0.1
+    when every rank is on its node) and broadcasts the address, or its error, which every rank then raises as a
+    :class:`~torchhpc.errors.RemoteError`; every rank joins.  ``call`` names what every rank must have called.
 
     Fails with :class:`~torchhpc.errors.PeerTimeoutError` if some rank does not join within ``timeout`` seconds.
     """
@@ -316,23 +318,41 @@ def agree_on_master(info: WorldInfo, timeout: float = 300.0):  # -> torch.distri
     from .waiting import wait_requests  # (imports torch: this module's launch-variable half does not)
 
     world = MPI.COMM_WORLD
-    if world.Get_size() != info.world_size:
-        raise LauncherError(
-            f"MPI_COMM_WORLD has {world.Get_size()} ranks but the launcher says {info.world_size}"
-        )
+    if world.Get_size() != world_size:
+        raise LauncherError(f"MPI_COMM_WORLD has {world.Get_size()} ranks but the launcher says {world_size}")
     delta = datetime.timedelta(seconds=timeout)
-    buf = bytearray(512)
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)  # collective: every rank learns whether all share its node
+    one_node = node.Get_size() == world_size
+    node.Free()
+    buf = bytearray(1024)  # "ok <host> <port>" or "error <message>", from rank 0
     store = None
     if world.Get_rank() == 0:
-        host = "127.0.0.1" if info.local_size == info.world_size else socket.gethostname()
-        store = job_store(host, 0, info.world_size, True, delta)
-        text = f"{host} {store.port}".encode()
-        buf[: len(text)] = text
+        try:
+            host = "127.0.0.1" if one_node else _reachable_host()
+            store = job_store(host, 0, world_size, True, delta)
+            text = f"ok {host} {store.port}"
+        except Exception as exc:  # noqa: BLE001 - every rank raises it below
+            text = f"error {type(exc).__name__}: {exc}"
+        raw = text.encode(errors="replace")[: len(buf)]
+        buf[: len(raw)] = raw
     wait_requests([world.Ibcast([buf, MPI.BYTE], root=0)], timeout, "", keep=buf, message=lambda: (
-        f"rank {world.Get_rank()}: no master address from rank 0 after {timeout:.0f}s; "
-        "did every rank call init_distributed()?"))
-    host, port = bytes(buf).rstrip(b"\0").decode().split()
-    return store or job_store(host, int(port), info.world_size, False, delta)
+        f"rank {world.Get_rank()}: no rendezvous address from rank 0 after {timeout:.0f}s; "
+        f"did every rank call {call}?"))
+    status, _, rest = bytes(buf).rstrip(b"\0").decode(errors="replace").partition(" ")
+    if status != "ok":
+        raise RemoteError(f"rendezvous: rank 0 could not open a TCPStore: {rest}", 0, rest)
+    host, port = rest.split()
+    return store or job_store(host, int(port), world_size, False, delta)
+
+
+def _reachable_host() -> str:
+    """A name of this host that the other ranks can connect to (its host name where it resolves)."""
+    host = socket.gethostname()
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except OSError:
+        return "127.0.0.1"
 
 
 def _bind_gpu(info: WorldInfo) -> int | None:
@@ -463,7 +483,7 @@ def _job_store(info: WorldInfo, env: Mapping[str, str], timeout: datetime.timede
         return job_store("127.0.0.1", 0, 1, True, timeout)
     if info.launcher in ("openmpi", "pals", "mpich", "mvapich", "mpi4py"):
         try:
-            return agree_on_master(info, timeout.total_seconds())
+            return agree_on_master(info.world_size, timeout.total_seconds())
         except ImportError as exc:
             raise LauncherError(f"MASTER_ADDR/MASTER_PORT are not set and mpi4py is unavailable ({exc})") from None
     if info.launcher == "slurm" and "SLURM_JOB_NODELIST" in env:

@@ -3,9 +3,8 @@
 torch's default ``env://`` rendezvous needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.  When
 any of these is missing and the process runs under an MPI launcher, the wrapped handler fills the
 gap from MPI at ``init_process_group`` time (never at import): rank and size from
-``MPI.COMM_WORLD``, and a TCPStore that rank 0 opens on a free port it picks itself, listening on
-the job's interface only (loopback for a job on one node), whose address reaches the others by
-``MPI_Bcast``.  Values the user did set are used as they are (and checked
+``MPI.COMM_WORLD``, and the job's store from :func:`torchhpc.launcher.agree_on_master` (the package's one
+MPI rendezvous).  Values the user did set are used as they are (and checked
 against MPI).  Without an MPI launcher the original handler runs untouched, so its usual error
 about the missing variables still appears.
 """
@@ -13,7 +12,6 @@ about the missing variables still appears.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from datetime import timedelta
 from urllib.parse import parse_qs, urlparse
@@ -21,9 +19,7 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401  (loads the module; the name is shadowed by a function)
 
-from ..errors import RemoteError
-from ..launcher import job_store, mpi_launcher
-from ..waiting import wait_requests
+from ..launcher import agree_on_master, job_store, mpi_launcher
 
 __all__ = ["install_env_rendezvous", "under_mpi_launcher"]
 
@@ -54,53 +50,11 @@ def _mpi_env_handler(url: str, timeout: timedelta = dist.default_pg_timeout, **k
         raise ValueError(f"accl rendezvous: WORLD_SIZE={size} but the MPI job has {world.Get_size()} "
                          f"processes; unset WORLD_SIZE or launch {size} ranks")
     if have_addr:
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        store = job_store(addr, port, size, rank == 0, timeout)
+        store = job_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, rank == 0, timeout)
     else:
-        store = None
-        buf = bytearray(1024)  # "ok <host> <port>" or "error <message>", from rank 0
-        one_node = _one_node(world)  # collective: every rank splits
-        if world.Get_rank() == 0:
-            try:
-                host = "127.0.0.1" if one_node else _reachable_host()
-                store = job_store(host, 0, size, True, timeout)
-                text = f"ok {host} {store.port}"
-            except Exception as exc:  # noqa: BLE001 - tell the other ranks too
-                text = f"error {type(exc).__name__}: {exc}"
-            raw = text.encode(errors="replace")[: len(buf)]
-            buf[: len(raw)] = raw
-        wait_requests([world.Ibcast([buf, MPI.BYTE], root=0)], timeout.total_seconds(),
-                      "accl rendezvous: the TCPStore address from rank 0 (every rank must call "
-                      "init_process_group)", keep=buf)
-        status, _, rest = bytes(buf).rstrip(b"\0").decode(errors="replace").partition(" ")
-        if status != "ok":
-            raise RemoteError(f"accl rendezvous: rank 0 could not open a TCPStore: {rest}", 0, rest)
-        host, port = rest.split()
-        if store is None:
-            store = job_store(host, int(port), size, False, timeout)
+        store = agree_on_master(size, timeout.total_seconds(), "init_process_group")
     yield (store, rank, size)
     raise RuntimeError("accl rendezvous: re-rendezvous is not supported")
-
-
-def _one_node(world) -> bool:  # noqa: ANN001 (an mpi4py communicator)
-    """Whether every rank of ``world`` is on this node (collective): the store then listens on loopback only."""
-    from mpi4py import MPI
-
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return node.Get_size() == world.Get_size()
-    finally:
-        node.Free()
-
-
-def _reachable_host() -> str:
-    """An address of this host that the other ranks can connect to."""
-    host = socket.gethostname()
-    try:
-        socket.getaddrinfo(host, None)
-        return host
-    except OSError:
-        return "127.0.0.1"
 
 
 def install_env_rendezvous() -> None:
