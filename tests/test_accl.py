@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -248,3 +249,31 @@ def test_a_peer_stopped_inside_a_blocking_collective_ends_the_job() -> None:
     assert res.returncode != 0 and "COMPLETED" not in out, out[-5000:]
     assert re.search(r"all_reduce\(float32, 134217728 elements, SUM\) as call #\d+ in group '\S+' \(rank [01] of 3\) "
                      r"is still inside MPI's blocking collective", out), out[-5000:]
+
+
+def test_the_plan_gives_each_call_the_documented_path() -> None:
+    """docs/accl.md's plan table, at its boundaries: carried up to 16 KiB on a node and 64 KiB less the prefix
+    across nodes (reduce_scatter across nodes up to 3,840 bytes), the ring for larger reduce_scatters and for larger
+    all_reduces across nodes, nonblocking for small unchecked calls, MPI otherwise and on another engine."""
+    from torchhpc.accl.options import AcclOptions, plan
+
+    node, net = 16 << 10, (64 << 10) - 256
+    assert [plan("all_reduce", b, 2, False) for b in (8, node, node + 4)] == ["carried", "carried", "mpi"]
+    assert [plan("all_reduce", b, 4, True) for b in (net, net + 4)] == ["carried", "ring"]
+    assert [plan("_reduce_scatter_base", b, 2, True) for b in (3840, 3844)] == ["carried", "ring"]
+    assert plan("_reduce_scatter_base", node + 8, 2, False) == "ring"
+    assert plan("broadcast", 1 << 20, 4, True) == plan("reduce", 8, 2, False) == "mpi"
+    assert plan("all_to_all_single", 8, 2, False) == "mpi" and plan("barrier", 0, 2, False) == "carried"
+    unchecked = AcclOptions(check=False)
+    assert plan("all_reduce", 8, 2, False, unchecked) == plan("barrier", 0, 2, False, unchecked) == "nonblocking"
+    assert plan("all_reduce", 64 << 10, 2, False, unchecked) == "mpi"  # blocking_min_bytes: the header again
+    assert plan("all_reduce", 1 << 20, 2, False, AcclOptions(ring_min_bytes=1 << 20)) == "ring"
+    assert plan("all_gather", 64, 2, False, AcclOptions(max_segment_bytes=32)) == "mpi"
+    with pytest.raises(ValueError, match="no collective named 'allreduce'"):
+        plan("allreduce", 8, 2, False)
+    out = subprocess.run([sys.executable, "-m", "torchhpc", "bench", "--plan", "--np", "2", "--max-bytes", "32768"],
+                         capture_output=True, text=True, check=False, timeout=120)
+    assert out.returncode == 0, out.stderr
+    row = next(line for line in out.stdout.splitlines() if line.strip().startswith("32 KiB"))
+    cells = [c.split() for c in row.split("|")[1:]]  # allreduce ... reduce_scatter: one node / across nodes
+    assert cells[0] == ["mpi", "/", "carried"] and cells[3] == ["ring", "/", "ring"], row
