@@ -254,7 +254,7 @@ def engines_main(args: argparse.Namespace, env: dict) -> None:
     print("| problem | ranks | levels | steps/iter python, xbraid | python ms/iter | xbraid ms/iter | "
           "xbraid / python (range) |")
     print("|---|---|---|---|---|---|---|")
-    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
+    from torchhpc.runtime.mpirun import available_cores, local_job_env, mpiexec_argv
 
     for problem in args.problems:
         for p in args.ranks:
@@ -310,7 +310,7 @@ def main() -> None:
         args.depths, args.ranks, args.reps = [32], [1, 2], 1
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
+    from torchhpc.runtime.mpirun import available_cores, local_job_env, mpiexec_argv
 
     env = local_job_env(oversubscribed=False)  # (yield-when-idle is added per launch, only when oversubscribed)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

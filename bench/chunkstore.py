@@ -278,7 +278,7 @@ def sampling_bench(args: argparse.Namespace) -> list[dict]:
 
 # --------------------------------------------------------------------------- driver
 def run_ranks(n: int, args: argparse.Namespace) -> dict:
-    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
+    from torchhpc.runtime.mpirun import available_cores, local_job_env, mpiexec_argv
 
     env = local_job_env(oversubscribed=n > available_cores())
     env["OMPI_ALLOW_RUN_AS_ROOT"] = "1"

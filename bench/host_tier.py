@@ -65,7 +65,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from torchhpc.bench.timing import interleaved, per_call_s, summary
-    from torchhpc.hugepages import huge_kib
+    from torchhpc.runtime.hugepages import huge_kib
 
     rows, row = args.rows, args.row_bytes
     data = torch.randn(rows, row // 4)

@@ -80,7 +80,7 @@ def _job(args: argparse.Namespace) -> int:
     from mpi4py import MPI
 
     sys.path.insert(0, SRC)
-    from torchhpc.hugepages import huge_kib, kernel_setting, torch_thp_alloc
+    from torchhpc.runtime.hugepages import huge_kib, kernel_setting, torch_thp_alloc
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
@@ -215,7 +215,7 @@ def _run_job(cmd: list[str], env: dict[str, str]) -> tuple[dict | None, float, s
 
 def _driver(args: argparse.Namespace) -> int:
     sys.path.insert(0, SRC)
-    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
+    from torchhpc.runtime.mpirun import available_cores, local_job_env, mpiexec_argv
 
     results: list[dict] = []
     loads: list[float] = []

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from torchhpc.accl.options import default_spin_us
-from torchhpc.mpirun import across_hosts
+from torchhpc.runtime.mpirun import across_hosts
 
 ROOT = Path(__file__).resolve().parents[1]
 VCLUSTER = ROOT / "utils" / "vcluster" / "vcluster.sh"

@@ -122,7 +122,7 @@ def one_shape(args: argparse.Namespace, comm, shape: tuple[int, ...]) -> None:  
 
 def launch(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "src"))
-    from torchhpc.mpirun import across_hosts, available_cores, local_job_env, mpiexec_argv
+    from torchhpc.runtime.mpirun import across_hosts, available_cores, local_job_env, mpiexec_argv
 
     env = local_job_env(oversubscribed=False)  # (yield-when-idle is added per launch, only when oversubscribed)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from torchhpc.mpirun import local_job_env, mpi_flavor, mpiexec_argv, side_mpich, side_mpich_env
-from torchhpc.waiting import wait_until
+from torchhpc.runtime.mpirun import local_job_env, mpi_flavor, mpiexec_argv, side_mpich, side_mpich_env
+from torchhpc.runtime.waiting import wait_until
 
 VARIANTS = ("plain", "rank-order", "mpich")
 # Open MPI: map by core and rank round-robin over the mapped objects ("fill"): on one node ranks 1 and 2

@@ -108,7 +108,7 @@ def cluster_up(nodes: int, scheduler: str, timeout: float = 180) -> Iterator[Clu
 
 def check_thread_budget(ranks: list[dict]) -> None:
     """tests/vcluster/whoami.py's records of one job: no node runs more torch threads than it has cores (one per
-    rank at least), and a rank whose cores no other rank shares uses them all (torchhpc.threads)."""
+    rank at least), and a rank whose cores no other rank shares uses them all (torchhpc.runtime.threads)."""
     for host in {r["host"] for r in ranks}:
         mine = [r for r in ranks if r["host"] == host]
         node = mine[0]["node_cpus"]

@@ -14,8 +14,8 @@ def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
-    from torchhpc.errors import MismatchError
     from torchhpc.launcher import init_distributed
+    from torchhpc.runtime.errors import MismatchError
 
     init_distributed(backend="accl", timeout=timedelta(seconds=60))
     rank, size = dist.get_rank(), dist.get_world_size()

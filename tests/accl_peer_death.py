@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One rank of an ``accl`` job dies mid-run; the survivors must fail fast with ``PeerFailedError``.
 
-Run under a fault-tolerant mpiexec (``torchhpc.mpirun.mpiexec_argv(..., fault_tolerant=True)``:
+Run under a fault-tolerant mpiexec (``torchhpc.runtime.mpirun.mpiexec_argv(..., fault_tolerant=True)``:
 Open MPI's ULFM), otherwise the launcher kills the whole job when the rank
 dies.  Every survivor prints one ``SURVIVOR`` line that ``tests/test_accl_peer_death.py`` checks:
 the error class, the rank it names, how long detection took (well under the group timeout), and
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import torchhpc.accl  # noqa: F401  (registers "accl")
-from torchhpc.errors import PeerFailedError
+from torchhpc.runtime.errors import PeerFailedError
 
 MODES = ("sync", "sync-large", "async", "queued", "recv")
 

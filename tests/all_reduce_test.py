@@ -74,7 +74,7 @@ def versions() -> str:
     if torch.cuda.is_available() and dist.is_nccl_available():
         parts.append("NCCL " + ".".join(map(str, torch.cuda.nccl.version())))
     try:
-        from torchhpc.mpi_info import library_version
+        from torchhpc.runtime.mpi_info import library_version
 
         parts.append(library_version().split(", package:")[0])
     except ImportError:

@@ -22,7 +22,7 @@ def pytest_runtest_makereport(item, call):  # noqa: ANN001, ARG001
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001, ARG001
     """This process's Open MPI singleton segment, if it made one, is not left in /dev/shm."""
-    from torchhpc.mpi_info import release_singleton_segment
+    from torchhpc.runtime.mpi_info import release_singleton_segment
 
     release_singleton_segment()
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import torchhpc.accl as accl
 from torchhpc.accl import rendezvous
-from torchhpc.errors import MismatchError
 from torchhpc.launcher import MPI_LAUNCHER_VARS
+from torchhpc.runtime.errors import MismatchError
 
 R = dist.ReduceOp
 ROOT = Path(__file__).resolve().parents[1]

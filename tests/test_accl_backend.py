@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from torchhpc.accl import core, corebuild
-from torchhpc.errors import EngineUnavailableError
+from torchhpc.runtime.errors import EngineUnavailableError
 
 VENV_BIN = Path(sys.executable).parent
 
@@ -103,7 +103,7 @@ def test_accl_imports_before_its_build_and_creating_a_group_says_how_to_build(tm
     code = (
         "import torch.distributed as dist, torchhpc.accl as accl\n"
         "from torchhpc.accl.corebuild import family_of\n"
-        "from torchhpc.errors import EngineUnavailableError\n"
+        "from torchhpc.runtime.errors import EngineUnavailableError\n"
         "try:\n"
         "    dist.init_process_group('accl', store=dist.HashStore(), rank=0, world_size=1)\n"
         "except EngineUnavailableError as exc:\n"

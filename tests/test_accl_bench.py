@@ -140,7 +140,7 @@ def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
     seen: list[dict] = []
     monkeypatch.setattr(subprocess, "call", lambda cmd, env: seen.append((cmd, env)) or 0)
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
-    from torchhpc.mpirun import available_cores
+    from torchhpc.runtime.mpirun import available_cores
 
     cli._relaunch(["allreduce"], 1)
     cli._relaunch(["allreduce"], available_cores() + 1)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from _mpijob import run_mpi
 
-from torchhpc.mpirun import fault_tolerant_args, find_mpiexec, mpi_flavor, mpiexec_argv
+from torchhpc.runtime.mpirun import fault_tolerant_args, find_mpiexec, mpi_flavor, mpiexec_argv
 
 SCRIPT = Path(__file__).with_name("accl_peer_death.py")
 VICTIM = 1

@@ -232,8 +232,8 @@ def test_timeout_settings_are_checked(monkeypatch) -> None:
 
 
 def test_self_collectives_round_trip() -> None:
-    from torchhpc import waiting
     from torchhpc.braid import transport
+    from torchhpc.runtime import waiting
 
     comm = MPI.COMM_SELF
     assert transport.allreduce(comm, 3, "max", 1.0) == 3
@@ -258,7 +258,7 @@ def test_xbraid_missing_extension_names_make_native() -> None:
     code = ("import sys; sys.modules['_torchhpc_xbraid'] = None  # as if not built\n"
             "import torch; from mpi4py import MPI; from torch import nn\n"
             "from torchhpc.braid import LayerParallel, solve, xbraid\n"
-            "from torchhpc.errors import EngineUnavailableError\n"
+            "from torchhpc.runtime.errors import EngineUnavailableError\n"
             "try:\n"
             "    solve(lambda u, a, b: u, torch.ones(1), [0.0, 1.0, 2.0], MPI.COMM_SELF, engine='xbraid')\n"
             "except EngineUnavailableError as e:\n"

@@ -16,7 +16,7 @@ import torch
 from torchhpc.chunkstore import ChunkTensor, SharedMemoryTooSmall, reap_dead_segments
 from torchhpc.chunkstore.layout import plan_layout, positions_from_order
 from torchhpc.chunkstore.shm import Segment, list_segments
-from torchhpc.mpirun import local_job_env, mpiexec_argv
+from torchhpc.runtime.mpirun import local_job_env, mpiexec_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 

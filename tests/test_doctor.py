@@ -107,7 +107,8 @@ def test_a_crashing_check_is_reported_not_raised() -> None:
 
 
 def test_fault_tolerance_follows_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torchhpc import doctor, mpi_info
+    from torchhpc import doctor
+    from torchhpc.runtime import mpi_info
 
     monkeypatch.delenv("OMPI_MCA_mpi_ft_enable", raising=False)
     capable, enabled = mpi_info.fault_tolerance()
@@ -128,7 +129,7 @@ def test_one_reading_of_what_an_mpi_says_of_itself() -> None:
     flags."""
     from mpi4py import MPI
 
-    from torchhpc.mpi_info import family_of_text
+    from torchhpc.runtime.mpi_info import family_of_text
 
     venv = Path(sys.executable).parent
     ompi = subprocess.run([venv / "mpiexec", "--version"], capture_output=True, text=True, check=False).stdout

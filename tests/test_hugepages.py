@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from torchhpc import doctor, hugepages
-from torchhpc.mpirun import local_job_env
+from torchhpc import doctor
+from torchhpc.runtime import hugepages
+from torchhpc.runtime.mpirun import local_job_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MODE = hugepages.kernel_setting("enabled")
@@ -78,7 +79,7 @@ def test_local_jobs_get_it_by_default_and_keep_a_users_zero(tmp_path: Path, monk
 
 @pytest.mark.skipif(not HUGE_OK, reason=f"kernel THP mode is {MODE}: the default is not set")
 def test_import_torchhpc_sets_it_before_torchs_first_tensor() -> None:
-    code = ("import os, torchhpc, torch; from torchhpc.hugepages import torch_thp_alloc, INHERITED; "
+    code = ("import os, torchhpc, torch; from torchhpc.runtime.hugepages import torch_thp_alloc, INHERITED; "
             "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), INHERITED, torch_thp_alloc())")
     assert run_py(code, THP_MEM_ALLOC_ENABLE=None) == "1 None True"
     assert run_py(code, THP_MEM_ALLOC_ENABLE="0") == "0 0 False"
@@ -86,7 +87,7 @@ def test_import_torchhpc_sets_it_before_torchs_first_tensor() -> None:
 
 def test_torch_reads_the_variable_once_at_its_first_allocation_of_any_size() -> None:
     # os.environ after `import torch` still counts; after one 40-byte tensor it no longer does.
-    code = ("import os, torch; from torchhpc.hugepages import torch_thp_alloc; {before}"
+    code = ("import os, torch; from torchhpc.runtime.hugepages import torch_thp_alloc; {before}"
             "os.environ['THP_MEM_ALLOC_ENABLE'] = '1'; print(torch_thp_alloc(4 << 20), torch_thp_alloc(1 << 20))")
     assert run_py(code.format(before=""), THP_MEM_ALLOC_ENABLE="0") == "True False"  # (< 2 MiB: never)
     assert run_py(code.format(before="torch.ones(10); "), THP_MEM_ALLOC_ENABLE="0") == "False False"
@@ -94,7 +95,7 @@ def test_torch_reads_the_variable_once_at_its_first_allocation_of_any_size() -> 
 
 @pytest.mark.skipif(not HUGE_OK, reason=f"kernel THP mode is {MODE}: no huge pages for anyone")
 def test_a_4mib_tensor_gets_huge_pages_with_the_variable() -> None:
-    code = ("import json, torch; from torchhpc.hugepages import huge_kib; "
+    code = ("import json, torch; from torchhpc.runtime.hugepages import huge_kib; "
             "t = torch.empty(4 << 20, dtype=torch.uint8).fill_(1); "
             "print(json.dumps([t.data_ptr() % 4096, huge_kib(t.data_ptr(), t.numel())]))")
     offset, kib = json.loads(run_py(code, THP_MEM_ALLOC_ENABLE="1"))

@@ -1,10 +1,12 @@
-"""torchhpc.launcher: every launcher's variables, malformed and contradictory environments."""
+"""torchhpc.runtime.world (the facts torchhpc.launcher starts from): every launcher's variables, malformed and
+contradictory environments."""
 
 from __future__ import annotations
 
 import pytest
 
-from torchhpc.launcher import LauncherError, WorldInfo, _slurm_first_host, _slurm_tasks_on_node, world_info
+from torchhpc.runtime.errors import LauncherError
+from torchhpc.runtime.world import WorldInfo, _slurm_first_host, _slurm_tasks_on_node, world_info
 
 
 def info(env: dict[str, str]) -> WorldInfo:
@@ -225,7 +227,7 @@ def test_destroying_the_default_gloo_group_after_ddp_stops_its_workers() -> None
 def test_oversubscription_is_judged_per_host_when_ranks_are_spread(monkeypatch: pytest.MonkeyPatch) -> None:
     """4 ranks over 4 hosts from a 2-core login node: no ``--oversubscribe`` (given it, Open MPI 5 piles every
     rank onto the first host, seen on the virtual cluster); 4 ranks here, or 2 per host on 1-core hosts: it is."""
-    from torchhpc import mpirun
+    from torchhpc.runtime import mpirun
 
     monkeypatch.setattr(mpirun, "available_cores", lambda: 2)
     monkeypatch.setattr(mpirun, "mpi_flavor", lambda exe=None: "openmpi")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from torchhpc import nccl_plugin
+from torchhpc.runtime import nccl_plugin
 
 ROOT = Path(__file__).resolve().parents[1]
 VENDOR = ROOT.parent / "shared" / "vendor"

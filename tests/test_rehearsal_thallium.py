@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from torchhpc import native
 from torchhpc.doctor import run_checks
-from torchhpc.errors import EngineUnavailableError
 from torchhpc.rehearsal import RehearsalBuffer
 from torchhpc.rehearsal.thallium import MARGO_CONFIG
+from torchhpc.runtime import native
+from torchhpc.runtime.errors import EngineUnavailableError
 
 
 def _extension():

@@ -29,7 +29,7 @@ def test_private_dirs_refuse_a_name_another_user_took_first() -> None:
     taken = _own(tmp / f"torchhpc-{VICTIM}", STRANGER, 0o777)
     (tmp / "elsewhere").mkdir()
     code = """
-        from torchhpc import private
+        from torchhpc.runtime import private
         try:
             private.runtime_dir("flight")
         except private.UnsafePathError as exc:
@@ -290,7 +290,7 @@ def test_a_process_run_without_mpiexec_leaves_no_open_mpi_segment() -> None:
     if not shm.is_dir():
         pytest.skip("no /dev/shm")
     code = ("import os, signal, sys; sys.path.insert(0, {!r}); from torchhpc.accl import core; core.load_backend(); "
-            "from torchhpc import mpi_info; print('OPENMPI', 'Open MPI' in mpi_info.library_version(), flush=True); "
+            "from torchhpc.runtime import mpi_info; print('OPENMPI', 'Open MPI' in mpi_info.library_version(), flush=True); "
             "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == 'kill' else None").format(str(ROOT / "src"))
     for how in ("exit", "kill"):
         before = {p.name for p in shm.glob("sm_segment.*")}

@@ -1,6 +1,6 @@
-"""Every TORCHHPC_* number, switch and choice parsed in one place (torchhpc.settings): a bad value is an error that
-names the variable and what it takes, at the first read and in `torchhpc doctor`; the rendezvous store listens on
-the job's interface, not on every one."""
+"""Every TORCHHPC_* number, switch and choice parsed in one place (torchhpc.runtime.settings): a bad value is an
+error that names the variable and what it takes, at the first read and in `torchhpc doctor`; the rendezvous store
+listens on the job's interface, not on every one."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from torchhpc import settings
-from torchhpc.settings import SettingError
+from torchhpc.runtime import settings
+from torchhpc.runtime.settings import SettingError
 
 
 @pytest.mark.parametrize(("name", "raw", "says"), [
@@ -37,7 +37,7 @@ def test_a_bad_value_names_its_variable(name: str, raw: str, says: str) -> None:
 def test_every_reader_goes_through_the_one_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     """The values the issue found accepted or failing with a bare int() error, through each reader."""
     from torchhpc.braid import transport
-    from torchhpc.mpi_info import cuda_aware_query
+    from torchhpc.runtime.mpi_info import cuda_aware_query
 
     monkeypatch.setenv("TORCHHPC_BRAID_TIMEOUT", "soon")
     with pytest.raises(SettingError, match="TORCHHPC_BRAID_TIMEOUT='soon'"):
@@ -96,7 +96,7 @@ def test_the_rendezvous_store_listens_on_the_jobs_interface_only() -> None:
     peer = job_store("127.0.0.1", store.port, 2, False, timeout)
     peer.set("k", "v")
     assert store.get("k") == b"v"
-    from torchhpc.errors import LauncherError
+    from torchhpc.runtime.errors import LauncherError
 
     with pytest.raises(LauncherError, match=f"cannot listen on 127.0.0.1:{store.port}.*MASTER_PORT"):
         job_store("127.0.0.1", store.port, 2, True, timeout)  # taken (by another user, say)
@@ -104,11 +104,11 @@ def test_the_rendezvous_store_listens_on_the_jobs_interface_only() -> None:
 
 def test_every_accl_option_is_one_row_of_the_docs_table_with_the_settings_default() -> None:
     """docs/accl.md's options table is the one list: a row per AcclOptions field, named with its variable, and
-    for the variables torchhpc.settings parses, the same default there as in the table."""
+    for the variables torchhpc.runtime.settings parses, the same default there as in the table."""
     import dataclasses
 
     from torchhpc.accl import AcclOptions
-    from torchhpc.settings import SETTINGS
+    from torchhpc.runtime.settings import SETTINGS
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "accl.md").read_text()
     rows = {}

@@ -1,4 +1,4 @@
-"""One thread budget per rank (torchhpc.threads): the rule on made-up launcher facts and CPU masks, and in fresh
+"""One thread budget per rank (torchhpc.runtime.threads): the rule on made-up launcher facts and CPU masks, and in fresh
 processes that ``import torchhpc`` applies it under an srun-like environment whether torch came first or not, and
 leaves a user's OMP_NUM_THREADS alone.  Across nodes under each real launcher: tests/test_vcluster.py."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torchhpc import threads
 from torchhpc.launcher import MPI_LAUNCHER_VARS
+from torchhpc.runtime import threads
 
 ROOT = Path(__file__).resolve().parents[1]
 

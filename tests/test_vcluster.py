@@ -28,7 +28,7 @@ from _upstream import tagged_upstream
 from _vcluster import RANK_ENV, ROOT, VCLUSTER, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
 from test_readme import readme_cluster_lines
 
-from torchhpc.mpirun import side_mpich
+from torchhpc.runtime.mpirun import side_mpich
 
 USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to build/jobs/<user>
 

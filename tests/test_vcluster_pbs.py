@@ -27,7 +27,7 @@ from _upstream import PG_MPI, tagged_upstream
 from _vcluster import ROOT, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
 from test_readme import readme_cluster_lines
 
-from torchhpc.mpirun import side_mpich
+from torchhpc.runtime.mpirun import side_mpich
 
 USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to <prefix>/jobs/<user>
 

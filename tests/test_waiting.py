@@ -1,4 +1,4 @@
-"""The one error hierarchy (torchhpc.errors) and the one wait (torchhpc.waiting), without MPI jobs."""
+"""The one error hierarchy (torchhpc.runtime.errors) and the one wait (torchhpc.runtime.waiting), without MPI jobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from torchhpc import errors, waiting
+from torchhpc.runtime import errors, waiting
 
 
 def test_peer_timeout_is_dist_backend_error_and_timeout_error() -> None:

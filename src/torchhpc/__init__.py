@@ -1,21 +1,28 @@
 """torchhpc: distributed PyTorch on HPC systems.
 
-Subpackages, one per capability (imported on demand, so ``import torchhpc`` stays cheap):
+Three layers, each importing only the ones before it (``import torchhpc`` stays cheap: nothing below is imported
+until asked for):
 
-- :mod:`torchhpc.launcher`   -- who am I in this job; ``init_distributed`` for any launcher
-- :mod:`torchhpc.accl`       -- the ``"accl"`` torch.distributed backend over MPI / ACCL
-- :mod:`torchhpc.rehearsal`  -- distributed asynchronous rehearsal buffers for continual learning
-- :mod:`torchhpc.braid`      -- layer-parallel (MGRIT) training of ResNets and GRUs
-- :mod:`torchhpc.chunkstore` -- ChunkTensor over device / node-shared host / remote memory, GNN sampling
+- :mod:`torchhpc.runtime`    -- the shared runtime: errors, settings, the job's world and rendezvous, waiting on
+  peers, threads, MPI facts and command lines, huge pages, native libraries
+- capabilities, one subpackage each:
+  :mod:`torchhpc.accl` (the ``"accl"`` torch.distributed backend over MPI / ACCL),
+  :mod:`torchhpc.rehearsal` (distributed asynchronous rehearsal buffers),
+  :mod:`torchhpc.braid` (layer-parallel MGRIT training),
+  :mod:`torchhpc.chunkstore` (tiered ChunkTensor, GNN sampling),
+  :mod:`torchhpc.checkpoint` (sharded checkpoints that survive a crash)
+- the entry points users call and the tools they type: :mod:`torchhpc.launcher` (``init_distributed`` for any
+  launcher), :mod:`torchhpc.cli` (``torchhpc``: ``doctor``, ``jobscript``, ``frtrace``, ``bench``),
+  :mod:`torchhpc.mpi_upstream` (PyTorch's own MPI backend built against the wheel)
 
-Importing it sets ``THP_MEM_ALLOC_ENABLE=1`` when unset (:mod:`torchhpc.hugepages`): huge pages for torch's
-CPU tensors; ``THP_MEM_ALLOC_ENABLE=0`` opts out.  Under a launcher that leaves a node's ranks sharing its CPUs
-(``srun`` without binding), it gives each rank its share of them as torch's threads (:mod:`torchhpc.threads`);
-``OMP_NUM_THREADS`` opts out.
+Importing it sets ``THP_MEM_ALLOC_ENABLE=1`` when unset (:mod:`torchhpc.runtime.hugepages`): huge pages for
+torch's CPU tensors; ``THP_MEM_ALLOC_ENABLE=0`` opts out.  Under a launcher that leaves a node's ranks sharing its
+CPUs (``srun`` without binding), it gives each rank its share of them as torch's threads
+(:mod:`torchhpc.runtime.threads`); ``OMP_NUM_THREADS`` opts out.
 """
 
-from .hugepages import set_default as _huge_pages_default
-from .threads import set_default as _threads_default
+from .runtime.hugepages import set_default as _huge_pages_default
+from .runtime.threads import set_default as _threads_default
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import private
-from .errors import TorchhpcError
+from .runtime import private
+from .runtime.errors import TorchhpcError
 
 __all__ = ["CheckpointError", "latest", "load", "save"]
 

@@ -100,8 +100,8 @@ def _nccl() -> list[Check]:
 
 
 def _nccl_net_plugin() -> Check:
-    """Which NCCL net plugin NCCL would load here and whether it fits this NCCL (torchhpc.nccl_plugin)."""
-    from torchhpc import nccl_plugin
+    """Which NCCL net plugin NCCL would load here and whether it fits this NCCL (torchhpc.runtime.nccl_plugin)."""
+    from torchhpc.runtime import nccl_plugin
 
     status, value, hint = nccl_plugin.diagnose()
     return Check("nccl plugin", {"ok": OK, "warn": WARN, "fail": FAIL}[status], value, hint)
@@ -112,7 +112,7 @@ def _mpi(probe: bool) -> list[Check]:
         from mpi4py import MPI
     except ImportError as exc:
         return [Check("mpi", FAIL, f"mpi4py not importable ({exc})", "run `make env` (or MPI=system MPICC=...)")]
-    from torchhpc import mpi_info
+    from torchhpc.runtime import mpi_info
 
     library = mpi_info.library_version().split(", package:")[0]
     checks = [Check("mpi", OK, f"{library} (mpi4py {sys.modules['mpi4py'].__version__})")]
@@ -146,8 +146,8 @@ def _mpi(probe: bool) -> list[Check]:
 
 
 def _fault_tolerance() -> Check:
-    from torchhpc import mpi_info
-    from torchhpc.mpirun import fault_tolerant_args, mpi_flavor
+    from torchhpc.runtime import mpi_info
+    from torchhpc.runtime.mpirun import fault_tolerant_args, mpi_flavor
 
     capable, enabled = mpi_info.fault_tolerance()
     if enabled:
@@ -201,7 +201,8 @@ def _site() -> Check:
 
 
 def _launcher() -> Check:
-    from torchhpc.launcher import LauncherError, world_info
+    from torchhpc.runtime.errors import LauncherError
+    from torchhpc.runtime.world import world_info
 
     try:
         info = world_info()
@@ -212,11 +213,11 @@ def _launcher() -> Check:
 
 
 def _threads() -> Check:
-    """torch's intra-op threads against this rank's budget (torchhpc.threads): more threads than the budget means
-    the node's ranks run more busy threads than it has CPUs."""
+    """torch's intra-op threads against this rank's budget (torchhpc.runtime.threads): more threads than the
+    budget means the node's ranks run more busy threads than it has CPUs."""
     import torch
 
-    from torchhpc.threads import thread_budget
+    from torchhpc.runtime.threads import thread_budget
 
     budget, now = thread_budget(), torch.get_num_threads()
     text = f"torch uses {now}; budget {budget.describe()}"
@@ -241,7 +242,7 @@ def _shared_pages() -> Check:
 
 def _runtime_vars() -> Check:
     """The runtime variables set, each TORCHHPC_* one checked by the parser every read goes through."""
-    from torchhpc import settings
+    from torchhpc.runtime import settings
 
     names = sorted(k for k in os.environ if k.startswith(RUNTIME_PREFIXES))
     value = " ".join(f"{k}={os.environ[k]}" for k in names) if names else "none set"
@@ -250,7 +251,7 @@ def _runtime_vars() -> Check:
 
 
 def _native() -> Check:
-    from torchhpc.native import ENGINES, probe
+    from torchhpc.runtime.native import ENGINES, probe
 
     found = probe()
     parts = [f"{name} {where}" if ok else f"{name} not built" for name, (ok, where) in found.items()]
@@ -266,8 +267,8 @@ HUGE_PAGES_COST = ("where measured, 4 KiB pages made a 16 MiB all-reduce on torc
 
 def _huge_pages(root: str | None = None) -> Check:
     """Huge pages for torch's CPU tensors: THP_MEM_ALLOC_ENABLE, the kernel's THP mode and defrag, and what a
-    4 MiB tensor allocated here gets (torchhpc.hugepages)."""
-    from torchhpc import hugepages
+    4 MiB tensor allocated here gets (torchhpc.runtime.hugepages)."""
+    from torchhpc.runtime import hugepages
 
     root = root or hugepages.SYSFS
     enabled, defrag = hugepages.kernel_setting("enabled", root), hugepages.kernel_setting("defrag", root)
@@ -310,7 +311,7 @@ def _probe_huge_kib(nbytes: int = 4 << 20) -> int:
     """KiB in huge pages of a fresh ``nbytes`` torch tensor written once (it spans at least one aligned 2 MiB)."""
     import torch
 
-    from torchhpc.hugepages import huge_kib
+    from torchhpc.runtime.hugepages import huge_kib
 
     t = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
     return huge_kib(t.data_ptr(), nbytes)

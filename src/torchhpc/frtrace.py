@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import private
+from .runtime import private
 
 __all__ = ["main", "accl_accepted", "check_dumps"]
 
@@ -57,7 +57,7 @@ def accl_accepted() -> Iterator[None]:
 
 
 def check_dumps(trace_dir: str | os.PathLike[str]) -> None:
-    """Raise :class:`torchhpc.private.UnsafePathError` unless ``trace_dir`` and everything torch's loader would
+    """Raise :class:`torchhpc.runtime.private.UnsafePathError` unless ``trace_dir`` and everything torch's loader would
     read under it (it walks the tree) is this user's and writable by no one else."""
     for folder, _, files in os.walk(trace_dir):
         private.check_trusted(folder)

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import private
+from .runtime import private
 
 _CHECKOUT_FILES = ("config_env.sh", "utils/submit_job.sh", "utils/run_ranks.sh")
 

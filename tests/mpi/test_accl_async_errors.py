@@ -11,7 +11,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import torchhpc.accl as accl
-from torchhpc.errors import MismatchError, PeerTimeoutError
+from torchhpc.runtime.errors import MismatchError, PeerTimeoutError
 
 MPI_RANKS = (2, 4)
 MPI_TIMEOUT = 240

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import torchhpc.accl as accl
-from torchhpc.errors import MismatchError
+from torchhpc.runtime.errors import MismatchError
 
 MPI_RANKS = (2, 3, 5)  # 3 and 5: ranks folded into a power of two before the rounds
 MPI_TIMEOUT = 240

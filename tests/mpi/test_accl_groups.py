@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 import torchhpc.accl as accl
-from torchhpc import errors
+from torchhpc.runtime import errors
 
 MPI_RANKS = (2, 3, 4)
 MPI_TIMEOUT = 150

@@ -372,7 +372,7 @@ def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bo
 
 
 # ---------------------------------------------------------------------------- deadlines
-from torchhpc import waiting  # noqa: E402
+from torchhpc.runtime import waiting  # noqa: E402
 from torchhpc.braid import transport  # noqa: E402
 from torchhpc.braid.transport import PeerTimeoutError  # noqa: E402
 

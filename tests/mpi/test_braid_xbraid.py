@@ -20,7 +20,7 @@ from mpi4py import MPI
 from test_braid import Mgrit, dahlquist, heat, simple_setup_problem
 
 from torchhpc.braid import LayerParallel, solve, xbraid
-from torchhpc.errors import EngineUnavailableError, RemoteError
+from torchhpc.runtime.errors import EngineUnavailableError, RemoteError
 
 MPI_RANKS = (1, 2, 4)
 MPI_TIMEOUT = 240

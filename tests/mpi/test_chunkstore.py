@@ -363,7 +363,7 @@ def test_a_gather_peers_never_join_times_out(comm):
             else:
                 ct._exchange.fail(RuntimeError("late"))
         # construction (and every other collective entry point) waits for the peers with the same deadline
-        from torchhpc import waiting
+        from torchhpc.runtime import waiting
 
         if comm.rank == 0:
             with pytest.raises(TimeoutError, match=r"ChunkTensor\(\) is collective"):

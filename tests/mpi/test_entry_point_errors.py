@@ -1,8 +1,8 @@
 """A rank-local error in any collective entry point is an error on every rank (issue 11, reproduction 3),
-and the helper behind it, ``torchhpc.waiting.agreed``, across ranks.
+and the helper behind it, ``torchhpc.runtime.waiting.agreed``, across ranks.
 
 One rank gets a bad argument (or a bad launch environment); it raises its own error and every other
-rank raises :class:`~torchhpc.errors.RemoteError` naming that rank and the error, within seconds,
+rank raises :class:`~torchhpc.runtime.errors.RemoteError` naming that rank and the error, within seconds,
 instead of waiting in the entry point's first collective.  (accl group creation: test_accl_groups.py.)
 
 After construction too (issue 25): a rank that fails inside a later collective step makes the others
@@ -23,8 +23,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from torchhpc import errors, waiting
 from torchhpc.chunkstore import ChunkTensor
+from torchhpc.runtime import errors, waiting
 
 MPI_RANKS = (2, 3)
 MPI_VARIANTS = ("mpich",)
@@ -238,7 +238,7 @@ def test_gru_parallel_forward_without_one_rank_times_out(comm: MPI.Comm) -> None
     others_time_out(comm, lambda: gru(x), r"did not complete within 3 s")
 
 
-# ---------------------------------------------------------------- torchhpc.waiting.agreed itself
+# ---------------------------------------------------------------- torchhpc.runtime.waiting.agreed itself
 def test_all_ok_passes(comm: MPI.Comm) -> None:
     ran = []
     with waiting.agreed(comm, 10.0, "nothing"):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from mpi4py import MPI
 
-from torchhpc.errors import EngineUnavailableError
-from torchhpc.native import load
 from torchhpc.rehearsal import RehearsalBuffer, RehearsalLoader
+from torchhpc.runtime.errors import EngineUnavailableError
+from torchhpc.runtime.native import load
 
 MPI_RANKS = (1, 2, 4)
 MPI_TIMEOUT = 150

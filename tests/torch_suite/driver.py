@@ -45,7 +45,7 @@ def all_test_names() -> list[str]:
 def _job_env(mpich: bool = False) -> tuple[dict[str, str], str | None]:
     """The jobs' environment and mpiexec (None: the venv's); ``mpich``: the side MPICH's."""
     sys.path.insert(0, str(ROOT / "src"))
-    from torchhpc.mpirun import local_job_env, side_mpich, side_mpich_env
+    from torchhpc.runtime.mpirun import local_job_env, side_mpich, side_mpich_env
 
     env = local_job_env()
     mpiexec = None
@@ -68,7 +68,7 @@ def run_backend(backend: str, names: list[str], out: Path, np: int, per_test_tim
     """Run ``names`` on ``backend``; return one record per test (outcome pass/fail/skip/timeout).
     ``ignore_skip_markers``: run tests whose unittest skip marker says not to (for gloo-only tests);
     ``mpich``: launch with the side MPICH (see :func:`_job_env`)."""
-    from torchhpc.mpirun import mpiexec_argv
+    from torchhpc.runtime.mpirun import mpiexec_argv
 
     stem = backend + tag
     tests_file = out / f"{stem}.tests"

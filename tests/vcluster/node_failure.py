@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from torchhpc.errors import TorchhpcError
 from torchhpc.launcher import init_distributed
+from torchhpc.runtime.errors import TorchhpcError
 
 Workload = tuple[Callable[[int], None], Callable[[], None]]  # one step, and the collective close at the end
 

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from torchhpc.chunkstore import node_topology
 from torchhpc.launcher import world_info
-from torchhpc.threads import thread_budget
+from torchhpc.runtime.threads import thread_budget
 
 world = MPI.COMM_WORLD
 info = world_info()

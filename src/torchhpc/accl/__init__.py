@@ -8,7 +8,7 @@ Importing this package registers the backend::
     dist.init_process_group("accl")  # under mpiexec: no MASTER_ADDR/MASTER_PORT needed
 
 Every call runs in one C++ class, ``ProcessGroupACCL`` (a ``c10d::Backend``, ``csrc/``); this package registers
-it and holds its options (:class:`AcclOptions`).  Its errors are :mod:`torchhpc.errors`' (``PeerTimeoutError``,
+it and holds its options (:class:`AcclOptions`).  Its errors are :mod:`torchhpc.runtime.errors`' (``PeerTimeoutError``,
 ``PeerFailedError``, ``MismatchError``, ``EngineUnavailableError``).
 
 Importing it has two effects beyond registering the name, both listed in docs/accl.md ("What importing accl
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import functools
 
-from ..errors import EngineUnavailableError
-from ..mpi_info import cuda_aware_query
+from ..runtime.errors import EngineUnavailableError
+from ..runtime.mpi_info import cuda_aware_query
 from . import core
 from .backend import create_process_group, register
 from .group import ProcessGroupACCL
@@ -33,7 +33,7 @@ __all__ = ["AcclOptions", "ProcessGroupACCL", "AcclWork", "EngineUnavailableErro
 
 @functools.cache
 def mpi_cuda_aware() -> bool:
-    """Whether the MPI library takes CUDA device pointers (:func:`torchhpc.mpi_info.cuda_aware_query`;
+    """Whether the MPI library takes CUDA device pointers (:func:`torchhpc.runtime.mpi_info.cuda_aware_query`;
     ``TORCHHPC_CUDA_AWARE_MPI=0/1`` overrides).  Reported only: accl stages device tensors through pinned host
     memory whatever it answers."""
     return cuda_aware_query().supported is True

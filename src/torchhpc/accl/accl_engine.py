@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..errors import EngineUnavailableError
+from ..runtime.errors import EngineUnavailableError
 from . import core
 from .options import AcclOptions
 

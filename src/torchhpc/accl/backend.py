@@ -11,8 +11,8 @@ from the member list and how many groups of exactly those members this rank crea
 
 ``MPI_Comm_create_group`` has no timeout, so the members first meet in a handshake polled against the
 group's timeout (each member reports to the first member, which answers all): a member that never
-comes gives a :class:`~torchhpc.errors.PeerTimeoutError` naming it, and a member whose own checks
-failed makes every member raise (:class:`~torchhpc.errors.RemoteError` naming it).
+comes gives a :class:`~torchhpc.runtime.errors.PeerTimeoutError` naming it, and a member whose own checks
+failed makes every member raise (:class:`~torchhpc.runtime.errors.RemoteError` naming it).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 from mpi4py.run import set_abort_status
 
-from ..errors import EngineUnavailableError, PeerTimeoutError, RemoteError
-from ..waiting import agree, agreed, wait_requests
+from ..runtime.errors import EngineUnavailableError, PeerTimeoutError, RemoteError
+from ..runtime.waiting import agree, agreed, wait_requests
 from . import core
 from .group import ProcessGroupACCL
 from .options import AcclOptions

@@ -17,9 +17,9 @@ from types import ModuleType
 import torch
 from mpi4py import MPI
 
-from .. import private
-from ..errors import EngineUnavailableError
-from ..mpi_info import family_of_text, release_singleton_segment
+from ..runtime import private
+from ..runtime.errors import EngineUnavailableError
+from ..runtime.mpi_info import family_of_text, release_singleton_segment
 
 __all__ = ["load_backend", "family", "flight_prefix"]
 

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from .. import settings
+from ..runtime import settings
 
 __all__ = ["AcclOptions", "collectives", "default_spin_us", "plan"]
 
@@ -30,7 +30,7 @@ def default_spin_us(ranks_on_node: int | None = None) -> int:
     beside DDP's backward pass, the step 0.98-0.99x PyTorch's MPI backend with 100 µs, 1.00x with 1000; 4 ranks
     on 2 cores, a 1 MiB all_reduce 20-35% slower with 1000."""
     if ranks_on_node is None:
-        from ..launcher import LauncherError, world_info
+        from ..runtime.world import LauncherError, world_info
 
         try:
             ranks_on_node = world_info(dict(os.environ), use_mpi=False).local_size  # a copy: never asks MPI
@@ -40,7 +40,7 @@ def default_spin_us(ranks_on_node: int | None = None) -> int:
 
 
 def _env(name: str):  # noqa: ANN202 (the setting's own type)
-    """``TORCHHPC_ACCL_<NAME>`` as :mod:`torchhpc.settings` parses and checks it (the one parser)."""
+    """``TORCHHPC_ACCL_<NAME>`` as :mod:`torchhpc.runtime.settings` parses and checks it (the one parser)."""
     return settings.get(name)
 
 

@@ -19,7 +19,7 @@ from urllib.parse import parse_qs, urlparse
 import torch.distributed as dist
 import torch.distributed.rendezvous  # noqa: F401  (loads the module; the name is shadowed by a function)
 
-from ..launcher import agree_on_master, job_store, mpi_launcher
+from ..runtime.world import agree_on_master, job_store, mpi_launcher
 
 __all__ = ["install_env_rendezvous", "under_mpi_launcher"]
 

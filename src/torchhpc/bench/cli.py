@@ -101,7 +101,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 
 def _relaunch(argv: list[str], nprocs: int) -> int:
-    from torchhpc.mpirun import available_cores, local_job_env, mpiexec_argv
+    from torchhpc.runtime.mpirun import available_cores, local_job_env, mpiexec_argv
 
     # Open MPI's yield-when-idle only where ranks share cores: it slows large blocking calls otherwise
     env = local_job_env(oversubscribed=nprocs > available_cores())

@@ -18,7 +18,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..waiting import agreed
+from ..runtime.waiting import agreed
 from .layers import vjp
 from .mgrit import MGRIT, MGRITResult
 from .options import MGRITOptions

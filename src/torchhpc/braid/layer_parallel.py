@@ -23,7 +23,7 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
-from ..waiting import agreed
+from ..runtime.waiting import agreed
 from . import xbraid
 from .grid import Hierarchy, even_split
 from .layers import (

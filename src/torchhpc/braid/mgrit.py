@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from mpi4py import MPI
 
-from ..waiting import agreed
+from ..runtime.waiting import agreed
 from . import xbraid
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions

@@ -6,7 +6,7 @@ CUDA-aware (``TORCHHPC_CUDA_AWARE_MPI=1`` or Open MPI reporting CUDA support) an
 through host memory otherwise.
 
 Collectives (dup, allreduce, allgather, bcast, gather) are MPI's nonblocking ones, polled to
-completion by :func:`wait_all`; a barrier is :func:`torchhpc.waiting.barrier` (with
+completion by :func:`wait_all`; a barrier is :func:`torchhpc.runtime.waiting.barrier` (with
 :func:`timeout_message` for braid's wording).  No call here can hang on a lost peer: past its
 deadline it raises :class:`PeerTimeoutError` naming the operation, the rank and the likely
 cause.  The default deadline is :data:`DEFAULT_TIMEOUT` seconds, or ``TORCHHPC_BRAID_TIMEOUT``.
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from torchhpc import errors, settings
-from torchhpc.mpi_info import cuda_aware_query
-from torchhpc.waiting import wait_requests
+from torchhpc.runtime import errors, settings
+from torchhpc.runtime.mpi_info import cuda_aware_query
+from torchhpc.runtime.waiting import wait_requests
 
 __all__ = ["Channel", "PeerTimeoutError", "DEFAULT_TIMEOUT", "default_timeout", "agreement_timeout",
            "timeout_message",
@@ -42,7 +42,7 @@ _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.co
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 _HDR = 12  # clock, dtype code, ndim, up to 9 dims
 
-# Old home of torchhpc.errors.PeerTimeoutError (a wait on peer ranks passed its deadline), kept importable.
+# Old home of torchhpc.runtime.errors.PeerTimeoutError (a wait on peer ranks passed its deadline), kept importable.
 PeerTimeoutError = errors.PeerTimeoutError
 
 
@@ -75,7 +75,7 @@ def agreement_timeout(timeout: float | None) -> float:
 
 
 def cuda_aware_mpi() -> bool:
-    """Whether MPI can read and write CUDA device buffers directly (:func:`torchhpc.mpi_info.cuda_aware_query`;
+    """Whether MPI can read and write CUDA device buffers directly (:func:`torchhpc.runtime.mpi_info.cuda_aware_query`;
     ``TORCHHPC_CUDA_AWARE_MPI=0/1`` overrides)."""
     return cuda_aware_query().supported is True
 
@@ -83,7 +83,7 @@ def cuda_aware_mpi() -> bool:
 def wait_all(requests: Sequence[MPI.Request], timeout: float, what: str, comm: MPI.Comm,
              keep: Any = None, cancel: bool = False) -> None:
     """Complete ``requests`` or raise :class:`PeerTimeoutError` after ``timeout`` s (one poll loop:
-    :func:`torchhpc.waiting.wait_requests`).
+    :func:`torchhpc.runtime.waiting.wait_requests`).
 
     ``what`` names the operation for the error.  ``keep`` (the buffers) stays alive with the
     requests if they are given up; ``cancel`` cancels them first (point-to-point receives only:

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import native
-from ..errors import EngineUnavailableError
-from ..waiting import agree
+from ..runtime import native
+from ..runtime.errors import EngineUnavailableError
+from ..runtime.waiting import agree
 from .grid import Hierarchy, even_split
 from .options import MGRITOptions
 
@@ -37,8 +37,8 @@ _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.co
 
 
 def load() -> ModuleType:
-    """The ``_torchhpc_xbraid`` extension, or :class:`~torchhpc.errors.EngineUnavailableError` naming it and
-    ``make native-xbraid`` (see :mod:`torchhpc.native`)."""
+    """The ``_torchhpc_xbraid`` extension, or :class:`~torchhpc.runtime.errors.EngineUnavailableError` naming it and
+    ``make native-xbraid`` (see :mod:`torchhpc.runtime.native`)."""
     return native.load("xbraid")
 
 
@@ -177,7 +177,7 @@ def run(phi: Callable[[torch.Tensor, int, int], torch.Tensor], u0: torch.Tensor,
 
 def _agree_on_errors(comm: MPI.Comm, error: BaseException | None, timeout: float) -> None:
     """Every rank raises when any rank's callback raised: that rank its own exception, the others
-    :class:`~torchhpc.errors.RemoteError` naming it and its error."""
+    :class:`~torchhpc.runtime.errors.RemoteError` naming it and its error."""
     agree(comm, error, timeout, "XBraid solve (torchhpc.braid engine='xbraid')")
     if error is not None:
         raise error

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ..waiting import agreed, allgather_object, barrier, wait_requests, wait_works
+from ..runtime.waiting import agreed, allgather_object, barrier, wait_requests, wait_works
 from .exchange import RowExchange
 from .layout import Layout, plan_layout, positions_from_order
 from .options import DEFAULT_TIMEOUT, ChunkStoreOptions
@@ -115,7 +115,7 @@ class ChunkTensor:
     are the fields of :class:`~torchhpc.chunkstore.ChunkStoreOptions`, each documented there: given as
     keywords, or as ``options=ChunkStoreOptions(...)``, or both (keywords that are not ``None`` override the
     options' fields).  No collective step (construction, loading, reports, cross-node gathers) waits for its peers
-    longer than ``timeout`` seconds; past it a :class:`~torchhpc.errors.PeerTimeoutError` (a
+    longer than ``timeout`` seconds; past it a :class:`~torchhpc.runtime.errors.PeerTimeoutError` (a
     ``TimeoutError``) is raised, and an error on one rank of a step is raised on every rank of it.
     """
 
@@ -630,7 +630,7 @@ class ChunkTensor:
 
     def _step(self, what: str) -> contextlib.AbstractContextManager[None]:
         """One step of a collective method, agreed over every rank: an error on one rank raises on all (the
-        others raise :class:`~torchhpc.errors.RemoteError`, also of the failing rank's builtin type)."""
+        others raise :class:`~torchhpc.runtime.errors.RemoteError`, also of the failing rank's builtin type)."""
         return agreed(self.topo.comm, self.timeout, what, keep_type=True)
 
     def load_from_tensor(self, t: torch.Tensor | None, src: int | None = 0) -> None:

@@ -3,7 +3,7 @@
 A gather of rows held by other nodes is collective over the job and takes three all-to-all steps:
 
 1. counts: how many rows each rank asks of each peer, one int64 per peer (``MPI_Ialltoall``,
-   polled against a deadline so that a rank that never joins raises :class:`~torchhpc.errors.PeerTimeoutError`
+   polled against a deadline so that a rank that never joins raises :class:`~torchhpc.runtime.errors.PeerTimeoutError`
    instead of hanging its peers).  A negative count tells the peers that this rank's gather
    failed (bad index, ...): every rank then raises, nobody is left waiting.
 2. ids: the requested storage positions (``MPI_Ialltoallv`` of int64, waited on with the same deadline).
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ..errors import PeerTimeoutError
-from ..waiting import wait_requests
+from ..runtime.errors import PeerTimeoutError
+from ..runtime.waiting import wait_requests
 
 __all__ = ["RowExchange"]
 

@@ -30,7 +30,7 @@ class ChunkStoreOptions:
       :func:`~torchhpc.chunkstore.node_topology`).
     - ``use_cuda``: device chunks in GPU memory (``None``: when CUDA is available).
     - ``timeout``: seconds a collective step (construction, loading, reports, cross-node gathers) waits
-      for its peers; past it :class:`~torchhpc.errors.PeerTimeoutError` (a ``TimeoutError``) is raised.
+      for its peers; past it :class:`~torchhpc.runtime.errors.PeerTimeoutError` (a ``TimeoutError``) is raised.
     - ``row_transport``: how a cross-node gather's host rows travel: ``"mpi"`` (``MPI_Ialltoallv`` over the
       ChunkTensor's communicator, the default: 1.4-2.5x gloo's rate across a 10 Gbit/s link) or ``"group"``
       (``all_to_all_single`` over the torch.distributed group, through whatever backend it has).  With an

@@ -123,7 +123,7 @@ def _mount_huge(d: Path) -> str | None:
 def shared_page_setting(directory: Path | None = None) -> tuple[bool, str]:
     """Whether segments in ``directory`` (default :func:`shm_dir`) can get 2 MiB pages, and why, from the tmpfs
     mount's ``huge=`` option and the kernel's ``shmem_enabled`` (``deny`` and ``force`` override the mount)."""
-    from ..hugepages import kernel_setting
+    from ..runtime.hugepages import kernel_setting
 
     d = directory or shm_dir()
     mount, shmem = _mount_huge(d), kernel_setting("shmem_enabled")
@@ -166,7 +166,7 @@ class Segment:
 
     def huge_kib(self) -> int:
         """KiB of this process's mapping of the segment that 2 MiB pages back (0: 4 KiB pages)."""
-        from ..hugepages import huge_kib
+        from ..runtime.hugepages import huge_kib
 
         return huge_kib(self.tensor.data_ptr(), self.nbytes, field="ShmemPmdMapped") if self.nbytes else 0
 

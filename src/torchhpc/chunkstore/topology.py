@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .. import settings
+from ..runtime import settings
 
 __all__ = ["NodeTopology", "node_topology"]
 

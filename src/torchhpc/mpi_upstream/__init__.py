@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import settings
-from ..mpi_info import family_of_text
+from ..runtime import settings
+from ..runtime.mpi_info import family_of_text
 
 __all__ = ["NAME", "family", "module_name", "load", "create_backend", "register", "init_process_group",
            "use_as_torch_mpi", "cuda_aware", "UnsupportedGroupError"]
@@ -58,7 +58,7 @@ def family() -> str:
         fam = family_of_text(sys.modules["mpi4py.MPI"].Get_library_version())
         if fam is not None:
             return fam
-    from ..launcher import mpi_launcher
+    from ..runtime.world import mpi_launcher
 
     launcher = mpi_launcher()
     if launcher == "openmpi":
@@ -70,7 +70,7 @@ def family() -> str:
     built = [f for f in FAMILIES if _module_file(f) is not None]
     if len(built) == 1:
         return built[0]
-    from ..mpirun import mpi_flavor
+    from ..runtime.mpirun import mpi_flavor
 
     flavor = mpi_flavor()
     return flavor if flavor in FAMILIES else "openmpi"

@@ -26,8 +26,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchhpc import private
 from torchhpc.mpi_upstream import module_name
+from torchhpc.runtime import private
 
 __all__ = ["BuildError", "Source", "build", "select_source", "patches_for", "apply_patches", "family_of",
            "default_mpicxx", "default_workdir", "side_mpicxx", "torch_release", "PG_MPI", "TAG_URL"]
@@ -188,7 +188,7 @@ def default_mpicxx() -> str:
 
 def side_mpicxx() -> str | None:
     """The ``mpicxx`` of the MPICH that ``make env`` puts beside an Open MPI venv, if there."""
-    from torchhpc.mpirun import side_mpich
+    from torchhpc.runtime.mpirun import side_mpich
 
     root = side_mpich()
     return str(root / "bin" / "mpicxx") if root is not None and (root / "bin" / "mpicxx").exists() else None

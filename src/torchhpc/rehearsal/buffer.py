@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import native
-from ..errors import EngineUnavailableError, PeerTimeoutError
-from ..waiting import agreed, allgather_object, barrier, wait_requests
+from ..runtime import native
+from ..runtime.errors import EngineUnavailableError, PeerTimeoutError
+from ..runtime.waiting import agreed, allgather_object, barrier, wait_requests
 from .layout import RecordLayout
 from .options import TASKS, TRANSPORTS, RehearsalOptions
 from .reservoir import ClassReservoir
@@ -111,7 +111,7 @@ def _check_launcher(rank: int, size: int) -> None:
     Each process would then be an MPI world of its own and "global" sampling would silently
     stay local.
     """
-    from torchhpc.launcher import world_info
+    from torchhpc.runtime.world import world_info
 
     info = world_info()
     if (info.world_size, info.rank) != (size, rank):
@@ -442,7 +442,7 @@ class RehearsalBuffer:
     def close(self) -> None:
         """Stop the worker and free the storage (collective over ``comm`` with global sampling).
 
-        Every rank must call it: without them it raises :class:`~torchhpc.errors.PeerTimeoutError` after
+        Every rank must call it: without them it raises :class:`~torchhpc.runtime.errors.PeerTimeoutError` after
         ``timeout`` s, the buffer refusing further use; a later ``close()``, once the peers have called it,
         frees the storage."""
         if self._closed:

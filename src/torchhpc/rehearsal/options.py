@@ -74,7 +74,7 @@ class RehearsalOptions:
       need the owner's progress to serve one-sided reads; ``None`` polls every 2 ms only when the ranks span
       several nodes, 0 never polls.
     - ``timeout``: seconds ``wait()`` waits for the worker, and the constructor's error agreement and
-      ``close()`` wait for the peers, before raising :class:`~torchhpc.errors.PeerTimeoutError`.
+      ``close()`` wait for the peers, before raising :class:`~torchhpc.runtime.errors.PeerTimeoutError`.
     - ``max_pending``: most ``accumulate()`` calls allowed ahead of ``wait()``.
     - ``worker_niceness``: nice value (0-19, Linux) of the worker thread alone, so that the training threads
       of all ranks on a node win the cores when they need them: the worker's work is off the critical path,
@@ -83,7 +83,7 @@ class RehearsalOptions:
       for it sooner: the first moments after a hand-over are when the training thread starts its step.
     - ``transport``: how representatives are read from other ranks: ``"mpi"`` (one-sided MPI RMA reads of a
       window), ``"thallium"`` (Mochi Thallium RPC + bulk transfers served by each owner's Argobots
-      progress; needs ``make native-mochi``, else :class:`~torchhpc.errors.EngineUnavailableError`), or
+      progress; needs ``make native-mochi``, else :class:`~torchhpc.runtime.errors.EngineUnavailableError`), or
       ``"auto"`` (default): Thallium when the job spans nodes and every rank has it built, MPI otherwise
       (across TCP nodes Thallium fetched 1.5-2.5x faster than MPI's one-sided reads; on one node shared
       memory is faster).  Without ``global_sampling`` nothing is read remotely and neither is set up.

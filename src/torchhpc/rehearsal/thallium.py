@@ -20,9 +20,9 @@ import secrets
 import numpy as np
 from mpi4py import MPI
 
-from torchhpc import native
-from torchhpc.errors import PeerFailedError, PeerTimeoutError, TorchhpcError
-from torchhpc.waiting import agreed, barrier, wait_requests
+from torchhpc.runtime import native
+from torchhpc.runtime.errors import PeerFailedError, PeerTimeoutError, TorchhpcError
+from torchhpc.runtime.waiting import agreed, barrier, wait_requests
 
 from .layout import RecordLayout
 from .options import PROTOCOLS

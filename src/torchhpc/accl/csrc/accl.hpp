@@ -39,7 +39,7 @@ using Clock = std::chrono::steady_clock;
 using RedOpType = c10d::ReduceOp::RedOpType;
 
 // ------------------------------------------------------------------------------------------ errors
-// Each becomes the torchhpc.errors class of the same name in Python (module.cpp's translator).
+// Each becomes the torchhpc.runtime.errors class of the same name in Python (module.cpp's translator).
 
 struct PeerTimeoutError : c10::DistBackendError {
   explicit PeerTimeoutError(std::string msg) : c10::DistBackendError(std::move(msg)) {}

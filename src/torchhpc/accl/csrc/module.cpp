@@ -1,5 +1,5 @@
 // The Python face of the C++ backend: the class (a c10d::Backend torch's ProcessGroup dispatches to), its
-// counters, the translation of accl's C++ errors into torchhpc.errors' classes, and the library's identity.
+// counters, the translation of accl's C++ errors into torchhpc.runtime.errors' classes, and the library's identity.
 #include "accl.hpp"
 
 #include <torch/csrc/utils/pybind.h>
@@ -175,11 +175,11 @@ void defineOptions(py::module_ m) {
         py::arg("on_mpi") = true, "the path plan() chooses for a call (collectives by the flight recorder's names)");
 }
 
-// accl's C++ errors as torchhpc.errors' classes (the suites and users catch those)
+// accl's C++ errors as torchhpc.runtime.errors' classes (the suites and users catch those)
 void translate(std::exception_ptr p) {
   static py::handle timeout, failed, mismatch;
   if (!timeout) {
-    py::module_ errors = py::module_::import("torchhpc.errors");
+    py::module_ errors = py::module_::import("torchhpc.runtime.errors");
     timeout = py::object(errors.attr("PeerTimeoutError")).release();
     failed = py::object(errors.attr("PeerFailedError")).release();
     mismatch = py::object(errors.attr("MismatchError")).release();

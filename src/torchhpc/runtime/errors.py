@@ -58,7 +58,8 @@ def _torch_errors() -> None:
     class PeerTimeoutError(TorchhpcError, DistBackendError, TimeoutError):
         """A wait on peer ranks passed its deadline (a peer died, hung, or did not make the matching call).
 
-        ``requests`` holds the operations still pending (MPI requests, kept alive by :mod:`torchhpc.waiting`)."""
+        ``requests`` holds the operations still pending (MPI requests, kept alive by
+        :mod:`torchhpc.runtime.waiting`)."""
 
         def __init__(self, message: str, requests: Sequence[Any] = ()) -> None:
             super().__init__(message)
@@ -74,7 +75,7 @@ def _torch_errors() -> None:
             self.failed_ranks = tuple(failed_ranks)
 
     for cls in (PeerTimeoutError, PeerFailedError):
-        cls.__qualname__ = cls.__name__  # pickled and printed as torchhpc.errors.<name>
+        cls.__qualname__ = cls.__name__  # pickled and printed as torchhpc.runtime.errors.<name>
         globals()[cls.__name__] = cls
 
 

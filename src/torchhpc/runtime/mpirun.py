@@ -155,7 +155,7 @@ def side_mpich_env(root: Path, env: dict[str, str]) -> dict[str, str]:
 
 def local_job_env(base: dict[str, str] | None = None, *, oversubscribed: bool = True) -> dict[str, str]:
     """Environment for a small local job: one thread per rank, yielding MPI progress when oversubscribed,
-    huge pages for torch's CPU tensors (``THP_MEM_ALLOC_ENABLE=1`` unless set; :mod:`torchhpc.hugepages`)."""
+    huge pages for torch's CPU tensors (``THP_MEM_ALLOC_ENABLE=1`` unless set; :mod:`torchhpc.runtime.hugepages`)."""
     from .hugepages import set_default
 
     env = dict(os.environ if base is None else base)

@@ -80,7 +80,7 @@ def _pbs_default(env: Mapping[str, str], value: str) -> bool:
 def _launch(env: Mapping[str, str]) -> tuple[int, str]:
     """(ranks on this node, launcher) from the launcher's variables; (1, "single") without a launcher."""
     from .errors import LauncherError
-    from .launcher import world_info
+    from .world import world_info
 
     try:  # a copy: world_info may ask MPI about os.environ itself, and this must not start MPI
         info = world_info(dict(env), use_mpi=False)

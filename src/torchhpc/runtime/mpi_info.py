@@ -58,7 +58,7 @@ def thread_level() -> str:
 
 def fault_tolerance() -> tuple[bool, bool]:
     """(the library has ULFM's ``MPIX_Comm_revoke``, this job was launched with it switched on): only then
-    do survivors of a dead rank get MPI errors (``torchhpc.errors.PeerFailedError``) instead of being
+    do survivors of a dead rank get MPI errors (``torchhpc.runtime.errors.PeerFailedError``) instead of being
     killed by the launcher."""
     from mpi4py import MPI  # noqa: F401  (loads the library)
 
@@ -152,7 +152,7 @@ def release_singleton_segment() -> list[str]:
     until the process ends); the paths removed.  Does nothing under a launcher, or before MPI is initialised."""
     import sys
 
-    from .launcher import mpi_launcher
+    from .world import mpi_launcher
 
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None or mpi_launcher() is not None or not mpi.Is_initialized() or mpi.COMM_WORLD.Get_size() != 1:

@@ -1,13 +1,13 @@
 """The one way torchhpc waits on peers: poll with a deadline under one back-off policy, and agree on errors.
 
 MPI's blocking calls have no timeout, so every wait on other ranks in the package is a nonblocking
-operation polled here against a deadline; past it a :class:`~torchhpc.errors.PeerTimeoutError` says
+operation polled here against a deadline; past it a :class:`~torchhpc.runtime.errors.PeerTimeoutError` says
 what was waited for.  The back-off (:class:`Backoff`) spins a few polls (a peer is often about to
 arrive), then yields the core (ranks are often oversubscribed), then sleeps with a growing interval,
 capped, so that a long wait does not burn a core.
 
 :func:`agreed` makes a collective entry point fail on every rank when it fails on one: each rank
-contributes "ok" or its exception; if any failed, the others raise :class:`~torchhpc.errors.RemoteError`
+contributes "ok" or its exception; if any failed, the others raise :class:`~torchhpc.runtime.errors.RemoteError`
 naming the rank and its error (the failing rank re-raises its own), all within a deadline.
 :func:`barrier` is the one deadline barrier: a collective step that must know every rank has arrived
 (before blocking MPI calls, or before freeing shared memory) starts with it.

@@ -11,7 +11,7 @@ Mirrors NCCL's own rules (NVIDIA/nccl ``src/plugin/net.cc`` and ``src/plugin/plu
 * ``NCCL_NET`` then picks a network by that name, case-insensitively, among the plugin, ``IB`` and ``Socket``;
   no match is NCCL's "Failed to initialize any NET plugin".  Unset: the plugin first, then IB, then Socket.
 
-The dlopen happens in a child process (``python -m torchhpc.nccl_plugin NAME...``): a plugin's constructors
+The dlopen happens in a child process (``python -m torchhpc.runtime.nccl_plugin NAME...``): a plugin's constructors
 and its libfabric stay out of the caller, whose own MPI may bundle a different libfabric of the same soname.
 """
 
@@ -120,7 +120,7 @@ def _probe_child(names: list[str], wanted: list[int], env: dict[str, str], timeo
     """:func:`probe` run in a child process with ``env``: its report, or the verdict when the child failed."""
     if not names:
         return {"tried": []}
-    cmd = [sys.executable, "-m", "torchhpc.nccl_plugin", "--wanted", ",".join(map(str, wanted)), *names]
+    cmd = [sys.executable, "-m", "torchhpc.runtime.nccl_plugin", "--wanted", ",".join(map(str, wanted)), *names]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
     except subprocess.TimeoutExpired:
@@ -180,7 +180,7 @@ def diagnose(environ: Mapping[str, str] | None = None, timeout: float = 60.0) ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m torchhpc.nccl_plugin [--wanted 8,7,6] NAME...``: print :func:`probe` as JSON."""
+    """``python -m torchhpc.runtime.nccl_plugin [--wanted 8,7,6] NAME...``: print :func:`probe` as JSON."""
     args = list(sys.argv[1:] if argv is None else argv)
     wanted: list[int] = []
     if args[:1] == ["--wanted"]:
