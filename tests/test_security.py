@@ -290,7 +290,8 @@ def test_a_process_run_without_mpiexec_leaves_no_open_mpi_segment() -> None:
     if not shm.is_dir():
         pytest.skip("no /dev/shm")
     code = ("import os, signal, sys; sys.path.insert(0, {!r}); from torchhpc.accl import core; core.load_backend(); "
-            "from torchhpc.runtime import mpi_info; print('OPENMPI', 'Open MPI' in mpi_info.library_version(), flush=True); "
+            "from torchhpc.runtime import mpi_info; "
+            "print('OPENMPI', 'Open MPI' in mpi_info.library_version(), flush=True); "
             "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == 'kill' else None").format(str(ROOT / "src"))
     for how in ("exit", "kill"):
         before = {p.name for p in shm.glob("sm_segment.*")}

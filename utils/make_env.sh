@@ -105,7 +105,9 @@ done
 
 # accl's C++ backend (src/torchhpc/accl/csrc/): one module per MPI family, as mpi4py has, for the environment's
 # MPI and for the side prefix's (the other family), against the environment's torch.  Each build is one
-# single-threaded compile, so the two run side by side.  Re-run safe: an up-to-date build is kept.
+# single-threaded compile, so the two run side by side.  A test build (--test-hooks: the suite reaches the wire
+# protocol's texts and garbles a message on purpose); an install's build has neither.  Re-run safe: an up-to-date
+# build is kept.
 main_mpicc="$VENV/bin/mpicc"
 [[ "$MPI" == system ]] && main_mpicc="$MPICC"
 main_family=$("$VENV/bin/python" -c 'import sys; from torchhpc.accl.corebuild import family_of; print(family_of(sys.argv[1]))' "$main_mpicc")
@@ -117,7 +119,7 @@ done
 step "building accl's C++ backend for ${builds[*]} against this torch"
 pids=()
 for mpicc in "${builds[@]}"; do
-  "$VENV/bin/python" -m torchhpc.accl.corebuild --mpicc "$mpicc" &
+  "$VENV/bin/python" -m torchhpc.accl.corebuild --test-hooks --mpicc "$mpicc" &
   pids+=("$!")
 done
 for i in "${!pids[@]}"; do

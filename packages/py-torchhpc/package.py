@@ -43,8 +43,8 @@ class PyTorchhpc(PythonPackage):
     @run_after("install")
     def build_accl_core(self):
         """accl's C++ backend (src/torchhpc/accl/csrc/) built with this MPI's mpicxx against py-torch, into the
-        installed package; corebuild.py runs from the source tree beside the sources."""
-        corebuild = join_path(self.stage.source_path, "src", "torchhpc", "accl", "corebuild.py")
-        self.spec["python"].command(corebuild, "--mpicc", self.spec["mpi"].mpicc,
+        installed package (an install's build: no test hooks); the build module runs from the source tree."""
+        self.spec["python"].command("-m", "torchhpc.accl.corebuild", "--mpicc", self.spec["mpi"].mpicc,
                                     "--mpicxx", self.spec["mpi"].mpicxx,
-                                    "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"))
+                                    "--dest", join_path(self.prefix, python_platlib, "torchhpc", "accl"),
+                                    extra_env={"PYTHONPATH": join_path(self.stage.source_path, "src")})

@@ -372,9 +372,9 @@ def test_gru_parallel_matches_serial(comm: MPI.Comm, levels: int, iters: int, bo
 
 
 # ---------------------------------------------------------------------------- deadlines
-from torchhpc.runtime import waiting  # noqa: E402
 from torchhpc.braid import transport  # noqa: E402
 from torchhpc.braid.transport import PeerTimeoutError  # noqa: E402
+from torchhpc.runtime import waiting  # noqa: E402
 
 _TMO = 0.1  # seconds; generous slack below for a loaded, oversubscribed machine
 _SLACK = 6.0

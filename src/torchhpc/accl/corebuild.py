@@ -111,6 +111,14 @@ def _stamp(cxx: str, flags: list[str]) -> str:
     return f"{torch.__version__} {h.hexdigest()}"
 
 
+def _backoff_flags() -> list[str]:
+    """torchhpc.runtime.waiting.Backoff's numbers as the C++ waits' -DACCL_BACKOFF_* (one policy, defined there)."""
+    from ..runtime.waiting import Backoff
+
+    us = {"YIELD_US": Backoff.YIELD_S, "NAP_US": Backoff.SLEEP_S, "CAP_US": Backoff.CAP_S}
+    return [f"-DACCL_BACKOFF_POLLS={Backoff.SPINS}", *(f"-DACCL_BACKOFF_{k}={round(v * 1e6)}" for k, v in us.items())]
+
+
 def _finds_json(cxx: str, flags: list[str]) -> bool:
     """Whether ``cxx`` with ``flags`` finds ``<nlohmann/json.hpp>`` (what ``csrc/flight.cpp`` tests)."""
     probe = "#if __has_include(<nlohmann/json.hpp>)\nTORCHHPC_FOUND\n#endif\n"
@@ -120,10 +128,11 @@ def _finds_json(cxx: str, flags: list[str]) -> bool:
 
 
 def build(mpicc: str | None = None, dest: Path | None = None, force: bool = False,
-          mpicxx: str | None = None) -> Path:
+          mpicxx: str | None = None, test_hooks: bool = False) -> Path:
     """Compile the C++ backend (``csrc/``) for the MPI family behind ``mpicc`` (its C++ wrapper) against the
     importable torch, into ``_backend_<family>`` in ``dest`` (default: this package); the output's path.  A
-    stamp (:func:`_stamp`) keeps a module whose inputs did not change."""
+    stamp (:func:`_stamp`) keeps a module whose inputs did not change.  ``test_hooks``: a test build (``make env``'s),
+    which also shows the wire protocol's tables and texts to Python and can garble a message on purpose."""
     import torch
     from torch.utils import cpp_extension
 
@@ -135,8 +144,9 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
     out = dest / f"{name}{sysconfig.get_config_var('EXT_SUFFIX')}"
     lib = Path(torch.__file__).parent / "lib"
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    flags = ["-O2", "-fPIC", "-std=c++20", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter", "-DFMT_HEADER_ONLY",
-             "-Wno-missing-field-initializers", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DACCL_MODULE={name}",
+    flags = [*_backoff_flags(), "-O2", "-fPIC", "-std=c++20", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
+             "-DFMT_HEADER_ONLY", "-Wno-missing-field-initializers", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+             f"-DACCL_MODULE={name}", *(["-DACCL_TEST_HOOKS"] if test_hooks else []),
              f'-DTORCH_BUILT_FOR="{torch.__version__}"', *(f"-isystem{p}" for p in cpp_extension.include_paths()),
              f"-isystem{sysconfig.get_paths()['include']}",
              # nlohmann/json.hpp (torch's flight-recorder header needs it) from a Spack view or conda prefix
@@ -159,8 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mpicxx", help="the MPI's C++ wrapper (default: the one beside --mpicc)")
     ap.add_argument("--dest", type=Path, help="output directory (default: the torchhpc.accl package)")
     ap.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    ap.add_argument("--test-hooks", action="store_true", help="a test build, as make env's (the test suite needs it)")
     args = ap.parse_args(argv)
-    print(build(args.mpicc, args.dest, args.force, mpicxx=args.mpicxx))
+    print(build(args.mpicc, args.dest, args.force, mpicxx=args.mpicxx, test_hooks=args.test_hooks))
     return 0
 
 

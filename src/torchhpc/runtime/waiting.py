@@ -39,7 +39,8 @@ _yield = getattr(os, "sched_yield", lambda: time.sleep(0))
 
 class Backoff:
     """Pause between polls: ``SPINS`` polls back to back, then yield the core until ``YIELD_S`` has
-    passed, then sleep from ``SLEEP_S`` doubling up to ``CAP_S``.  One object per wait."""
+    passed, then sleep from ``SLEEP_S`` doubling up to ``CAP_S``.  One object per wait.  The one policy: accl's
+    C++ waits are compiled with these numbers (``torchhpc.accl.corebuild``), spinning longer where asked."""
 
     SPINS = 64
     YIELD_S = 0.02

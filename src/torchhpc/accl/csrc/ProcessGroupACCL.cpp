@@ -58,26 +58,27 @@ void watch(ProcessGroupACCL* pg, bool on) {
   else gWatched.erase(std::remove(gWatched.begin(), gWatched.end(), pg), gWatched.end());
 }
 
-// torchhpc.waiting.Backoff's shape: spin (at least 64 polls, and for `spin`: Config::spin, AcclOptions.spin_us),
-// yield the core until 20 ms, then sleep from 50 us doubling to 1 ms.  The spin is timed: when compute threads hold
-// every core (a DDP bucket's all_reduce under the backward pass), a waiter that yields at once falls out of step
-// with its peer, which then spins in MPI's blocking call for its time slice.
+// torchhpc.runtime.waiting.Backoff's policy, its numbers compiled in from there (corebuild's -DACCL_BACKOFF_*):
+// poll back to back (at least ACCL_BACKOFF_POLLS times, and for `spin`: Config::spin, AcclOptions.spin_us), yield
+// the core until ACCL_BACKOFF_YIELD_US, then sleep from ACCL_BACKOFF_NAP_US doubling to ACCL_BACKOFF_CAP_US.  The
+// spin is timed: when compute threads hold every core (a DDP bucket's all_reduce under the backward pass), a waiter
+// that yields at once falls out of step with its peer, which then spins in MPI's blocking call for its time slice.
 struct Backoff {
   explicit Backoff(std::chrono::microseconds spin) : spin(spin) {}
   std::chrono::microseconds spin;
   int polls = 0;
   Clock::time_point start = Clock::now();
-  std::chrono::microseconds nap{50};
+  std::chrono::microseconds nap{ACCL_BACKOFF_NAP_US};
   void pause() {
-    if (++polls <= 64) return;
+    if (++polls <= ACCL_BACKOFF_POLLS) return;
     const auto waited = Clock::now() - start;
     if (waited < spin) return;
-    if (waited < std::chrono::milliseconds(20)) {
+    if (waited < std::chrono::microseconds(ACCL_BACKOFF_YIELD_US)) {
       std::this_thread::yield();
       return;
     }
     std::this_thread::sleep_for(nap);
-    nap = std::min(nap * 2, std::chrono::microseconds(1000));
+    nap = std::min(nap * 2, std::chrono::microseconds(ACCL_BACKOFF_CAP_US));
   }
 };
 

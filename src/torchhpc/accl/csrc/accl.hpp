@@ -6,6 +6,11 @@
 // phase touches Python (it releases the caller's GIL, ProcessGroupACCL.cpp).
 #pragma once
 
+#if !defined(ACCL_BACKOFF_POLLS) || !defined(ACCL_BACKOFF_YIELD_US) || !defined(ACCL_BACKOFF_NAP_US) || \
+    !defined(ACCL_BACKOFF_CAP_US)
+#error "build with torchhpc.runtime.waiting.Backoff's numbers as -DACCL_BACKOFF_* (torchhpc.accl.corebuild does)"
+#endif
+
 #include <mpi.h>
 
 #include <ATen/ATen.h>
@@ -74,7 +79,7 @@ inline void mpiCheck(int rc, const char* fn) {
 std::string mpiErrorText(int rc);
 
 // ------------------------------------------------------------------------------------------ wire
-// The one definition of the wire protocol (Python reads it from the built module: module.cpp's `wire`).
+// The one definition of the wire protocol (a test build shows it to Python: module.cpp's `wire`).
 // Collective header: nine int64 fields.  It travels in a Prefix (the header combined so far, a mismatch flag and
 // the data that follows) in every message of the header exchange (exchange.cpp), followed by a small call's data
 // up to kCarryBytes: the exchange is then the whole collective.
@@ -122,9 +127,11 @@ extern const char* const kFieldNames[kFields];
 extern const char* const kKindNames[10];
 extern const char* const kDtypeNames[15];
 extern const char* const kOpNames[8];
-// test hook (wire.garble_next): the next header-exchange prefix this process sends has its size off by this much,
-// a peer that garbles a message; the one place a wrong size is made on purpose, to test that readers refuse it
+#ifdef ACCL_TEST_HOOKS  // a test build (corebuild --test-hooks, as make env builds): never in an install's module
+// the next header-exchange prefix this process sends has its size off by this much (wire.garble_next): a peer that
+// garbles a message, the one place a wrong size is made on purpose, to test that readers refuse it
 extern std::atomic<int64_t> garble;
+#endif
 int64_t dtypeCode(at::ScalarType t);  // 1.. in kDtypeNames' order; 99 for a dtype outside the table
 int64_t opCode(RedOpType op);         // 1.. in kOpNames' order; 0 for none
 std::string dtypeName(int64_t code);

@@ -107,6 +107,7 @@ py::tuple names(const char* const (&table)[N]) {
   return out;
 }
 
+#ifdef ACCL_TEST_HOOKS  // a test build: the protocol's tables and texts, and the garbling hook, for tests
 accl::wire::Header headerOf(const std::array<int64_t, accl::wire::kFields>& f) {
   return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]};
 }
@@ -148,6 +149,7 @@ void defineWire(py::module_ m) {
     return wire::envelopeMismatch({e[0], e[1], e[2], e[3]}, peer, t, from, tag);
   }, "the receiver's error text when an envelope from `peer` does not fit `t` ('' when it fits)");
 }
+#endif
 
 // the group's options, one struct: torchhpc.accl.AcclOptions fills every field (options.py), and plan() reads them
 void defineOptions(py::module_ m) {
@@ -239,7 +241,9 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
         return "AcclWork(" + w.what() + ", " + (w.isCompleted() ? "done" : "pending") + ")";
       });
   py::register_exception_translator(&translate);
+#ifdef ACCL_TEST_HOOKS
   defineWire(m);
+#endif
   m.attr("COLLECTIVES") = names(accl::kCollNames);
   m.def("library_version", &libraryVersion, "MPI_Get_library_version");
   m.def("peers_lost", [] { return py::make_tuple(accl::peersDied(), accl::peersSilentTimeout()); },

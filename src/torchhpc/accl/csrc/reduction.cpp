@@ -94,10 +94,9 @@ void checkPair(at::ScalarType t, RedOpType op, const char* what) {
 
 }  // namespace
 
-std::string opName(RedOpType op) {
-  static const char* const names[] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM",
-                                      "UNUSED"};
-  return op <= RedOpType::UNUSED ? names[op] : "op#" + std::to_string(static_cast<int>(op));
+std::string opName(RedOpType op) {  // the wire's names (RedOpType's order), and the ones it never carries
+  if (op < 8) return wire::kOpNames[op];
+  return op == RedOpType::PREMUL_SUM ? "PREMUL_SUM" : "op#" + std::to_string(static_cast<int>(op));
 }
 
 const Reduction& reductionFor(at::ScalarType dtype, RedOpType op, const char* what) {
