@@ -11,9 +11,10 @@ Every call runs in one C++ class, ``ProcessGroupACCL`` (a ``c10d::Backend``, ``c
 it and holds its options (:class:`AcclOptions`).  Its errors are :mod:`torchhpc.runtime.errors`' (``PeerTimeoutError``,
 ``PeerFailedError``, ``MismatchError``, ``EngineUnavailableError``).
 
-Importing it has two effects beyond registering the name, both listed in docs/accl.md ("What importing accl
-does"): torch's ``env://`` rendezvous learns to read an MPI launcher's variables, and an exit hook meets the
-other ranks (or ends the job) before ``MPI_Finalize``, which would wait for a lost peer for ever.
+Importing it registers the name and makes torch's ``env://`` rendezvous read an MPI launcher's variables; the
+first accl group a process makes adds an exit hook that meets the other ranks (or ends the job) before
+``MPI_Finalize``, which would wait for a lost peer for ever.  Both are listed in docs/accl.md ("What importing
+accl does, and what the first group adds").
 """
 
 from __future__ import annotations

@@ -214,7 +214,6 @@ def _met_at_exit(silent_s: float) -> bool:
     return True
 
 
-
 def create_process_group(dist_opts, pg_options=None) -> ProcessGroupACCL:
     """``Backend.register_backend`` creator (extended API): builds the group's MPI communicator.
 

@@ -147,7 +147,9 @@ def plan(collective: str, nbytes: int, ranks: int, spans_nodes: bool, options: A
     from the C++ backend's one choice point.  ``collective`` by the flight recorder's names (``all_reduce``,
     ``_all_gather_base``, ``all_to_all_single``...); ``nbytes`` what the call moves in all (all_gather's output,
     reduce_scatter's input)."""
+    import torch.distributed as dist
+
     from . import core
 
-    opts = (options if options is not None else AcclOptions()).backend_options(timedelta(minutes=30), "")
+    opts = (options if options is not None else AcclOptions()).backend_options(dist.default_pg_timeout, "")
     return core.load_backend().plan(collective, nbytes, ranks, spans_nodes, opts)

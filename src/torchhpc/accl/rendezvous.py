@@ -3,7 +3,7 @@
 torch's default ``env://`` rendezvous needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.  When
 any of these is missing and the process runs under an MPI launcher, the wrapped handler fills the
 gap from MPI at ``init_process_group`` time (never at import): rank and size from
-``MPI.COMM_WORLD``, and the job's store from :func:`torchhpc.launcher.agree_on_master` (the package's one
+``MPI.COMM_WORLD``, and the job's store from :func:`torchhpc.runtime.world.agree_on_master` (the package's one
 MPI rendezvous).  Values the user did set are used as they are (and checked
 against MPI).  Without an MPI launcher the original handler runs untouched, so its usual error
 about the missing variables still appears.

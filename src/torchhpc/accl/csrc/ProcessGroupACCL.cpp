@@ -262,7 +262,7 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
   mpi_ = std::make_unique<MpiEngine>(coll_, [this](MPI_Request& req) { waitRequest(&req); });
-  // whether the ranks span nodes: accl's ring then runs large all_reduces (usesRing)
+  // whether the ranks span nodes: plan() then carries more per call and runs large all_reduces on accl's ring
   MPI_Comm node = MPI_COMM_NULL;
   ACCL_MPI(MPI_Comm_split_type, coll_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   spansNodes_ = commInt(MPI_Comm_size, "MPI_Comm_size", node) < size_;

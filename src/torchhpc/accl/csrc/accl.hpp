@@ -82,7 +82,7 @@ std::string mpiErrorText(int rc);
 // The one definition of the wire protocol (a test build shows it to Python: module.cpp's `wire`).
 // Collective header: nine int64 fields.  It travels in a Prefix (the header combined so far, a mismatch flag and
 // the data that follows) in every message of the header exchange (exchange.cpp), followed by a small call's data
-// up to kCarryBytes: the exchange is then the whole collective.
+// up to carryBytes(): the exchange is then the whole collective.
 // P2P envelope: four int64 fields in a slot of kSlotBytes (kHeaderBytes, then up to kPayloadBytes of payload);
 // larger payloads follow on their own.
 namespace wire {

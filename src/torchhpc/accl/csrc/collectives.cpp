@@ -329,10 +329,13 @@ void ProcessGroupACCL::reduceScatterBody(Call& c) {
   const int64_t n = c.outputs[0].numel(), bytes = n * static_cast<int64_t>(red.esz);
   c.src = flatHost(c.inputs);
   c.dst = host(c.outputs[0], false);
-  if (c.path == Path::kCarried) std::memcpy(carryBuffer(), ptr(c.src), bytes * p);
-  if (header(c, {Ride::kReduce, carryBuffer(), bytes * p, &red})) {
-    std::memcpy(ptr(c.dst), carryBuffer() + rank_ * bytes, bytes);
+  if (c.path == Path::kCarried) {
+    char* whole = carryBuffer();
+    std::memcpy(whole, ptr(c.src), bytes * p);
+    header(c, {Ride::kReduce, whole, bytes * p, &red});
+    std::memcpy(ptr(c.dst), whole + rank_ * bytes, bytes);
   } else {
+    header(c);
     blocking(c, [&] {
       if (c.path == Path::kRing) return ring(red, n * p, nullptr, ptr(c.src), ptr(c.dst));
       forSegments(Coll::kReduceScatter, n, red.esz * p, [&](int64_t off, int64_t cnt) {
@@ -484,9 +487,10 @@ void alltoallSegment(const std::vector<int64_t>& bytes, int64_t done, int64_t pe
 }
 }  // namespace
 
-// Every rank's byte counts (to each rank, then from each) gathered with the header up to 64 ranks, by an all_gather
-// after it beyond, and checked against each other; then MPI's all-to-all segment by segment: without counts where
-// every rank sends every rank the same bytes in one segment (MPICH runs it 2-3x faster than Alltoallv at 1-4 MiB).
+// Every rank's byte counts (to each rank, then from each) gathered with the header while p rows of 16p bytes fit
+// wire::carryBytes (32 ranks on one node, 63 across nodes), by an all_gather after it beyond, and checked against
+// each other; then MPI's all-to-all segment by segment: without counts where every rank sends every rank the same
+// bytes in one segment (MPICH runs it 2-3x faster than Alltoallv at 1-4 MiB).
 void ProcessGroupACCL::alltoallBody(Call& c) {
   const int p = size_;
   const int64_t row = 16 * p;
@@ -496,7 +500,7 @@ void ProcessGroupACCL::alltoallBody(Call& c) {
   c.dst = c.outputs.size() == 1 ? host(c.outputs[0], false) : at::empty({received}, c.src.options());
   std::vector<int64_t> mine(c.sendBytes);
   mine.insert(mine.end(), c.recvBytes.begin(), c.recvBytes.end());
-  at::Tensor many;  // beyond 64 ranks the matrix outgrows the exchange's buffer: gathered after it
+  at::Tensor many;  // beyond that the matrix outgrows the exchange's buffer: gathered after it
   if (p * row > wire::carryBytes(spansNodes_)) many = at::empty({p * row}, at::kByte);
   char* all = many.defined() ? ptr(many) : carryBuffer();
   if (!many.defined()) {
@@ -528,8 +532,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoallStart(std::vector<at::T
                                                                bool asyncOp) {
   Call* c = new Call{.head = callHeader(wire::kAllToAll, inputs[0].scalar_type(), 0, 0, 0),
                      .compare = wire::kCompareCall,  // sizes are checked on the byte matrix
-                     .body = &ProcessGroupACCL::alltoallBody, .inputs = std::move(inputs), .outputs = std::move(outputs),
-                     .sendBytes = std::move(sendBytes), .recvBytes = std::move(recvBytes)};
+                     .body = &ProcessGroupACCL::alltoallBody, .inputs = std::move(inputs),
+                     .outputs = std::move(outputs), .sendBytes = std::move(sendBytes),
+                     .recvBytes = std::move(recvBytes)};
   c->head.extra = size_;
   return start(c, type, engineFor(Coll::kAlltoall), 0, asyncOp);
 }

@@ -142,7 +142,8 @@ void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
   const Split sp = piecesOf(bytes, spansNodes_);
   std::memcpy(out_.data(), &pre, sizeof pre);
   if (sp.head) std::memcpy(out_.data() + wire::kHeaderBytes, src, sp.head);
-  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(wire::kHeaderBytes + sp.head), MPI_BYTE, peer, kTagPrefix, ctl_, &out[0]);
+  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(wire::kHeaderBytes + sp.head), MPI_BYTE, peer, kTagPrefix, ctl_,
+           &out[0]);
   for (int k = 0; k < sp.count; ++k)
     ACCL_MPI(MPI_Isend, src + sp.at(k), static_cast<int>(sp.len(k, bytes)), MPI_BYTE, peer, kTagData, ctl_,
              &out[1 + k]);

@@ -60,8 +60,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
     std::memcpy(op.envelope.data(), &env, sizeof env);
     if (small && env.nbytes) std::memcpy(op.envelope.data() + wire::kHeaderBytes, op.host.data_ptr(), env.nbytes);
     op.reqs.push_back(MPI_REQUEST_NULL);
-    ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(wire::kHeaderBytes + (small ? env.nbytes : 0)), MPI_BYTE, op.peer,
-             op.tag, p2pHead_, &op.reqs.back());
+    ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(wire::kHeaderBytes + (small ? env.nbytes : 0)), MPI_BYTE,
+             op.peer, op.tag, p2pHead_, &op.reqs.back());
     if (small) return;
     forSegments(Coll::kSend, env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
       const Seg part = seg(op.host, off, cnt);
@@ -191,7 +191,7 @@ bool ProcessGroupACCL::openEnvelope(P2P& op) {
   const std::string bad = wire::envelopeMismatch(env, op.source, op.tensor, fromText(op.peer), op.tag);
   if (!bad.empty()) op.error = std::make_exception_ptr(MismatchError(bad));
   if (!wire::envelopeConsistent(env)) return true;  // garbled: nothing more can be trusted to follow
-  if (env.nbytes <= wire::kPayloadBytes) {                    // the payload came with the envelope
+  if (env.nbytes <= wire::kPayloadBytes) {  // the payload came with the envelope
     if (bad.empty()) {
       op.host = host(op.tensor, false);
       if (env.nbytes) std::memcpy(op.host.data_ptr(), op.envelope.data() + wire::kHeaderBytes, env.nbytes);
