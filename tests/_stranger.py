@@ -34,7 +34,7 @@ def _reachable() -> None:
     if _OPENED or getattr(_reachable, "done", False):
         return
     _reachable.done = True  # type: ignore[attr-defined]
-    for target in (ROOT, Path(sys.prefix)):
+    for target in (ROOT, Path(sys.prefix), Path(sys.executable).resolve().parent):
         for folder in (target, *target.parents):
             mode = stat.S_IMODE(folder.stat().st_mode)
             if not mode & 0o001 and folder not in dict(_OPENED):
@@ -47,15 +47,25 @@ def run_as(uid: int, code: str, env: dict[str, str] | None = None,
            timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run Python ``code`` as ``uid`` (same gid, no groups, no capabilities), torchhpc importable; HOME is a
     fresh directory of that user's, TMPDIR as ``env`` says (default: the same home)."""
+    return _as(uid, [sys.executable, "-c", textwrap.dedent(code)], {"PYTHONPATH": str(ROOT / "src"), **(env or {})},
+               timeout)
+
+
+def shell_as(uid: int, script: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run a bash ``script`` as ``uid`` in the checkout, as that user would type it: a plain login's PATH and a
+    fresh HOME, nothing of this process's environment."""
+    return _as(uid, ["bash", "-c", f"cd {ROOT} && {script}"], {"PATH": "/usr/local/bin:/usr/bin:/bin"}, timeout)
+
+
+def _as(uid: int, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     _reachable()
     home = Path(tempfile.mkdtemp(prefix=f"home-{uid}-"))
     os.chown(home, uid, uid)
     base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home),
-            "PYTHONPATH": str(ROOT / "src"), "LANG": "C"}
-    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
-           sys.executable, "-c", textwrap.dedent(code)]
+            "LANG": "C"}
+    cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all", *argv]
     try:
-        return subprocess.run(cmd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(cmd, env={**base, **env}, capture_output=True, text=True, timeout=timeout)
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
