@@ -66,3 +66,38 @@ def test_the_callers_python_stack_is_recorded_only_where_asked(tmp_path: Path, m
         where = {(f["name"], Path(f["filename"]).name) for f in e.get("frames", [])}
         assert (("main", SCRIPT.name) in where) is stacks, e.get("frames")
         assert e["thread_name"] and e["state"] in ("completed", "started")
+
+
+def frtrace(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "torchhpc", "frtrace", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_frtrace_says_in_words_what_is_wrong_with_its_folder(tmp_path: Path) -> None:
+    """No folder, a missing one, a file, an empty one, one holding something else, one with two jobs' names, an
+    unreadable record: each a one-line error with exit code 2, never a traceback."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "rank_0").write_bytes(b"not a pickle")
+    (tmp_path / "mixed").mkdir()
+    for name in ("a_0", "b_1"):
+        (tmp_path / "mixed" / name).write_bytes(pickle.dumps({}))
+    (tmp_path / "file").write_text("x")
+    cases = {(): "give the folder of the flight records",
+             (str(tmp_path / "nowhere"),): "does not exist",
+             (str(tmp_path / "file"),): "is not a folder",
+             (str(tmp_path / "empty"),): "holds no flight records",
+             (str(tmp_path / "junk"),): "is not a flight record",
+             (str(tmp_path / "mixed"),): "do not share one name prefix"}
+    for args, words in cases.items():
+        proc = frtrace(*args)
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+        assert proc.stderr.startswith("torchhpc frtrace: "), proc.stderr
+
+
+def test_frtrace_help_names_the_command_accl_and_the_variable() -> None:
+    proc = frtrace("--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: torchhpc frtrace"), proc.stdout
+    for words in ("accl", "TORCH_FR_DUMP_TEMP_FILE", "--trust-others"):
+        assert words in proc.stdout, proc.stdout

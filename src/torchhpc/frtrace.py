@@ -65,24 +65,68 @@ def check_dumps(trace_dir: str | os.PathLike[str]) -> None:
             private.check_trusted(Path(folder) / name)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``torchfrtrace``'s command line (``torchhpc frtrace --help``), accl's entries accepted, dumps that are
-    not the user's refused unless ``--trust-others``."""
-    from torch.distributed.flight_recorder import fr_trace
+ABOUT = """Which rank hung, and in which call: PyTorch's flight-recorder analyzer (torchfrtrace), reading accl's
+records as well as nccl's and gloo's.  accl writes each rank's record to $TORCH_FR_DUMP_TEMP_FILE<rank> when a
+call times out, a peer dies or the ranks' calls differ (export TORCH_FR_DUMP_TEMP_FILE=$SCRATCH/fr/rank_ before the
+launch, a folder every rank can reach); give that folder as trace_dir."""
+
+TRUST_HELP = ("read dumps that another user could have written (they are pickles: reading one runs what its writer "
+              "put in it); without it, every file and folder under trace_dir must be yours and writable only by you")
+
+
+def _parser() -> Any:
+    """torch's own argument parser, under this command's name and with what it adds."""
     from torch.distributed.flight_recorder.components.config_manager import JobConfig
 
+    config = JobConfig()
+    config.parser.prog = "torchhpc frtrace"
+    config.parser.description = ABOUT
+    config.parser.add_argument(TRUST, action="store_true", help=TRUST_HELP)
+    return config
+
+
+def _refuse(message: str) -> int:
+    print(f"torchhpc frtrace: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``torchfrtrace``'s command line (``torchhpc frtrace --help``), accl's entries accepted, dumps that are
+    not the user's refused unless ``--trust-others``; a missing, empty or unreadable folder is said in words."""
+    import pickle
+
+    from torch.distributed.flight_recorder import fr_trace
+
     args = list(sys.argv[1:] if argv is None else argv)
-    trust = TRUST in args
+    parsed = _parser().parse_args(args)  # --help and bad flags end here, as argparse does
     args = [a for a in args if a != TRUST]
-    trace_dir = getattr(JobConfig().parse_args(args), "trace_dir", None)
-    if trace_dir and not trust:
+    trace_dir = parsed.trace_dir
+    if not trace_dir:
+        return _refuse("give the folder of the flight records (where TORCH_FR_DUMP_TEMP_FILE pointed: "
+                       "torchhpc frtrace $SCRATCH/fr); see torchhpc frtrace --help")
+    if not os.path.isdir(trace_dir):
+        return _refuse(f"{trace_dir} is not a folder" if os.path.exists(trace_dir) else f"{trace_dir} does not exist")
+    if not any(files for _, _, files in os.walk(trace_dir)):
+        return _refuse(f"{trace_dir} holds no flight records: a rank writes one (TORCH_FR_DUMP_TEMP_FILE<rank>) only "
+                       "on a timeout, a dead peer or a mismatch, or when the program calls "
+                       "torchhpc.accl.dump_flight_record()")
+    if not parsed.trust_others:
         try:
             check_dumps(trace_dir)
         except private.UnsafePathError as exc:
-            print(f"torchhpc frtrace: refusing to read {trace_dir}: {exc}.\nDumps are pickles, and reading one "
-                  f"runs whatever its writer put in it; pass {TRUST} if you trust whoever else could write there.",
-                  file=sys.stderr)
-            return 2
-    with accl_accepted():
-        fr_trace.main(args)
+            return _refuse(f"refusing to read {trace_dir}: {exc}.\nDumps are pickles, and reading one runs whatever "
+                           f"its writer put in it; pass {TRUST} if you trust whoever else could write there.")
+    try:
+        with accl_accepted():
+            fr_trace.main(args)
+    except PermissionError as exc:
+        return _refuse(f"cannot read {exc.filename}: permission denied")
+    except (pickle.UnpicklingError, EOFError, KeyError) as exc:
+        return _refuse(f"a file under {trace_dir} is not a flight record ({type(exc).__name__}: {exc}); give "
+                       "a folder that holds only the records, or name their common prefix with --prefix")
+    except ValueError as exc:
+        if "common prefix" not in str(exc):
+            raise
+        return _refuse(f"the files under {trace_dir} do not share one name prefix followed by a rank (rank_0, "
+                       "rank_1, ...); name it with --prefix, or give a folder that holds only one job's records")
     return 0
