@@ -38,8 +38,8 @@ def test_console_command_reports_every_check() -> None:
     lines = res.stdout.splitlines()
     assert lines[0] == "torchhpc doctor"
     for name in ("python", "torch", "launcher", "threads", "gpus", "mpi", "mpi threads", "fault tolerance",
-                 "cuda-aware mpi", "backends", "huge pages", "shared pages", "libfabric", "site profile",
-                 "runtime vars"):
+                 "cuda-aware mpi", "backends", "flight record", "huge pages", "shared pages", "libfabric",
+                 "site profile", "runtime vars"):
         assert any(line[7:].startswith(name + " ") for line in lines if line.startswith("[")), name
     for line in lines[1:-1]:
         assert line.startswith(("[ OK ]", "[WARN]", "[FAIL]", " ")), line
@@ -141,3 +141,18 @@ def test_one_reading_of_what_an_mpi_says_of_itself() -> None:
                  "MVAPICH2 Version      :	2.3.7"):
         assert family_of_text(text) == "mpich", text
     assert family_of_text("Microsoft MPI 10.1.12498.18") is None
+
+
+def test_the_flight_recorder_is_reported_built_or_how_to_build_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchhpc.accl import core
+
+    built = core.load_backend().flight_recorder_built()
+    check = doctor.run_checks(probe=False)
+    found = [c for c in check if c.name == "flight record"]
+    assert len(found) == 1 and (found[0].status == doctor.OK) == built, found
+    if built:
+        assert core.flight_prefix() in found[0].value, found
+    unbuilt = type("Unbuilt", (), {"flight_recorder_built": lambda self: False})()
+    monkeypatch.setattr(core, "load_backend", lambda: unbuilt)
+    found = [c for c in doctor.run_checks(probe=False) if c.name == "flight record"]
+    assert found[0].status == doctor.WARN and "nlohmann" in found[0].hint and "make env" in found[0].hint, found

@@ -53,7 +53,8 @@ def test_the_set_up_lines_are_what_ci_runs() -> None:
 def main_job_lines() -> str:
     """The set-up block from activating the environment on (after `make env` and `make test`), as typed."""
     lines = [line for line in bash_blocks()[0].splitlines() if line.strip()]
-    assert lines[1].startswith("source .venv/bin/activate") and lines[-1].startswith("mpiexec -n 2 python tests/"), lines
+    assert lines[1].startswith("source .venv/bin/activate"), lines
+    assert lines[-1].startswith("mpiexec -n 2 python tests/"), lines
     return "\n".join([lines[1], *lines[3:]])
 
 

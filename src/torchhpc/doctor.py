@@ -317,6 +317,22 @@ def _probe_huge_kib(nbytes: int = 4 << 20) -> int:
     return huge_kib(t.data_ptr(), nbytes)
 
 
+def _flight_recorder() -> Check:
+    """Whether accl records its calls for ``torchhpc frtrace``, and where the records of a failed call go."""
+    from .accl import core
+
+    try:
+        built = core.load_backend().flight_recorder_built()
+    except Exception as exc:  # noqa: BLE001 -- an unbuilt backend is a finding, said once under "backends" too
+        return Check("flight record", WARN, f"accl's backend not loadable: {exc}")
+    if not built:
+        return Check("flight record", WARN, "accl built without torch's flight recorder (nlohmann/json.hpp was not "
+                     "found)", "install nlohmann-json3-dev (or put nlohmann/json.hpp on the include path) and run "
+                     "`make env` again: torchhpc frtrace then shows which rank hung in which call")
+    return Check("flight record", OK, f"built in; a failed call's records go to {core.flight_prefix()}<rank> "
+                 "(TORCH_FR_DUMP_TEMP_FILE)")
+
+
 def _guard(name: str, fn: Callable[[], Check | list[Check]]) -> list[Check]:
     try:
         result = fn()
@@ -333,6 +349,7 @@ def run_checks(probe: bool = True) -> list[Check]:
     checks += _guard("launcher", _launcher) + _guard("threads", _threads)
     for name, fn in (("gpus", _gpus), ("nccl", _nccl), ("nccl plugin", _nccl_net_plugin),
                      ("mpi", lambda: _mpi(probe)), ("backends", _backends),
+                     ("flight record", _flight_recorder),
                      ("huge pages", _huge_pages), ("shared pages", _shared_pages), ("libfabric", _libfabric),
                      ("site profile", _site),
                      ("native engines", _native),
