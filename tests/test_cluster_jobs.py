@@ -47,7 +47,7 @@ def test_pbs_and_slurm_scripts_come_from_one_generator(tmp_path: Path) -> None:
     assert "#SBATCH --nodes=2" in slurm and "#SBATCH --ntasks-per-node=4" in slurm
     assert "#SBATCH --gpus-per-node=4" in slurm and "#SBATCH --time=00:15:00" in slurm
     assert f"#SBATCH --output={tmp_path}/build/jobs/{USER}/j-%j.log" in slurm
-    assert "#PBS -l select=2:ncpus=8:mpiprocs=4:ngpus=4" in pbs
+    assert "#PBS -l select=2:ncpus=32:mpiprocs=4:ngpus=4" in pbs
     assert f"#PBS -o {tmp_path}/build/jobs/{USER}/j.pbs-out" in pbs
 
 
@@ -179,8 +179,8 @@ def test_jobscript_pbs_asks_for_the_nodes_and_ranks_and_runs_the_command_per_ran
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "#!/bin/bash -l" and "#PBS -N train" in lines and "#PBS -A P1" in lines
-    # cores per node from the site's test select (8 on the generic profile); no GPUs asked for
-    assert "#PBS -l select=3:ncpus=8:mpiprocs=2" in lines and "#PBS -l walltime=01:30:00" in lines
+    # the node's cores from the site's test select (32 on the generic profile) shared by 2 ranks; no GPUs asked for
+    assert "#PBS -l select=3:ncpus=32:mpiprocs=2" in lines and "#PBS -l walltime=01:30:00" in lines
     assert "#PBS -l place=scatter:excl" in lines, "one chunk per host"
     own_log = f'exec >>{tmp_path}/build/jobs/{USER}/train-"${{PBS_JOBID}}".log 2>&1'
     assert own_log in lines, "the job writes its log as it goes"
@@ -222,6 +222,38 @@ def test_jobscript_writes_a_file_and_refuses_bad_input(tmp_path: Path) -> None:
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
     lost = jobscript(tmp_path, "--", "x", TORCHHPC_ROOT=str(tmp_path))
     assert lost.returncode != 0 and "no torchhpc checkout at" in lost.stderr, lost.stderr
+
+
+def test_jobscript_counts_cores_per_rank_under_both_schedulers(tmp_path: Path) -> None:
+    """One core count whatever the scheduler: --cpus is per rank; the profile's default is the same node size."""
+    asked = {"pbs": "#PBS -l select=2:ncpus=6:mpiprocs=2", "slurm": "#SBATCH --cpus-per-task=3"}
+    for scheduler, line in asked.items():
+        proc = jobscript(tmp_path, "--scheduler", scheduler, "--nodes", "2", "--ranks-per-node", "2", "--cpus", "3",
+                         "--gpus", "0", "--", "python", "train.py")
+        assert line in proc.stdout.splitlines(), proc.stdout + proc.stderr
+    pbs = jobscript(tmp_path, "--scheduler", "pbs", "--ranks-per-node", "4", "--", "x").stdout
+    slurm = jobscript(tmp_path, "--scheduler", "slurm", "--ranks-per-node", "4", "--", "x").stdout
+    assert "ncpus=32:mpiprocs=4" in pbs and "#SBATCH --cpus-per-task=8" in slurm.splitlines(), pbs + slurm
+
+
+def test_jobscript_speaks_in_its_own_name_and_flags(tmp_path: Path) -> None:
+    """Errors name the command and the flag the user types; no account is warned of; --help lists the site
+    directives."""
+    bad = jobscript(tmp_path, "--scheduler", "pbs", "--walltime", "1h", "--", "x")
+    assert bad.stderr.startswith("torchhpc jobscript: error: --walltime '1h'"), bad.stderr
+    bindir = tmp_path / "bin"  # a login node without either scheduler's commands
+    bindir.mkdir()
+    for tool in Path("/usr/bin").iterdir():
+        if tool.name not in ("sbatch", "srun", "qsub", "qcmd"):
+            (bindir / tool.name).symlink_to(tool)
+    none = jobscript(tmp_path, "--", "x", PATH=f"{Path(sys.executable).parent}:{bindir}")
+    assert none.returncode != 0 and "pass --scheduler slurm|pbs" in none.stderr, none.stderr
+    plain = jobscript(tmp_path, "--scheduler", "slurm", "--", "x")
+    assert plain.returncode == 0 and "warning: no account given" in plain.stderr, plain.stderr
+    charged = jobscript(tmp_path, "--scheduler", "slurm", "--account", "A1", "--", "x")
+    assert "warning" not in charged.stderr, charged.stderr
+    helped = jobscript(tmp_path, "--help").stdout
+    assert "PBS_EXTRA=" in helped and "SLURM_EXTRA=" in helped and "$TORCHHPC_ROOT" in helped, helped
 
 
 def test_run_ranks_places_ranks_from_the_allocation(tmp_path: Path) -> None:

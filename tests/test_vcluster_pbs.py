@@ -177,7 +177,7 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(pbs: Clust
     """`torchhpc jobscript --submit` from a user's directory: 2 nodes x 2 ranks of the rehearsal example under
     PBS (select, place=scatter), started by mpiexec from the job's node file; the job's log is shown."""
     env = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "TORCHHPC_PREFIX": str(prefix), "GPUS_PER_NODE": "2"}
-    out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --ranks-per-node 2 --gpus 0 --cpus 2 "
+    out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --ranks-per-node 2 --gpus 0 --cpus 1 "
                  f"--walltime 00:10:00 --submit -- python {ROOT}/examples/continual_digits.py --epochs 1",
                  timeout=300, env=env)
     assert "final average accuracy" in out and "finished: exit status 0" in out, out

@@ -68,14 +68,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="torchhpc jobscript",
         description="Write (or submit) a PBS or Slurm job script that runs COMMAND once per rank across the "
                     "nodes asked for, in the site's built environment with its runtime settings.",
-        epilog="example: torchhpc jobscript --nodes 2 --ranks-per-node 4 --walltime 01:00:00 --account UABC0001 "
-               "--submit -- python train.py --epochs 10")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="site directives: the profile's extra scheduler options, replaced for one job from the environment:\n"
+               "  PBS_EXTRA='-l job_priority=premium' (qsub options), SLURM_EXTRA='--constraint=gpu --qos=debug'\n"
+               "  (#SBATCH lines, one option each); docs/cluster.md lists each profile's\n\n"
+               "example: torchhpc jobscript --nodes 2 --ranks-per-node 4 --walltime 01:00:00 --account UABC0001 \\\n"
+               "           --submit -- python examples/train.py --epochs 10")
     ap.add_argument("--nodes", type=int, default=None, help="compute nodes (default 1)")
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="ranks on each node (default: the site's GPUs per node)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: the site's; 0 for CPU jobs)")
     ap.add_argument("--cpus", type=int, default=None,
-                    help="PBS: cores per node (ncpus); Slurm: cores per rank (--cpus-per-task)")
+                    help="cores per rank (PBS: ncpus = this x ranks per node; Slurm: --cpus-per-task); default: the "
+                         "site's cores per node shared by its ranks")
     ap.add_argument("--walltime", default=None, help="HH:MM:SS (default: the site's test walltime)")
     ap.add_argument("--account", default=None, help="project or account to charge (PBS -A, Slurm --account)")
     ap.add_argument("--queue", "--partition", dest="queue", default=None, help="PBS queue or Slurm partition")
@@ -85,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--launcher", choices=("mpiexec", "srun"), default=None,
                     help="how ranks start (default: the site's; srun only under Slurm)")
     ap.add_argument("--name", default=None, help="job name (default: from the command's script)")
-    ap.add_argument("--checkout", default=None, help="the torchhpc checkout (default: found, see --help)")
+    ap.add_argument("--checkout", default=None, help="the torchhpc checkout whose site profiles and job layer to use (default: $TORCHHPC_ROOT, "
+                         "which config_env.sh sets, else the checkout this torchhpc was installed from)")
     out = ap.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", default=None, help="write the script to this file instead of printing it")
     out.add_argument("--submit", action="store_true",
@@ -120,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not command:
         ap.error("no command: torchhpc jobscript [options] -- COMMAND [ARG...]")
     checkout = find_checkout(ns.checkout)
-    env = dict(os.environ)
+    env = {**os.environ, "TORCHHPC_PROG": "torchhpc jobscript"}
     if ns.site:
         env["SITE"] = ns.site
     if ns.launcher:

@@ -9,7 +9,8 @@
 DRY_RUN=${DRY_RUN:-0}
 
 step() { printf '\n==> %s\n' "$*" >&2; }
-die() { printf '%s: error: %s\n' "${0##*/}" "$*" >&2; exit 1; }
+# TORCHHPC_PROG: the command the user typed (torchhpc jobscript sets it), else this script's name
+die() { printf '%s: error: %s\n' "${TORCHHPC_PROG:-${0##*/}}" "$*" >&2; exit 1; }
 
 # Print a command exactly as a shell would read it back.
 quote_cmd() {

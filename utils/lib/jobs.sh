@@ -49,7 +49,7 @@ job_resolve() {
   JOB_SCHEDULER=${JOB_SCHEDULER:-$TORCHHPC_SCHEDULER}
   case "$JOB_SCHEDULER" in
     pbs | slurm) ;;
-    none | "") die "no batch scheduler: neither sbatch nor qsub is on PATH here; submit from a login node, or set SCHEDULER=slurm|pbs" ;;
+    none | "") die "no batch scheduler: neither sbatch nor qsub is on PATH here; submit from a login node, or pass --scheduler slurm|pbs (make: SCHEDULER=slurm|pbs)" ;;
     *) job_die_value SCHEDULER "$JOB_SCHEDULER" "is not pbs or slurm" ;;
   esac
   job_private_dir
@@ -59,7 +59,11 @@ job_resolve() {
     job_resolve_slurm
   fi
   [[ -z "$JOB_ACCOUNT" || "$JOB_ACCOUNT" =~ ^[A-Za-z0-9_.-]+$ ]] \
-    || job_die_value account "$JOB_ACCOUNT" "has characters no scheduler accepts"
+    || job_die_value --account "$JOB_ACCOUNT" "has characters no scheduler accepts"
+  if [[ -z "$JOB_ACCOUNT" && "$DRY_RUN" != 1 ]]; then
+    printf '%s: warning: no account given: the scheduler charges your default one, if it has one (--account, or %s_ACCOUNT)\n' \
+      "${TORCHHPC_PROG:-${0##*/}}" "${JOB_SCHEDULER^^}" >&2
+  fi
 }
 
 job_resolve_pbs() {
@@ -97,20 +101,24 @@ job_resolve_pbs() {
   JOB_LOG="$JOB_DIR/$JOB_NAME-%j.log"   # %j: the job id (PBS_JOBID in the job); resolved after submission
 }
 
-# A run-shaped job's PBS select from --nodes/--ranks-per-node/--cpus/--gpus: N:ncpus=C:mpiprocs=P[:ngpus=G],
-# each unset one from the first chunk of the site's test select (a whole node of the site's GPU queue).
+# A run-shaped job's PBS select from --nodes/--ranks-per-node/--cpus (cores per rank)/--gpus:
+# N:ncpus=C*P:mpiprocs=P[:ngpus=G], each unset one from the first chunk of the site's test select (a whole node
+# of the site's GPU queue: its cores shared by the ranks).
 job_run_select() {
   local site=$1 cpus gpus ppn
   cpus=$(grep -oE '(^|:)ncpus=[0-9]+' <<<"${site%%+*}" | cut -d= -f2) || true
   gpus=$(grep -oE '(^|:)ngpus=[0-9]+' <<<"${site%%+*}" | cut -d= -f2) || true
   ppn=$(grep -oE '(^|:)mpiprocs=[0-9]+' <<<"${site%%+*}" | cut -d= -f2) || true
-  JOB_NODES=${JOB_NODES:-1} JOB_PPN=${JOB_PPN:-${ppn:-1}} JOB_CPUS=${JOB_CPUS:-${cpus:-$JOB_PPN}}
+  JOB_NODES=${JOB_NODES:-1} JOB_PPN=${JOB_PPN:-${ppn:-1}}
+  [[ "$JOB_PPN" =~ ^[1-9][0-9]*$ ]] || job_die_value --ranks-per-node "$JOB_PPN" "is not a positive whole number"
+  cpus=${cpus:-$JOB_PPN}
+  JOB_CPUS=${JOB_CPUS:-$((cpus / JOB_PPN > 0 ? cpus / JOB_PPN : 1))}
   JOB_GPUS=${JOB_GPUS:-${gpus:-0}}
   [[ "$JOB_NODES" =~ ^[1-9][0-9]*$ ]] || job_die_value --nodes "$JOB_NODES" "is not a positive whole number"
   [[ "$JOB_PPN" =~ ^[1-9][0-9]*$ ]] || job_die_value --ranks-per-node "$JOB_PPN" "is not a positive whole number"
   [[ "$JOB_CPUS" =~ ^[1-9][0-9]*$ ]] || job_die_value --cpus "$JOB_CPUS" "is not a positive whole number"
   [[ "$JOB_GPUS" =~ ^[0-9]+$ ]] || job_die_value --gpus "$JOB_GPUS" "is not a whole number"
-  JOB_SELECT="$JOB_NODES:ncpus=$JOB_CPUS:mpiprocs=$JOB_PPN"
+  JOB_SELECT="$JOB_NODES:ncpus=$((JOB_CPUS * JOB_PPN)):mpiprocs=$JOB_PPN"
   ((JOB_GPUS > 0)) && JOB_SELECT+=":ngpus=$JOB_GPUS"
   return 0
 }
