@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--launcher", choices=("mpiexec", "srun"), default=None,
                     help="how ranks start (default: the site's; srun only under Slurm)")
     ap.add_argument("--name", default=None, help="job name (default: from the command's script)")
-    ap.add_argument("--checkout", default=None, help="the torchhpc checkout whose site profiles and job layer to use (default: $TORCHHPC_ROOT, "
+    ap.add_argument("--checkout", default=None,
+                    help="the torchhpc checkout whose site profiles and job layer to use (default: $TORCHHPC_ROOT, "
                          "which config_env.sh sets, else the checkout this torchhpc was installed from)")
     out = ap.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", default=None, help="write the script to this file instead of printing it")
