@@ -116,14 +116,20 @@ def _ratio_cells(size: int, pts: dict[str, Point], t: dict[str, float], raw_rati
     return cells + f" {targets(size, t):>8}"
 
 
+MISSED_WORDS = {"+us": f"more than {TARGET_EXTRA_US:g} us over raw MPI",
+                "bw": f"under {TARGET_BW_RATIO:g}x raw MPI's bandwidth",
+                "up": "not faster than PyTorch's own MPI backend"}
+
+
 def _print_targets_summary(by_size: dict[int, dict[str, Point]], have: set[str]) -> None:
-    """Print at how many sizes accl met its targets and which it missed (only where there is a target)."""
+    """The verdict in words: at how many sizes accl met its targets, and at which it missed which."""
     if not ("accl" in have and (RAW in have or "mpi-upstream" in have)):
         return
-    missed = [f"{human(s)} ({m})" for s in sorted(by_size)
+    missed = [f"{human(s)} ({'; '.join(MISSED_WORDS[c] for c in m.split(','))})" for s in sorted(by_size)
               if (m := targets(s, {i: by_size[s][i].median_s for i in by_size[s]})) not in ("ok", "-")]
-    print(f"# targets met at {len(by_size) - len(missed)} of {len(by_size)} sizes"
-          + (f"; missed: {', '.join(missed)}" if missed else ""))
+    met = len(by_size) - len(missed)
+    print(f"# verdict: accl met its targets at {met} of {len(by_size)} sizes"
+          + (f"; missed at {', '.join(missed)}" if missed else ""))
 
 
 def print_table(rows: list[Point], impls: list[str], repeats: int) -> None:

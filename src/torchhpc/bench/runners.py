@@ -97,8 +97,8 @@ def setup_groups(comm, impls: list[str], say: Callable[..., None]) -> tuple[dict
         else:
             skipped["mpi-upstream"] = why
             impls.remove("mpi-upstream")
-            say(f"torchhpc bench: skipping mpi-upstream (PyTorch's MPI backend, `make mpi-backend`): {why}",
-                flush=True)
+            say("torchhpc bench: not timing mpi-upstream, PyTorch's own MPI backend: it is not built in this "
+                f"environment (`make mpi-backend` builds it; `--impls` chooses what is timed). {why}", flush=True)
     if "gloo" in impls:
         groups["gloo"] = dist.new_group(backend="gloo")
     return groups, skipped
