@@ -1,0 +1,87 @@
+"""Figures quoted in the docs' prose agree with the JSON they were read from (docs/data/): each claim is found in
+its page by a pattern and recomputed from the data, so a rerun that changes the data fails here until the prose
+follows."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data"
+
+Times = dict[tuple[str, int, str], float]
+
+
+def times(name: str) -> Times:
+    """Median seconds per call by (collective, size, implementation) of one `torchhpc bench --json` file."""
+    points = json.loads((DATA / name).read_text())["points"]
+    return {(p["collective"], p["size"], p["impl"]): p["median_s"] for p in points}
+
+
+def points(t: Times) -> list[tuple[str, int]]:
+    return sorted({(c, s) for c, s, i in t if i == "accl"})
+
+
+def gloo_range(name: str) -> tuple[float, float]:
+    t = times(name)
+    ratios = [t[c, s, "gloo"] / t[c, s, "accl"] for c, s in points(t)]
+    return min(ratios), max(ratios)
+
+
+def ahead_of_upstream(name: str) -> int:
+    t = times(name)
+    return sum(t[c, s, "mpi-upstream"] > t[c, s, "accl"] for c, s in points(t))
+
+
+def small_excess(name: str) -> tuple[float, float]:
+    """accl's time over raw MPI's (mpi4py on torch's memory), µs, at 8 B and 4 KiB."""
+    t = times(name)
+    extra = [(t[c, s, "accl"] - t[c, s, "mpi4py"]) * 1e6 for c, s in points(t) if s in (8, 4096)]
+    return min(extra), max(extra)
+
+
+def one(x: float) -> str:
+    return f"{x:.1f}"
+
+
+def whole(x: float) -> str:
+    return f"{x:.0f}"
+
+
+# (page, pattern whose groups are the figures, the figures as the data gives them, formatted as the prose writes)
+CLAIMS: list[tuple[str, str, Callable[[], list[str]]]] = [
+    ("accl.md", r"CPU tensors use `accl`: ([\d.]+)-([\d.]+)x faster than `gloo` at 2 ranks and ([\d.]+)-([\d.]+)x at 4",
+     lambda: [one(gloo_range("accl-bench-2ranks.json")[0]), whole(gloo_range("accl-bench-2ranks.json")[1]),
+              one(gloo_range("accl-bench-4ranks.json")[0]), whole(gloo_range("accl-bench-4ranks.json")[1])]),
+    ("accl.md", r"Faster than gloo at every point on one node\*\* \(([\d.]+)x to ([\d.]+)x at 2 ranks, ([\d.]+)x to "
+                r"([\d.]+)x at 4\)",
+     lambda: [one(gloo_range("accl-bench-2ranks.json")[0]), whole(gloo_range("accl-bench-2ranks.json")[1]),
+              one(gloo_range("accl-bench-4ranks.json")[0]), whole(gloo_range("accl-bench-4ranks.json")[1])]),
+    ("accl.md", r"Faster than PyTorch's own MPI backend: at (\d+) of 50 points at 2 ranks and (\d+) of 50 at 4",
+     lambda: [str(ahead_of_upstream("accl-bench-2ranks.json")), str(ahead_of_upstream("accl-bench-4ranks.json"))]),
+    ("accl.md", r"Small calls cost raw \+ ([\d.]+)-([\d.]+) µs at 8 B and 4 KiB \(Open MPI, above: raw \+ "
+                r"([\d.]+)-([\d.]+)\)",
+     lambda: [*map(one, small_excess("accl-bench-2ranks-mpich.json")),
+              *map(one, small_excess("accl-bench-2ranks.json"))]),
+]
+
+
+@pytest.mark.parametrize(("page", "pattern", "figures"), CLAIMS, ids=[f"{p}:{i}" for i, (p, *_) in enumerate(CLAIMS)])
+def test_the_prose_quotes_its_data(page: str, pattern: str, figures: Callable[[], list[str]]) -> None:
+    text = " ".join((ROOT / "docs" / page).read_text().split())  # one line: claims wrap anywhere
+    found = re.search(pattern, text)
+    assert found, f"{page}: the claim is gone or reworded; update CLAIMS: {pattern}"
+    assert list(found.groups()) == figures(), f"{page}: {found.group(0)!r} but the data gives {figures()}"
+
+
+def test_a_figure_off_from_its_data_is_caught() -> None:
+    page, pattern, figures = CLAIMS[2]
+    count = int(figures()[0]) + 1
+    wrong = f"Faster than PyTorch's own MPI backend: at {count} of 50 points at 2 ranks and 1 of 50 at 4"
+    found = re.search(pattern, wrong)
+    assert found and list(found.groups()) != figures()
