@@ -300,10 +300,12 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(cluster: C
     work = cluster.shared / f"jobscript-{launcher}"
     work.mkdir(exist_ok=True)
     env = {**JOB_ENV, "TORCHHPC_PREFIX": str(work / "prefix")}
+    shutil.rmtree(work / "ckpt", ignore_errors=True)
     out = cluster.ok(f"cd {work} && torchhpc jobscript --nodes 2 --ranks-per-node 2 --gpus 0 --cpus 1 "
                      f"--walltime 00:10:00 --launcher {launcher} --submit -- "
-                     f"python {ROOT}/examples/continual_digits.py --epochs 1", timeout=300, env=env)
-    assert "final average accuracy" in out and "finished: COMPLETED, exit status 0" in out, out
+                     f"python {ROOT}/examples/train.py --steps 40 --every 20 --ckpt {work}/ckpt", timeout=300, env=env)
+    assert "done: 40 steps" in out and "finished: COMPLETED, exit status 0" in out, out
+    assert (work / "ckpt" / "step-00000040").is_dir(), sorted(p.name for p in (work / "ckpt").iterdir())
     log = Path(out.split("; log: ")[1].split()[0]).read_text()
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
     assert f"2 node(s) x 2 rank(s) with {launcher} in {work}" in log, log
@@ -316,8 +318,7 @@ def test_the_readme_cluster_lines_run_as_typed(cluster: Cluster) -> None:
     shutil.rmtree(prefix, ignore_errors=True)
     upstream = tagged_upstream(prefix / "upstream", "v2.13.0")
     env_prefix = site_env_over(Path(sys.prefix), prefix / "site-env")
-    lines = readme_cluster_lines("slurm", {"account": "acct1", "gpus": "vc",
-                                           "your_training.py": "examples/continual_digits.py --epochs 1"})
+    lines = readme_cluster_lines("slurm", {"account": "acct1", "gpus": "vc", "scratch": str(prefix / "scratch")})
     knobs = {**readme_knobs(prefix / "build", upstream, env_prefix), "SLURM_CPUS_BUILD": "1",
              "SLURM_CPUS_TEST": "1", "SLURM_GPUS_TEST": "0", "SLURM_TIME_BUILD": "00:10:00"}
     out = cluster.ok("set -e; " + "; ".join(lines), timeout=600, env=knobs)
@@ -327,9 +328,10 @@ def test_the_readme_cluster_lines_run_as_typed(cluster: Cluster) -> None:
     table = next(text for name, text in logs.items() if name.startswith("torchhpc-test-all-reduce"))
     placed = re.findall(r"#  Rank +(\d) Pid +\d+ on +(node\d) device cpu", table)
     assert sorted(placed) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], table
-    training = next(text for name, text in logs.items() if name.startswith("continual_digits"))
+    training = next(text for name, text in logs.items() if name.startswith("train-"))
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in training, training
-    assert "#SBATCH --account=acct1" in (prefix / "build/jobs" / USER / "continual_digits.slurm").read_text()
+    assert "backend accl, device cpu" in training and "done: 200 steps" in training, training
+    assert "#SBATCH --account=acct1" in (prefix / "build/jobs" / USER / "train.slurm").read_text()
 
 
 NINJA_JOB = "for i in 1 2 3 4; do echo \"[$i/4] Building CXX object part$i.o\"; sleep 2; done; echo built"

@@ -178,13 +178,13 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(pbs: Clust
     PBS (select, place=scatter), started by mpiexec from the job's node file; the job's log is shown."""
     env = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "TORCHHPC_PREFIX": str(prefix), "GPUS_PER_NODE": "2"}
     out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --ranks-per-node 2 --gpus 0 --cpus 1 "
-                 f"--walltime 00:10:00 --submit -- python {ROOT}/examples/continual_digits.py --epochs 1",
+                 f"--walltime 00:10:00 --submit -- python {ROOT}/examples/train.py --steps 40 --ckpt {prefix}/ckpt",
                  timeout=300, env=env)
-    assert "final average accuracy" in out and "finished: exit status 0" in out, out
-    log = _log(prefix / "jobs", "continual_digits")
+    assert "done: 40 steps" in out and "finished: exit status 0" in out, out
+    log = _log(prefix / "jobs", "train")
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
     assert f"2 node(s) x 2 rank(s) with mpiexec in {prefix}" in log, log
-    assert "#PBS -l select=2:ncpus=2:mpiprocs=2" in (prefix / "jobs" / USER / "continual_digits.pbs").read_text()
+    assert "#PBS -l select=2:ncpus=2:mpiprocs=2" in (prefix / "jobs" / USER / "train.pbs").read_text()
 
 
 # ---- mpiexec inside a PBS job, both MPIs, as users write the job script --------------------------------------
@@ -254,8 +254,7 @@ def test_the_readme_cluster_lines_run_as_typed(pbs: Cluster, prefix: Path) -> No
     activate, the all-reduce table on both nodes, and a training job through `torchhpc jobscript`."""
     upstream = tagged_upstream(prefix / "upstream", "v2.13.0")
     env_prefix = site_env_over(Path(sys.prefix), prefix / "site-env")
-    lines = readme_cluster_lines("pbs", {"project": "UABC0001",
-                                         "your_training.py": "examples/continual_digits.py --epochs 1"})
+    lines = readme_cluster_lines("pbs", {"project": "UABC0001", "scratch": str(prefix / "scratch")})
     knobs = {**readme_knobs(prefix / "build", upstream, env_prefix), "SCHEDULER": "pbs",
              "PBS_SELECT_BUILD": "1:ncpus=1", "PBS_WALLTIME_BUILD": "00:10:00",
              "PBS_SELECT_TEST": "2:ncpus=2:mpiprocs=2", "PBS_WALLTIME_TEST": "00:10:00"}
@@ -263,9 +262,10 @@ def test_the_readme_cluster_lines_run_as_typed(pbs: Cluster, prefix: Path) -> No
     assert "STOP_AFTER=patches: stopping here" in out, out
     assert "installed in editable mode already; kept" in out, out  # not replaced by a copy
     assert "# Out of bounds values : 0 OK" in out, out
-    log = _log(prefix / "build/jobs", "continual_digits")
+    log = _log(prefix / "build/jobs", "train")
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log and f"python={env_prefix}" not in log, log
-    assert "#PBS -A UABC0001" in (prefix / "build/jobs" / USER / "continual_digits.pbs").read_text()
+    assert "done: 200 steps" in log, log
+    assert "#PBS -A UABC0001" in (prefix / "build/jobs" / USER / "train.pbs").read_text()
 
 
 # ---- the site profiles' directives against the real server ---------------------------------------------------
