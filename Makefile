@@ -135,9 +135,13 @@ cluster-link: ## Shape every virtual node's link to RATE=10gbit|1gbit|... with t
 
 SOAK_MINUTES ?= 9
 SOAK_SEED    ?= 0
-fault-soak: $(PY) ## Random faults on a 4-node virtual cluster for SOAK_MINUTES=9 (kills, stops, cut links; jobs requeued); its table
+fault-soak: $(PY) ## Random faults on a 4-node virtual cluster for SOAK_MINUTES=9 (kills, stops, cut links; jobs requeued); its table; then cluster-down (KEEP_CLUSTER=1 keeps it up)
 	@$(VCLUSTER) up 4 slurm
-	@$(PY) tests/vcluster/soak.py --minutes "$(SOAK_MINUTES)" --seed "$(SOAK_SEED)" --json "$(TORCHHPC_PREFIX)/fault-soak.json"
+	@status=0; $(PY) tests/vcluster/soak.py --minutes "$(SOAK_MINUTES)" --seed "$(SOAK_SEED)" \
+	  --json "$(TORCHHPC_PREFIX)/fault-soak.json" || status=$$?; \
+	if [ "$(KEEP_CLUSTER)" = 1 ]; then echo "fault-soak: the 4-node cluster is still up (make cluster-down stops it)"; \
+	else $(VCLUSTER) down >/dev/null && echo "fault-soak: took its 4-node cluster down (KEEP_CLUSTER=1 keeps it)"; fi; \
+	exit $$status
 
 # ---- cluster builds: config_env.sh, utils/sites/<site>.sh, utils/pytorch_versions.tsv ----------------
 # SITE=<profile> picks a site (default: detected, else generic).  DETACH=1 submits a job and returns (follow

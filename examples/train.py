@@ -16,13 +16,14 @@ What it does for you:
   overrides;
 - a checkpoint every ``--every`` steps into ``--ckpt`` (a folder every node sees); the same command resumes from the
   newest finished one after a requeue or a restart (``torchhpc.checkpoint``);
-- every ``--log-every`` steps rank 0 prints the loss, the step time and the throughput in samples per second over
-  all ranks, and at the end the median throughput.
+- rank 0 prints where each rank runs, then every ``--log-every`` steps the loss, the step time and the throughput
+  in samples per second over all ranks, and at the end the median throughput.
 """
 
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
 import time
 
@@ -76,7 +77,10 @@ def main(argv: list[str] | None = None) -> dict:
     state = {"model": model, "optim": opt}
     found = checkpoint.latest(args.ckpt) if args.every else None
     start = checkpoint.load(state, found) if found is not None else 0
+    hosts = [""] * info.world_size
+    dist.all_gather_object(hosts, socket.gethostname())  # where the launcher put each rank
     if info.rank == 0:
+        print("ranks on hosts: " + " ".join(f"{r}:{h}" for r, h in enumerate(hosts)), flush=True)
         print(f"{'resumed at' if found else 'starting at'} step {start} of {args.steps}: {info.world_size} ranks, "
               f"backend {dist.get_backend()}, device {device.type}", flush=True)
 

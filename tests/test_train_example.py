@@ -32,6 +32,7 @@ def train(ckpt: Path, steps: int) -> str:
 def test_under_mpiexec_it_trains_on_accl_and_resumes_where_it_stopped(tmp_path: Path) -> None:
     whole = train(tmp_path / "whole", 30)
     assert "starting at step 0 of 30: 2 ranks, backend accl, device cpu" in whole, whole[-3000:]
+    assert re.search(r"ranks on hosts: 0:\S+ 1:\S+", whole), whole[-3000:]
     assert len(re.findall(r"step +\d+  loss [\d.]+ +[\d.]+ ms/step +\d+ samples/s", whole)) == 3, whole[-3000:]
     final_loss(train(tmp_path / "split", 20), 20)
     rest = train(tmp_path / "split", 30)

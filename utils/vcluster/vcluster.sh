@@ -337,7 +337,9 @@ cmd_up() {
   preflight "$sched"
   if healthy "$n" "$sched"; then say "already up: $n nodes, $sched, all idle"; cmd_status; return 0; fi
   cmd_down quiet
-  trap 'say "bring-up failed; logs:"; tail -n 15 "$dir"/log/*.log >&2 || true; cmd_down quiet' ERR
+  # the step that failed (its command, line and the functions it ran in), then the daemons' logs, then a clean host
+  trap 'say "bring-up failed at vcluster.sh:$LINENO in ${FUNCNAME[*]:-main}: $BASH_COMMAND; logs:";
+        tail -n 15 "$dir"/log/*.log >&2 || true; cmd_down quiet' ERR
   write_files "$n" "$sched"
   ip netns add "$switch_ns"
   ip -n "$switch_ns" link add br0 type bridge
