@@ -19,7 +19,8 @@
 # MAX_JOBS, SCHEDULER (pbs|slurm|auto), PBS_ACCOUNT/PBS_QUEUE/PBS_SELECT_BUILD/..., SLURM_ACCOUNT/
 # SLURM_PARTITION/SLURM_NODES_TEST/SLURM_TIME_BUILD/..., LAUNCHER, SRUN_MPI (override the site's defaults),
 # TORCHHPC_NO_MODULES=1 (skip module loads), TORCHHPC_NO_ENV=1 (do not create/activate the environment),
-# TORCHHPC_QUIET=1 (no summary).
+# TORCHHPC_CREATE_ENV=1|0 (create a missing environment even inside a batch job | never; default: only outside
+# one), TORCHHPC_QUIET=1 (no summary).
 #
 # Safe to source again (re-selects, re-loads, re-activates; nothing is duplicated) and it never changes
 # the caller's shell options: errors are reported and `return`ed, never `exit`ed.
@@ -193,6 +194,8 @@ _torchhpc_config_env() {
   export TORCHHPC_PBS_WALLTIME_TEST=${PBS_WALLTIME_TEST:-$SITE_PBS_WALLTIME_TEST}
   export TORCHHPC_PBS_EXTRA=${PBS_EXTRA-$SITE_PBS_EXTRA}
   export TORCHHPC_GPUS_PER_NODE=${GPUS_PER_NODE:-$SITE_GPUS_PER_NODE}
+  # 1: a user's job without --gpus asks the scheduler whether its nodes have GPUs (a profile for any cluster)
+  export TORCHHPC_DETECT_GPUS=${SITE_DETECT_GPUS:-0}
   # Which batch scheduler: SCHEDULER, else the profile's; "auto" looks for sbatch, then qsub, on PATH.
   TORCHHPC_SCHEDULER=${SCHEDULER:-${SITE_SCHEDULER:-auto}}
   if [[ "$TORCHHPC_SCHEDULER" == auto ]]; then
@@ -220,16 +223,26 @@ _torchhpc_config_env() {
   export TORCHHPC_SITE_MODULES="${SITE_MODULES[*]}"
 
   # --- 4. build environment ----------------------------------------------------------------------
+  # Created where a person or a build asks for it (sourced outside a batch job, or TORCHHPC_CREATE_ENV=1 from the
+  # build and install steps); a job that finds none stops here rather than run in an empty one.
   if [[ "${TORCHHPC_NO_ENV:-0}" == 1 ]]; then
     _torchhpc_say "TORCHHPC_NO_ENV=1: environment $TORCHHPC_ENV_PREFIX not created/activated"
+  elif [[ ! -x "$TORCHHPC_ENV_PREFIX/bin/python" && "${TORCHHPC_CREATE_ENV:-}" != 1 \
+          && ( -n "${SLURM_JOB_ID:-}" || -n "${PBS_JOBID:-}" || "${TORCHHPC_CREATE_ENV:-}" == 0 ) ]]; then
+    _torchhpc_err "no environment at $TORCHHPC_ENV_PREFIX: build it first (make build-pytorch-v$PYTORCH_VERSION-pbs" \
+      "or -slurm, then make install-packages), or run the job in your own: torchhpc jobscript --env current"
+    return 1
   else
     mkdir -p "$(dirname "$TORCHHPC_ENV_PREFIX")" || return 1
     _torchhpc_create_env "$TORCHHPC_ENV_PREFIX" "$TORCHHPC_ENV_KIND" "$TORCHHPC_PYTHON_VERSION" || return 1
     _torchhpc_activate_env "$TORCHHPC_ENV_PREFIX" "$TORCHHPC_ENV_KIND" || return 1
+    # what the environment holds, as its python says (never the build's targets in its place)
+    [[ "${TORCHHPC_QUIET:-0}" == 1 ]] || _torchhpc_say "environment $TORCHHPC_ENV_PREFIX: $(python -c \
+      'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda or "none")' 2>/dev/null \
+      || echo "no torch installed yet")"
   fi
-
-  _torchhpc_say "PyTorch $PYTORCH_VERSION (torchvision $TORCHVISION_VERSION) USE_CUDA=$USE_CUDA" \
-    "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST NCCL $NCCL_VERSION at $NCCL_ROOT env=$TORCHHPC_ENV_PREFIX"
+  _torchhpc_say "build targets: PyTorch $PYTORCH_VERSION (torchvision $TORCHVISION_VERSION) USE_CUDA=$USE_CUDA" \
+    "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST NCCL $NCCL_VERSION into $NCCL_ROOT"
 }
 
 _torchhpc_config_env

@@ -240,7 +240,7 @@ def test_jobscript_speaks_in_its_own_name_and_flags(tmp_path: Path) -> None:
     """Errors name the command and the flag the user types; no account is warned of; --help lists the site
     directives."""
     bad = jobscript(tmp_path, "--scheduler", "pbs", "--walltime", "1h", "--", "x")
-    assert bad.stderr.startswith("torchhpc jobscript: error: --walltime '1h'"), bad.stderr
+    assert "\ntorchhpc jobscript: error: --walltime '1h'" in bad.stderr, bad.stderr
     bindir = tmp_path / "bin"  # a login node without either scheduler's commands
     bindir.mkdir()
     for tool in Path("/usr/bin").iterdir():
@@ -254,6 +254,64 @@ def test_jobscript_speaks_in_its_own_name_and_flags(tmp_path: Path) -> None:
     assert "warning" not in charged.stderr, charged.stderr
     helped = jobscript(tmp_path, "--help").stdout
     assert "PBS_EXTRA=" in helped and "SLURM_EXTRA=" in helped and "$TORCHHPC_ROOT" in helped, helped
+
+
+def fake_tools(tmp_path: Path, **scripts: str) -> str:
+    """A PATH whose named commands print the given text (a scheduler's answers), then this host's."""
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir(exist_ok=True)
+    for name, text in scripts.items():
+        (bindir / name).write_text(f"#!/bin/sh\nprintf '%s\\n' '{text}'\n")
+        (bindir / name).chmod(0o755)
+    return f"{Path(sys.executable).parent}:{bindir}:/usr/bin:/bin"
+
+
+def test_jobscript_runs_the_job_in_an_environment_that_holds_torch(tmp_path: Path) -> None:
+    """auto: the site's built environment where it holds torch and torchhpc, else this one (said), with the modules
+    loaded now; --env site refuses an empty one before submitting, naming the build."""
+    here = Path(sys.prefix)
+    plain = jobscript(tmp_path, "--scheduler", "slurm", "--", "python", "train.py", LOADEDMODULES="gcc/12:cuda/12.6")
+    lines = plain.stdout.splitlines()
+    assert "does not hold torch and torchhpc yet: the job runs in this one" in plain.stderr, plain.stderr
+    assert "export TORCHHPC_NO_ENV=1 TORCHHPC_NO_MODULES=1" in lines and "module load gcc/12 cuda/12.6 " in lines
+    assert f"source {here}/bin/activate" in lines, plain.stdout
+    refused = jobscript(tmp_path, "--env", "site", "--scheduler", "slurm", "--", "python", "train.py")
+    assert refused.returncode != 0 and refused.stdout == "", refused.stdout
+    assert "make build-pytorch-" in refused.stderr and "--env current" in refused.stderr, refused.stderr
+    built = tmp_path / "site-env"  # a site environment that holds both: this one's python
+    (built / "bin").mkdir(parents=True)
+    (built / "bin" / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (built / "bin" / "python").chmod(0o755)
+    site = jobscript(tmp_path, "--scheduler", "slurm", "--", "python", "train.py",
+                     TORCHHPC_ENV_PREFIX_OVERRIDE=str(built))
+    assert site.returncode == 0 and "TORCHHPC_NO_ENV" not in site.stdout and "activate" not in site.stdout, site.stdout
+
+
+def test_a_job_never_creates_an_empty_environment(tmp_path: Path) -> None:
+    """config_env.sh inside a batch job with no environment built: an error naming the fix, nothing created;
+    outside one (a person at a login node) it creates the environment, saying so."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "SITE": "generic", "TORCHHPC_NO_MODULES": "1",
+           "TORCHHPC_PREFIX": str(tmp_path / "build"), "TORCHHPC_VENV_ARGS": "--without-pip", "ENV_KIND": "venv"}
+    script = "source ./config_env.sh; echo rc=$?"
+    job = subprocess.run(["bash", "-c", script], cwd=ROOT, env={**env, "SLURM_JOB_ID": "7"}, capture_output=True,
+                         text=True, timeout=60)
+    assert "rc=1" in job.stdout and "no environment at" in job.stderr and "--env current" in job.stderr, job.stderr
+    assert not (tmp_path / "build" / "envs").exists() or not any((tmp_path / "build" / "envs").iterdir())
+    login = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert "rc=0" in login.stdout and "creating venv" in login.stderr, login.stderr
+    assert "no torch installed yet" in login.stderr and "build targets: PyTorch" in login.stderr, login.stderr
+
+
+@pytest.mark.parametrize(("scheduler", "tool", "answer", "gpus"), [
+    ("slurm", "sinfo", "(null)", 0), ("slurm", "sinfo", "gpu:a100:4", 4),
+    ("pbs", "pbsnodes", "resources_available.ncpus = 2", 0), ("pbs", "pbsnodes", "resources_available.ngpus = 4", 4)])
+def test_a_cpu_only_cluster_needs_no_gpus_flag(tmp_path: Path, scheduler: str, tool: str, answer: str,
+                                               gpus: int) -> None:
+    proc = jobscript(tmp_path, "--scheduler", scheduler, "--nodes", "2", "--", "python", "train.py",
+                     PATH=fake_tools(tmp_path, **{tool: answer}))
+    asked = {"slurm": "#SBATCH --gpus-per-node=4", "pbs": ":ngpus=4"}[scheduler]
+    assert (asked in proc.stdout) == (gpus == 4), proc.stdout + proc.stderr
+    assert ("reports no GPUs" in proc.stderr) == (gpus == 0), proc.stderr
 
 
 def test_run_ranks_places_ranks_from_the_allocation(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ done_step() {
     exit 0
   fi
 }
-load_config
+TORCHHPC_CREATE_ENV=1 load_config  # the build makes its environment, in its job too
 
 version=$PYTORCH_VERSION
 src_root="$TORCHHPC_PREFIX/src"

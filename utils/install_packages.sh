@@ -8,7 +8,7 @@
 set -euo pipefail
 # shellcheck source=utils/lib/common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/common.sh"
-load_config
+TORCHHPC_CREATE_ENV=1 load_config
 
 if [[ "$DRY_RUN" != 1 && -z "${MPICC:-}" ]] && python -c 'import mpi4py.MPI' 2>/dev/null; then
   # a generic machine with an MPI wheel and no compiler wrapper: the mpi4py it came with is the one to use

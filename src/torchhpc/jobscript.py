@@ -6,6 +6,11 @@ environment and the site's runtime settings activated on the compute node (``con
 started once per rank with the site's launcher (``mpiexec`` or ``srun``, ``utils/run_ranks.sh``), from the
 directory ``torchhpc jobscript`` was called in.  It prints the script, writes it (``-o``), or submits it and
 follows the job to its end (``--submit``), or submits and returns (``--detach``).
+
+The job's Python environment is the site's built one (``--env site``) or the one running this command, with the
+modules loaded now (``--env current``: a venv, a conda environment, a centre's PyTorch module); by default the
+site's where it holds torch and torchhpc, else the current one.  Before anything is submitted the chosen one is
+checked to hold both, and refused with the fix otherwise: a job never starts in an environment that cannot run.
 """
 
 from __future__ import annotations
@@ -90,6 +95,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--launcher", choices=("mpiexec", "srun"), default=None,
                     help="how ranks start (default: the site's; srun only under Slurm)")
     ap.add_argument("--name", default=None, help="job name (default: from the command's script)")
+    ap.add_argument("--env", choices=("auto", "site", "current"), default="auto",
+                    help="the job's Python: the site's built environment, or the one running this command with "
+                         "the modules loaded now (auto: the site's where it holds torch and torchhpc, else current)")
     ap.add_argument("--checkout", default=None,
                     help="the torchhpc checkout whose site profiles and job layer to use (default: $TORCHHPC_ROOT, "
                          "which config_env.sh sets, else the checkout this torchhpc was installed from)")
@@ -101,6 +109,55 @@ def _parser() -> argparse.ArgumentParser:
                      help="submit it and return; `make job-wait JOB=NAME` follows it later")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARG...]: what each rank runs")
     return ap
+
+
+_HOLDS = "import importlib.util as u, sys; sys.exit(0 if u.find_spec('torch') and u.find_spec('torchhpc') else 3)"
+
+
+def _holds_torch(python: Path) -> bool:
+    """Whether ``python`` finds torch and torchhpc (looked up, not imported: a login node may lack a GPU's libraries
+    that the compute nodes have)."""
+    try:
+        return subprocess.run([str(python), "-c", _HOLDS], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _site_env(checkout: Path, env: dict[str, str]) -> Path:
+    """The site's built environment for this configuration, as config_env.sh names it (nothing is activated)."""
+    quiet = {**env, "TORCHHPC_NO_ENV": "1", "TORCHHPC_NO_MODULES": "1", "TORCHHPC_QUIET": "1"}
+    proc = subprocess.run(["bash", "-c", 'source ./config_env.sh && printf %s "$TORCHHPC_ENV_PREFIX"'], cwd=checkout,
+                          env=quiet, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0 or not proc.stdout:
+        raise SystemExit(f"torchhpc jobscript: config_env.sh failed: {proc.stderr.strip()}")
+    return Path(proc.stdout)
+
+
+def choose_env(choice: str, checkout: Path, env: dict[str, str]) -> dict[str, str]:
+    """The variables that put the job in the chosen Python environment, after checking it holds torch and
+    torchhpc; SystemExit with the fix when it does not."""
+    if choice == "auto" and env.get("TORCHHPC_NO_ENV") == "1":
+        choice = "current"  # the site's environment switched off by hand: the one at hand, as before
+    site = _site_env(checkout, env)
+    site_ok = _holds_torch(site / "bin" / "python")
+    current = Path(sys.prefix)
+    current_ok = _holds_torch(Path(sys.executable))
+    if choice == "site" or (choice == "auto" and site_ok):
+        if not site_ok:
+            raise SystemExit(f"torchhpc jobscript: the site's environment {site} does not hold torch and "
+                             "torchhpc: build it (make build-pytorch-<version>-pbs or -slurm, then make "
+                             "install-packages), or run the job in this one: --env current")
+        return {}
+    if not current_ok:
+        raise SystemExit(f"torchhpc jobscript: neither the site's environment ({site}) nor this one ({current}) "
+                         "holds torch and torchhpc: activate one that does (pip install torch, then torchhpc), "
+                         "or build the site's (make build-pytorch-<version>-pbs or -slurm)")
+    if choice == "auto":
+        print(f"torchhpc jobscript: the site's environment {site} does not hold torch and torchhpc yet: the job "
+              f"runs in this one, {current} (--env site insists)", file=sys.stderr)
+    conda = env.get("CONDA_EXE")
+    return {"TORCHHPC_JOB_PYENV": str(current), "TORCHHPC_JOB_MODULES": env.get("LOADEDMODULES", ""),
+            "TORCHHPC_JOB_CONDA_SH": str(Path(conda).parents[1] / "etc/profile.d/conda.sh") if conda else ""}
 
 
 def submit_args(ns: argparse.Namespace, checkout: Path, command: Sequence[str]) -> list[str]:
@@ -132,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env["SITE"] = ns.site
     if ns.launcher:
         env["LAUNCHER"] = ns.launcher
+    env.update(choose_env(ns.env, checkout, env))
     args = submit_args(ns, checkout, command)
     if ns.output is None:
         return subprocess.run(args, env=env, check=False).returncode

@@ -53,6 +53,7 @@ job_resolve() {
     *) job_die_value SCHEDULER "$JOB_SCHEDULER" "is not pbs or slurm" ;;
   esac
   job_private_dir
+  [[ "$JOB_SHAPE" == run && -z "$JOB_GPUS" && "${TORCHHPC_DETECT_GPUS:-0}" == 1 ]] && job_detect_gpus
   if [[ "$JOB_SCHEDULER" == pbs ]]; then
     job_resolve_pbs
   else
@@ -63,6 +64,25 @@ job_resolve() {
   if [[ -z "$JOB_ACCOUNT" && "$DRY_RUN" != 1 ]]; then
     printf '%s: warning: no account given: the scheduler charges your default one, if it has one (--account, or %s_ACCOUNT)\n' \
       "${TORCHHPC_PROG:-${0##*/}}" "${JOB_SCHEDULER^^}" >&2
+  fi
+}
+
+# A user's job on a profile for any cluster, --gpus not given: none when the scheduler says its nodes have no GPUs
+# (Slurm: no gpu GRES in sinfo; PBS: no node with resources_available.ngpus above 0), else the profile's count.
+job_detect_gpus() {
+  local seen prog=${TORCHHPC_PROG:-${0##*/}}
+  if [[ "$JOB_SCHEDULER" == slurm ]]; then
+    seen=$(sinfo -h -o '%G' 2>/dev/null) || seen="?"
+    [[ "$seen" == "?" || "$seen" == *gpu* ]] || JOB_GPUS=0
+  else
+    seen=$(pbsnodes -av 2>/dev/null) || seen="?"
+    [[ "$seen" == "?" ]] || grep -Eq 'resources_available\.ngpus = [1-9]' <<<"$seen" || JOB_GPUS=0
+  fi
+  if [[ "$JOB_GPUS" == 0 ]]; then
+    printf '%s: the scheduler reports no GPUs on its nodes: asking for none (--gpus N asks anyway)\n' "$prog" >&2
+  elif [[ "$seen" == "?" ]]; then
+    printf '%s: could not ask the scheduler about GPUs: assuming the profile'"'"'s %s per node (--gpus 0 for a CPU job)\n' \
+      "$prog" "$TORCHHPC_GPUS_PER_NODE" >&2
   fi
 }
 
@@ -219,17 +239,32 @@ JOB_KNOBS="ENV_KIND TORCHHPC_ENV_PREFIX_OVERRIDE TORCHHPC_VENV_ARGS TORCHHPC_NO_
   AWS_OFI_NCCL_SOURCES AWS_OFI_NCCL_TAG AWS_OFI_NCCL_VERSION CUDA_HOME CUDNN_ROOT LIBFABRIC_ROOT HWLOC_ROOT
   MPICC MPICXX CUDA_MODULE CUDA_MISMATCH_OK"
 
-# The job's export lines: the knobs set here, and with TORCHHPC_NO_ENV=1 (no site environment is
-# activated) the venv active at submission, so that the job runs in the same environment.
+# The job's export lines: the knobs set here; and where the job is to run in an environment of the user's
+# (TORCHHPC_JOB_PYENV, from `torchhpc jobscript --env current`; or TORCHHPC_NO_ENV=1 with a venv active) instead
+# of the site's, that environment as it was at submission: its modules (TORCHHPC_JOB_MODULES), then the venv's
+# activation, conda's, or its bin/ first on PATH.
 job_exports() {
-  local name
+  local name pyenv=${TORCHHPC_JOB_PYENV:-} modules=${TORCHHPC_JOB_MODULES:-}
   for name in $JOB_KNOBS; do
     [[ -n "${!name+set}" ]] && printf 'export %s=%q\n' "$name" "${!name}"
   done
-  if [[ "${TORCHHPC_NO_ENV:-0}" == 1 && -n "${VIRTUAL_ENV:-}" && -f "${VIRTUAL_ENV:-}/bin/activate" ]]; then
-    printf 'source %q\n' "$VIRTUAL_ENV/bin/activate"
+  if [[ -z "$pyenv" && "${TORCHHPC_NO_ENV:-0}" == 1 && -f "${VIRTUAL_ENV:-}/bin/activate" ]]; then
+    pyenv=$VIRTUAL_ENV
   fi
-  return 0
+  [[ -n "$pyenv" ]] || return 0
+  printf 'export TORCHHPC_NO_ENV=1%s\n' "${modules:+ TORCHHPC_NO_MODULES=1}"
+  if [[ -n "$modules" ]]; then
+    # shellcheck disable=SC2086  # a list of module names
+    printf 'module load %s\n' "$(printf '%q ' ${modules//:/ })"
+  fi
+  if [[ -f "$pyenv/bin/activate" && ! -d "$pyenv/conda-meta" ]]; then
+    printf 'source %q\n' "$pyenv/bin/activate"
+  elif [[ -d "$pyenv/conda-meta" && -n "${TORCHHPC_JOB_CONDA_SH:-}" ]]; then
+    printf 'source %q && conda activate %q\n' "$TORCHHPC_JOB_CONDA_SH" "$pyenv"
+  else
+    # shellcheck disable=SC2016  # $PATH is the job's, expanded when it runs
+    printf 'export PATH=%q:"$PATH"\n' "$pyenv/bin"
+  fi
 }
 
 # NCAR's blocking qcmd submits this PBS job (the site's choice), unless it is to be detached from.

@@ -22,6 +22,7 @@
 #   SITE_LAUNCHER         mpiexec | srun: how `make test-slurm` starts ranks inside the allocation
 #   SITE_SRUN_MPI         the srun --mpi plugin when SITE_LAUNCHER=srun (pmix, pmi2, cray_shasta; `srun --mpi=list`)
 #   SITE_GPUS_PER_NODE    GPUs (= ranks) per node for test jobs
+#   SITE_DETECT_GPUS      1: `torchhpc jobscript` without --gpus asks the scheduler whether the nodes have GPUs
 #   site_runtime_env      prints the activation hook body: `export NAME=value` lines, each after a comment
 #                         saying why; expanded when the hook is written, so it may use SITE_* and NCCL_OFI_PREFIX
 
@@ -41,6 +42,8 @@ SITE_PBS_SELECT_TEST="2:ncpus=32:mpiprocs=4:ngpus=4"  # 8 cores per rank, as SIT
 SITE_PBS_WALLTIME_TEST="00:15:00"
 SITE_PBS_EXTRA=""
 SITE_GPUS_PER_NODE=4
+# any cluster: a user's job without --gpus asks the scheduler (sinfo's GRES, pbsnodes' ngpus) whether there are GPUs
+SITE_DETECT_GPUS=1
 SITE_SCHEDULER=auto
 SITE_SLURM_ACCOUNT=""
 SITE_SLURM_ACCOUNT_REQUIRED=0
