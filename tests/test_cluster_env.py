@@ -217,13 +217,17 @@ def test_conda_hook_scripts_restore_under_posix_sh(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("site", SITES)
 def test_profile_defines_the_contract(site: str, tmp_path: Path) -> None:
-    names = ("SITE_DESCRIPTION SITE_ENV_KIND SITE_SUBMIT SITE_PBS_QUEUE SITE_PBS_SELECT_BUILD "
-             "SITE_PBS_WALLTIME_BUILD SITE_PBS_SELECT_TEST SITE_PBS_WALLTIME_TEST SITE_GPUS_PER_NODE")
+    names = "SITE_DESCRIPTION SITE_ENV_KIND SITE_SUBMIT SITE_GPUS_PER_NODE"
+    pbs = "SITE_PBS_QUEUE SITE_PBS_SELECT_BUILD SITE_PBS_WALLTIME_BUILD SITE_PBS_SELECT_TEST SITE_PBS_WALLTIME_TEST"
+    slurm = "SITE_SLURM_CPUS_BUILD SITE_SLURM_TIME_BUILD SITE_SLURM_CPUS_TEST SITE_SLURM_TIME_TEST SITE_SRUN_MPI"
     script = (
         f"source utils/sites/{site}.sh\n"
         "declare -F site_matches site_configure site_runtime_env >/dev/null || exit 1\n"
         "declare -p SITE_MODULES >/dev/null || exit 1\n"
-        f'for v in {names}; do [[ -n "${{!v:-}}" ]] || {{ echo "missing $v"; exit 1; }}; done\n'
+        f'names="{names}"; [[ $SITE_SCHEDULER == slurm ]] || names+=" {pbs}"\n'
+        f'[[ $SITE_SCHEDULER == pbs ]] || [[ $SITE_SCHEDULER == auto && -z $SITE_SLURM_CPUS_TEST ]] '
+        f'|| names+=" {slurm}"\n'
+        'for v in $names; do [[ -n "${!v:-}" ]] || { echo "missing $v"; exit 1; }; done\n'
         '[[ $SITE_ENV_KIND == conda || $SITE_ENV_KIND == venv ]] || exit 1\n'
         '[[ $SITE_SUBMIT == qcmd || $SITE_SUBMIT == qsub ]] || exit 1\n'
         "NCCL_OFI_PREFIX=/x site_runtime_env\n"

@@ -340,3 +340,32 @@ def test_a_build_on_an_older_cuda_than_its_release_is_refused_before_submitting(
         assert proc.returncode == 0 and "released for CUDA" not in proc.stderr, (extra, proc.stderr)
     warned = submit(tmp_path, *args, **{**base, "DRY_RUN": "1"})
     assert warned.returncode == 0 and "# warning: PyTorch 2.13.0 was released for CUDA 12.6" in warned.stderr
+
+
+@pytest.mark.parametrize(("site", "module", "scheduler"), [("polaris", "cudatoolkit-standalone/12.4.1", "pbs"),
+                                                            ("perlmutter", "cudatoolkit/12.4", "slurm")])
+def test_the_centres_cuda_modules_are_checked_too(tmp_path: Path, site: str, module: str, scheduler: str) -> None:
+    """Polaris' and Perlmutter's CUDA modules (cudatoolkit-standalone/, cudatoolkit/) are read like Derecho's cuda/:
+    an older one is refused before the build is queued; the profile's own default is new enough."""
+    args = ("--scheduler", scheduler, "--shape", "build", "--account", "P1", "--", "true")
+    base = {"SITE": site, "TORCHHPC_NO_MODULES": "1", "PYTORCH_VERSION": "2.13.0", "DRY_RUN": "0"}
+    refused = submit(tmp_path, *args, **base, CUDA_MODULE=module)
+    assert refused.returncode != 0 and f"site '{site}' builds with CUDA 12.4" in refused.stderr, refused.stderr
+    fits = submit(tmp_path, *args, **{**base, "DRY_RUN": "1"})
+    assert fits.returncode == 0 and "released for CUDA" not in fits.stderr, fits.stderr
+
+
+def test_polaris_and_perlmutter_jobs_ask_what_their_guides_say(tmp_path: Path) -> None:
+    """`torchhpc jobscript --site polaris|perlmutter`: the directives each centre's user guide asks for."""
+    polaris = jobscript(tmp_path, "--site", "polaris", "--nodes", "2", "--account", "P1", "--", "python", "t.py",
+                        TORCHHPC_NO_MODULES="1").stdout.splitlines()
+    assert {"#PBS -A P1", "#PBS -q preemptable", "#PBS -l select=2:ncpus=64:mpiprocs=4:ngpus=4:system=polaris",
+            "#PBS -l place=scatter:excl", "#PBS -l filesystems=home:eagle"} <= set(polaris), polaris
+    nersc = jobscript(tmp_path, "--site", "perlmutter", "--nodes", "2", "--account", "m0001", "--", "python", "t.py",
+                      TORCHHPC_NO_MODULES="1").stdout.splitlines()
+    assert {"#SBATCH --account=m0001", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
+            "#SBATCH --cpus-per-task=32", "#SBATCH --gpus-per-node=4", "#SBATCH --constraint=gpu",
+            "#SBATCH --qos=regular"} <= set(nersc), nersc
+    for site in ("polaris", "perlmutter"):
+        refused = jobscript(tmp_path, "--site", site, "--submit", "--", "python", "t.py", TORCHHPC_NO_MODULES="1")
+        assert refused.returncode != 0 and "--account" in refused.stderr, refused.stderr

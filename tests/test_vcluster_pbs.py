@@ -284,19 +284,22 @@ def site_script(pbs: Cluster, prefix: Path, site: str, shape: str) -> Path:
 
 
 def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Path) -> None:
-    """Every SITE_PBS_* value of the derecho and generic profiles reaches a real qsub and is accepted.  What
-    OpenPBS does not define (the `ngpus` and `job_priority` resources, Derecho's `main` queue) is refused
-    until created with qmgr, as a site's admin would; jobs are held (qsub -h) and deleted: they could never
-    fit here."""
-    derecho = site_script(pbs, prefix, "derecho", "test")
-    refused = pbs.run(f"qsub -h {derecho}")
-    assert refused.returncode != 0 and re.search(r"Unknown resource|Unknown queue", refused.stdout), refused.stdout
-    pbs.ok("qmgr -c 'list queue main' >/dev/null 2>&1 || "
-           "qmgr -c 'create queue main queue_type=execution,enabled=true,started=true'")
-    # GPUs per host, consumable (flag=nh: the scheduler counts them per node), and Derecho's priority class
-    for name, how in (("ngpus", "type=long,flag=nh"), ("job_priority", "type=string")):
+    """Every SITE_PBS_* value of the derecho, polaris and generic profiles reaches a real qsub and is accepted.
+    What OpenPBS does not define (the `ngpus`, `job_priority`, `system` and `filesystems` resources, Derecho's
+    `main` and Polaris' `preemptable` queues) is refused until created with qmgr, as a site's admin would; jobs
+    are held (qsub -h) and deleted: they could never fit here."""
+    queues = {"derecho": "main", "polaris": "preemptable", "generic": "workq"}
+    for site in ("derecho", "polaris"):
+        refused = pbs.run(f"qsub -h {site_script(pbs, prefix, site, 'test')}")
+        assert refused.returncode != 0 and re.search(r"Unknown resource|Unknown queue", refused.stdout), refused.stdout
+        pbs.ok(f"qmgr -c 'list queue {queues[site]}' >/dev/null 2>&1 || "
+               f"qmgr -c 'create queue {queues[site]} queue_type=execution,enabled=true,started=true'")
+    # GPUs per host, consumable (flag=nh: the scheduler counts them per node); Derecho's priority class; Polaris'
+    # machine name (a host's resource, chosen in a chunk) and the file systems a job reads
+    for name, how in (("ngpus", "type=long,flag=nh"), ("job_priority", "type=string"),
+                      ("system", "type=string,flag=h"), ("filesystems", "type=string")):
         pbs.ok(f"qmgr -c 'list resource {name}' >/dev/null 2>&1 || qmgr -c 'create resource {name} {how}'")
-    for site in ("derecho", "generic"):
+    for site in ("derecho", "polaris", "generic"):
         for shape in ("build", "test"):
             script = site_script(pbs, prefix, site, shape)
             job = pbs.ok(f"qsub -h {script}").strip().splitlines()[-1]
@@ -307,7 +310,7 @@ def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Pat
                 assert len(asked) >= 2, script.read_text()
                 for key, value in asked:
                     assert str(rec["Resource_List"][key]) == value, (site, shape, key, rec["Resource_List"])
-                assert rec["queue"] == ("main" if site == "derecho" else "workq"), rec["queue"]
+                assert rec["queue"] == queues[site], rec["queue"]
                 assert rec.get("Account_Name") == "UABC0001", rec
             finally:
                 pbs.ok(f"qdel {job}")

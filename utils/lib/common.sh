@@ -76,12 +76,14 @@ nvcc_release() {
   "$1/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p'
 }
 
-# cuda_unfit VERSION: why the site's CUDA (a cuda/X.Y module of its profile, else CUDA_HOME's nvcc) is older
-# than the one PyTorch VERSION was released for; nothing when it is not, or when either is unknown.  After
-# load_config.  A build on it fails hours in, so the build and its submission stop on it first.
+# cuda_unfit VERSION: why the site's CUDA (a cuda/, cudatoolkit/ or cudatoolkit-standalone/X.Y module of its
+# profile, else CUDA_HOME's nvcc) is older than the one PyTorch VERSION was released for; nothing when it is
+# not, or when either is unknown.  After load_config.  A build on it fails hours in, so the build and its submission stop on it first.
 cuda_unfit() {
   local version=$1 want have="" m
-  for m in ${TORCHHPC_SITE_MODULES:-}; do [[ "$m" =~ ^cuda/([0-9]+\.[0-9]+) ]] && have=${BASH_REMATCH[1]}; done
+  for m in ${TORCHHPC_SITE_MODULES:-}; do
+    [[ "$m" =~ ^(cuda|cudatoolkit|cudatoolkit-standalone)/([0-9]+\.[0-9]+) ]] && have=${BASH_REMATCH[2]}
+  done
   [[ -n "$have" || -z "${CUDA_HOME:-}" ]] || have=$(nvcc_release "$CUDA_HOME")
   want=$("$TORCHHPC_ROOT/utils/pytorch_version.sh" "$version" cuda) || want=""
   [[ -n "$have" && -n "$want" ]] || return 0

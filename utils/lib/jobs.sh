@@ -140,6 +140,12 @@ job_run_select() {
   [[ "$JOB_GPUS" =~ ^[0-9]+$ ]] || job_die_value --gpus "$JOB_GPUS" "is not a whole number"
   JOB_SELECT="$JOB_NODES:ncpus=$((JOB_CPUS * JOB_PPN)):mpiprocs=$JOB_PPN"
   ((JOB_GPUS > 0)) && JOB_SELECT+=":ngpus=$JOB_GPUS"
+  # the chunk's other resources (Polaris' system=polaris) as the site asks them
+  local pair chunk=${site%%+*}
+  IFS=':' read -r -a pairs <<<"${chunk#*:}"
+  for pair in "${pairs[@]}"; do
+    [[ "$chunk" == *:* && "$pair" == *=* && ! "$pair" =~ ^(ncpus|mpiprocs|ngpus)= ]] && JOB_SELECT+=":$pair"
+  done
   return 0
 }
 
