@@ -87,12 +87,16 @@ lint: $(PY) ## ruff; no Python function above radon grade C; no accl C++ functio
 	@if command -v shellcheck >/dev/null; then shellcheck -x $$(ls *.sh utils/*.sh utils/*/*.sh 2>/dev/null) utils/vcluster/ssh .ci/run; \
 	 else echo "shellcheck not installed; skipped"; fi
 
-docs-plots: $(PY) ## Draw the docs' plots again from their data (docs/data/*.json -> docs/img/*.svg; needs matplotlib)
+PLOTS_DIR ?= docs/img
+docs-plots: $(PY) ## Draw the docs' plots again from their data (docs/data/*.json -> PLOTS_DIR=docs/img/*.svg; matplotlib)
 	@$(VENV)/bin/torchhpc bench --from-json docs/data/accl-bench-2ranks.json docs/data/accl-bench-4ranks.json \
-	  --plot docs/img/accl-busbw.svg >/dev/null
-	@for data in docs/data/multinode-*.json; do [[ -e "$$data" ]] || continue; rate=$${data##*/multinode-}; \
-	  $(VENV)/bin/torchhpc bench --from-json "$$data" --plot "docs/img/multinode-busbw-$${rate%.json}.svg" >/dev/null; done
-	@echo "plots drawn: $$(ls docs/img/*.svg | tr '\n' ' ')"
+	  --plot $(PLOTS_DIR)/accl-busbw.svg --plot-title "one node (2-core VM), shared memory" >/dev/null
+	@for data in docs/data/multinode-*.json; do [[ -e "$$data" ]] || continue; name=$${data##*/multinode-}; \
+	  name=$${name%.json}; rate=$${name%%-*}; nodes=$${name#"$$rate"}; nodes=$${nodes#-}; nodes=$${nodes:-2nodes}; \
+	  case $$rate in none) link="TCP, unshaped";; *gbit) link="TCP shaped to $${rate%gbit} Gbit/s";; *) link=$$rate;; esac; \
+	  $(VENV)/bin/torchhpc bench --from-json "$$data" --plot "$(PLOTS_DIR)/multinode-busbw-$$name.svg" \
+	    --plot-title "$${nodes%nodes} nodes of the virtual cluster, one rank each; link: $$link" >/dev/null; done
+	@echo "plots drawn: $$(ls $(PLOTS_DIR)/*.svg | tr '\n' ' ')"
 
 doctor: $(PY) ## Check this environment for distributed training (torchhpc doctor)
 	@$(VENV)/bin/torchhpc doctor

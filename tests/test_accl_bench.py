@@ -150,21 +150,30 @@ def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
     assert seen[0][0][-3:] == ["-m", "torchhpc.bench", "allreduce"]
 
 
-@pytest.mark.parametrize("plot", ["accl-busbw", "multinode-busbw-none", "multinode-busbw-10gbit",
-                                  "multinode-busbw-1gbit", "multinode-busbw-1gbit-4nodes"])
-def test_the_docs_busbw_plots_are_drawn_from_their_data(tmp_path: Path, plot: str) -> None:
-    """`make docs-plots` draws each docs/img/*-busbw*.svg from docs/data: the same data gives the same file."""
+def test_the_docs_busbw_plots_are_drawn_from_their_data(tmp_path: Path) -> None:
+    """`make docs-plots` draws each docs/img/*-busbw*.svg from docs/data: the same data gives the same file, each
+    titled with what the run was (one node, or the virtual cluster's nodes and link)."""
     pytest.importorskip("matplotlib")
     root = Path(__file__).resolve().parents[1]
-    out = tmp_path / f"{plot}.svg"
-    if plot == "accl-busbw":
-        data = [str(root / f"docs/data/accl-bench-{n}ranks.json") for n in (2, 4)]
-    else:
-        data = [str(root / f"docs/data/{plot.replace('-busbw', '')}.json")]
-    proc = subprocess.run([sys.executable, "-m", "torchhpc", "bench", "--from-json", *data, "--plot", str(out)],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert out.read_bytes() == (root / f"docs/img/{plot}.svg").read_bytes(), "run `make docs-plots`"
+    proc = subprocess.run(["make", "-s", "docs-plots", f"PLOTS_DIR={tmp_path}", f"VENV={Path(sys.prefix)}"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    drawn = sorted(p.name for p in tmp_path.glob("*.svg"))
+    assert drawn == sorted(p.name for p in (root / "docs/img").glob("*busbw*.svg")), drawn
+    for name in drawn:
+        assert (tmp_path / name).read_bytes() == (root / "docs/img" / name).read_bytes(), "run `make docs-plots`"
+    assert "link: TCP shaped to 1 Gbit/s" in (tmp_path / "multinode-busbw-1gbit-4nodes.svg").read_text()
+    assert ">4 nodes of the virtual cluster" in (tmp_path / "multinode-busbw-1gbit-4nodes.svg").read_text()
+
+
+def test_the_legend_draws_every_implementation_as_its_lines() -> None:
+    pytest.importorskip("matplotlib")
+    points = [results.Point("allreduce", 2, s, i, [1e-6]) for s in (8, 64) for i in ("accl", "mpi4py")]
+    fig = plot.figure(points, ["accl", "mpi4py"], "a title")
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == ["accl", "mpi(torch mem)"]
+    assert [h.get_linestyle() for h in legend.legend_handles] == ["-", "--"], "each entry a line, not a dot"
+    assert fig.get_suptitle() == "a title"
 
 
 @pytest.mark.parametrize("suffix", [".svg", ".png"])

@@ -73,6 +73,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--json", default=None, metavar="PATH", help="write every measured point here")
     ap.add_argument("--plot", default=None, metavar="PATH", help="draw busbw vs size here (.png, .svg or .pdf; "
                     "needs matplotlib)")
+    ap.add_argument("--plot-title", default="", metavar="TEXT",
+                    help="a title above the plot: what the run was (the machine, the link's rate)")
     ap.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                     help="no run: print the tables (and --plot) of these --json files")
     ap.add_argument("--no-check", action="store_true", help="accl without the cross-rank header check")
@@ -179,7 +181,7 @@ def _write_outputs(args: argparse.Namespace, meta: dict, points: list[Point], im
         print(f"wrote {args.json}")
     if args.plot:
         try:
-            write_plot(args.plot, points, impls)
+            write_plot(args.plot, points, impls, args.plot_title)
             print(f"wrote {args.plot}")
         except PlotUnavailableError as exc:
             print(exc, file=sys.stderr)
@@ -236,7 +238,7 @@ def _replay(args: argparse.Namespace) -> int:
         print_table(rows, impls, max(len(p.rounds_s) for p in rows))
     if args.plot:
         try:
-            write_plot(args.plot, points, impls)
+            write_plot(args.plot, points, impls, args.plot_title)
         except PlotUnavailableError as exc:
             print(exc, file=sys.stderr)
             return 1

@@ -43,9 +43,10 @@ def _panel(ax, points: list[Point], impls: list[str], n: int, coll: str) -> None
     ax.grid(True, which="major", color="#e5e5e5")
 
 
-def figure(points: list[Point], impls: list[str]):
+def figure(points: list[Point], impls: list[str], title: str = ""):
     """The matplotlib Figure of ``points``: a panel per (rank count, collective), log-log busbw vs size, one
-    line per implementation of ``impls`` that has points there (legend once, above the panels)."""
+    line per implementation of ``impls`` that has points there (legend once, above the panels, every entry with
+    its line; ``title`` above it: what the run was, e.g. the link)."""
     plt = _pyplot()
     impls = [i for i in impls if any(p.impl == i for p in points)]
     colls = [c for c in COLLECTIVES if any(p.collective == c for p in points)]
@@ -63,15 +64,23 @@ def figure(points: list[Point], impls: list[str]):
     ticks = [s for s in (8, 1 << 10, 1 << 20, 1 << 30) if sizes and sizes[0] <= s <= sizes[-1]]
     for ax in axes[-1]:
         ax.set_xticks(ticks, [human(s).replace(" ", "") for s in ticks])
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", ncol=max(1, len(labels)), frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.4 / fig.get_figheight()))
+    from matplotlib.lines import Line2D
+
+    # one entry per implementation, drawn as its lines are (a panel's own handles miss what it lacks)
+    handles = [Line2D([], [], linestyle=STYLES.get(i, "-"), marker=".", color=COLORS.get(i), linewidth=1.4)
+               for i in impls]
+    top = 1 - (0.4 + (0.3 if title else 0)) / fig.get_figheight()
+    fig.legend(handles, [LABELS.get(i, i) for i in impls], loc="upper center", ncol=max(1, len(impls)),
+               frameon=False, bbox_to_anchor=(0.5, top + 0.4 / fig.get_figheight()))
+    if title:
+        fig.suptitle(title, y=1 - 0.05 / fig.get_figheight(), va="top", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, top))
     return fig
 
 
-def write_plot(path: str, points: list[Point], impls: list[str]) -> None:
+def write_plot(path: str, points: list[Point], impls: list[str], title: str = "") -> None:
     """Draw :func:`figure` into ``path`` (the format from its extension: .png, .svg, .pdf)."""
-    _save(_pyplot(), figure(points, impls), path)
+    _save(_pyplot(), figure(points, impls, title), path)
 
 
 def write_cost_plot(path: str, costs: dict[str, dict[str, tuple[float, float, float]]], title: str) -> None:
@@ -103,5 +112,5 @@ def _save(plt, fig, path: str) -> None:
     # same file, so a plot redrawn from unchanged data leaves the checkout unchanged
     with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "torchhpc"}):
         meta = {"Date": None} if path.endswith((".svg", ".pdf")) else {}
-        fig.savefig(path, dpi=120, metadata=meta)
+        fig.savefig(path, dpi=120, metadata=meta, bbox_inches="tight")  # nothing cut at the edges
     plt.close(fig)
