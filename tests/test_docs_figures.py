@@ -45,6 +45,22 @@ def small_excess(name: str) -> tuple[float, float]:
     return min(extra), max(extra)
 
 
+def soak(name: str) -> list[dict]:
+    """The trials of one `make fault-soak` record."""
+    return json.loads((DATA / name).read_text())["trials"]
+
+
+def soak_second_run() -> list[str]:
+    """restart.md's sentence on the second soak: trials per fault, then the outcomes over all trials."""
+    trials = soak("fault-soak-seed8.json")
+    count = {f: sum(t["fault"] == f for t in trials) for f in ("kill-rank", "kill-node", "stop-node", "cut-link")}
+    compared = [t for t in trials if t["bitwise_equal"] is not None]
+    hangs = sum(t["ranks_gone_s"] is None for t in trials)  # the soak's record of a rank left past the deadline
+    return [str(len(trials)), *map(str, count.values()), str(hangs),
+            str(sum(t["finished"] for t in trials)), str(len(trials)), str(sum(t["bitwise_equal"] for t in compared)),
+            str(len(compared)), str(sum(t["lost"] for t in trials)), one(max(t["ranks_gone_s"] or 0 for t in trials))]
+
+
 def one(x: float) -> str:
     return f"{x:.1f}"
 
@@ -71,6 +87,14 @@ CLAIMS: list[tuple[str, str, Callable[[], list[str]]]] = [
 ]
 
 
+CLAIMS.append(
+    ("restart.md", r"SOAK_SEED=8`, (\d+) trials in [\d.]+ min: (\d+) ranks killed, (\d+) nodes killed, (\d+) stopped, "
+                   r"(\d+) links cut; \[its data\]\(data/fault-soak-seed8.json\)\): (\d+) hangs, "
+                   r"(\d+) of (\d+) requeued and finished, (\d+) of (\d+) bitwise equal, (\d+) checkpoints lost, "
+                   r"every rank gone within ([\d.]+) s",
+     soak_second_run))
+
+
 @pytest.mark.parametrize(("page", "pattern", "figures"), CLAIMS, ids=[f"{p}:{i}" for i, (p, *_) in enumerate(CLAIMS)])
 def test_the_prose_quotes_its_data(page: str, pattern: str, figures: Callable[[], list[str]]) -> None:
     text = " ".join((ROOT / "docs" / page).read_text().split())  # one line: claims wrap anywhere
@@ -85,3 +109,18 @@ def test_a_figure_off_from_its_data_is_caught() -> None:
     wrong = f"Faster than PyTorch's own MPI backend: at {count} of 50 points at 2 ranks and 1 of 50 at 4"
     found = re.search(pattern, wrong)
     assert found and list(found.groups()) != figures()
+
+
+def test_the_virtual_clusters_all_reduce_table_is_its_data() -> None:
+    """vcluster.md's all_reduce rows (accl, raw, gloo µs per call at each link and size) are the medians of
+    docs/data/multinode-<rate>.json, as the bench prints them."""
+    rates = {"unshaped": "none", "10 Gbit/s": "10gbit", "1 Gbit/s": "1gbit"}
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20}
+    rows = re.findall(r"^\| (unshaped|10 Gbit/s|1 Gbit/s) \| (\d+) (B|KiB|MiB) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|",
+                      (ROOT / "docs" / "vcluster.md").read_text(), re.M)
+    assert len(rows) >= 10, rows
+    for link, count, unit, *shown in rows:
+        t = times(f"multinode-{rates[link]}.json")
+        size = int(count) * units[unit]
+        want = [t["allreduce", size, impl] * 1e6 for impl in ("accl", "mpi4py", "gloo")]
+        assert shown == [f"{x:.1f}" if x < 100 else f"{x:.0f}" for x in want], (link, count, unit, shown, want)
