@@ -174,13 +174,17 @@ def test_a_detached_job_is_followed_later_with_its_exit_status(pbs: Cluster, pre
 
 
 def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(pbs: Cluster, prefix: Path) -> None:
-    """`torchhpc jobscript --submit` from a user's directory: 2 nodes x 2 ranks of the rehearsal example under
-    PBS (select, place=scatter), started by mpiexec from the job's node file; the job's log is shown."""
-    env = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "TORCHHPC_PREFIX": str(prefix), "GPUS_PER_NODE": "2"}
-    out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --ranks-per-node 2 --gpus 0 --cpus 1 "
+    """`torchhpc jobscript --submit` from a user's directory with the README's .venv active and nothing else
+    said: the training template on 2 nodes x 2 ranks under PBS (select, place=scatter), started by mpiexec from the
+    job's node file, in the user's environment (no site environment is built here) and asking for no GPUs (the
+    server has none); the job's log is shown."""
+    env = {"SITE": "generic", "TORCHHPC_PREFIX": str(prefix)}
+    out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --ranks-per-node 2 --cpus 1 "
                  f"--walltime 00:10:00 --submit -- python {ROOT}/examples/train.py --steps 40 --ckpt {prefix}/ckpt",
                  timeout=300, env=env)
     assert "done: 40 steps" in out and "finished: exit status 0" in out, out
+    assert "does not hold torch and torchhpc yet: the job runs in this one" in out, out
+    assert "the scheduler reports no GPUs on its nodes: asking for none" in out, out
     log = _log(prefix / "jobs", "train")
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
     assert f"2 node(s) x 2 rank(s) with mpiexec in {prefix}" in log, log

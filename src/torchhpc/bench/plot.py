@@ -56,17 +56,26 @@ def figure(points: list[Point], impls: list[str], title: str = ""):
     for row, n in enumerate(ranks):
         for col, coll in enumerate(colls):
             _panel(axes[row][col], points, impls, n, coll)
-    for ax in axes[-1]:
-        ax.set_xlabel("message size")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("busbw (GB/s)")
-    sizes = sorted({p.size for p in points})
+    _axis_labels(axes, sorted({p.size for p in points}))
+    _legend_and_title(fig, impls, title)
+    return fig
+
+
+def _axis_labels(axes, sizes: list[int]) -> None:
+    """Size ticks in words along the bottom row, busbw along the left column."""
     ticks = [s for s in (8, 1 << 10, 1 << 20, 1 << 30) if sizes and sizes[0] <= s <= sizes[-1]]
     for ax in axes[-1]:
+        ax.set_xlabel("message size")
         ax.set_xticks(ticks, [human(s).replace(" ", "") for s in ticks])
+    for ax in axes[:, 0]:
+        ax.set_ylabel("busbw (GB/s)")
+
+
+def _legend_and_title(fig, impls: list[str], title: str) -> None:
+    """One legend entry per implementation, drawn as its lines are (a panel's own handles miss what it lacks),
+    above the panels, and the title above the legend."""
     from matplotlib.lines import Line2D
 
-    # one entry per implementation, drawn as its lines are (a panel's own handles miss what it lacks)
     handles = [Line2D([], [], linestyle=STYLES.get(i, "-"), marker=".", color=COLORS.get(i), linewidth=1.4)
                for i in impls]
     top = 1 - (0.4 + (0.3 if title else 0)) / fig.get_figheight()
@@ -75,7 +84,6 @@ def figure(points: list[Point], impls: list[str], title: str = ""):
     if title:
         fig.suptitle(title, y=1 - 0.05 / fig.get_figheight(), va="top", fontsize=11)
     fig.tight_layout(rect=(0, 0, 1, top))
-    return fig
 
 
 def write_plot(path: str, points: list[Point], impls: list[str], title: str = "") -> None:
