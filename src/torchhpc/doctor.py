@@ -376,7 +376,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     parser.add_argument("--strict", action="store_true", help="exit 1 on WARN as well as on FAIL")
     parser.add_argument("--no-probe", action="store_true", help="skip the CUDA-aware device-transfer probe")
+    parser.add_argument("--bindings", action="store_true",
+                        help="run as the job's ranks are (mpiexec/srun ... torchhpc doctor --bindings): one line per "
+                             "rank (host, cores, NUMA node, GPU, NIC), flagging shared cores and a GPU on another "
+                             "NUMA node; with --strict, exit 1 on any")
     args = parser.parse_args(argv)
+    if args.bindings:
+        from . import bindings
+
+        ranks = bindings.gathered()
+        if ranks:  # rank 0
+            print(bindings.report(ranks))
+        return 1 if args.strict and any(bindings.problems(ranks).values()) else 0
 
     checks = run_checks(probe=not args.no_probe)
     rank = 0
