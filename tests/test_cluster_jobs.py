@@ -320,10 +320,14 @@ def test_run_ranks_places_ranks_from_the_allocation(tmp_path: Path) -> None:
     nodefile.write_text("a\na\na\nb\nb\nb\n")
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path), "SITE": "generic",
            "TORCHHPC_NO_ENV": "1", "TORCHHPC_QUIET": "1", "PBS_NODEFILE": str(nodefile), "DRY_RUN": "1"}
-    proc = subprocess.run(["bash", str(ROOT / "utils/run_ranks.sh"), "python", "t.py"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip() == "+ mpiexec -n 6 --map-by ppr:3:node python t.py", proc.stdout + proc.stderr
-    assert f"2 node(s) x 3 rank(s) with mpiexec in {tmp_path}" in proc.stderr
+    lines = {}
+    for ncpus in ("12", "2"):  # PBS's NCPUS: the chunk's cores, shared by its 3 ranks (or too few to share)
+        proc = subprocess.run(["bash", str(ROOT / "utils/run_ranks.sh"), "python", "t.py"], cwd=tmp_path,
+                              env={**env, "NCPUS": ncpus}, capture_output=True, text=True, timeout=60)
+        lines[ncpus] = proc.stdout.strip()
+        assert f"2 node(s) x 3 rank(s) with mpiexec in {tmp_path}; bound: " in proc.stderr, proc.stderr
+    assert lines["12"] == "+ mpiexec -n 6 --map-by ppr:3:node:PE=4 --bind-to core python t.py", lines
+    assert lines["2"] == "+ mpiexec -n 6 --map-by ppr:3:node --bind-to none python t.py", lines
 
 
 def test_a_build_on_an_older_cuda_than_its_release_is_refused_before_submitting(tmp_path: Path) -> None:

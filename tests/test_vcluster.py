@@ -294,6 +294,22 @@ JOB_ENV = {"SITE": "generic", "TORCHHPC_NO_ENV": "1", "GPUS_PER_NODE": "2"}
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_jobscript_binds_each_rank_to_its_own_cores(cluster: Cluster, launcher: str) -> None:
+    """2 nodes x 2 ranks through `torchhpc jobscript`: the launcher's binding flags put each rank of a node on its
+    own core, as `torchhpc doctor --bindings --strict` reads them from Linux inside the job."""
+    work = cluster.shared / f"bind-{launcher}"
+    work.mkdir(exist_ok=True)
+    out = cluster.ok(f"cd {work} && torchhpc jobscript --nodes 2 --ranks-per-node 2 --cpus 1 --walltime 00:05:00 "
+                     f"--launcher {launcher} --name bind --submit -- python -m torchhpc doctor --bindings --strict",
+                     timeout=300, env={"SITE": "generic", "TORCHHPC_PREFIX": str(work / "prefix")})
+    assert "finished: COMPLETED, exit status 0" in out and "4 rank(s), each placed apart" in out, out
+    placed = re.findall(r"rank (\d) +(node\d) +cores (\S+)", out)
+    assert sorted(placed) == [("0", "node1", "0"), ("1", "node1", "1"), ("2", "node2", "0"), ("3", "node2", "1")], out
+    log = Path(out.split("; log: ")[1].split()[0]).read_text()
+    assert "bound: 1 core(s) per rank" in log, log
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
 def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(cluster: Cluster, launcher: str) -> None:
     """`torchhpc jobscript --submit` from a user's directory: 2 nodes x 2 ranks of the rehearsal example under
     Slurm, started by the site's launcher (or srun), each node holding two ranks; the job's log is shown."""

@@ -173,6 +173,18 @@ def test_a_detached_job_is_followed_later_with_its_exit_status(pbs: Cluster, pre
     assert "PBS job" in proc.stdout and "failed: exit status 3" in proc.stdout, proc.stdout
 
 
+def test_jobscript_binds_each_rank_to_its_own_cores(pbs: Cluster, prefix: Path) -> None:
+    """2 nodes x 2 ranks under qsub: mpiexec's binding flags put each rank of a node on its own core, as
+    `torchhpc doctor --bindings --strict` reads them from Linux inside the job."""
+    out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --ranks-per-node 2 --cpus 1 "
+                 "--walltime 00:05:00 --name bind --submit -- python -m torchhpc doctor --bindings --strict",
+                 timeout=300, env={"SITE": "generic", "TORCHHPC_PREFIX": str(prefix)})
+    assert "finished: exit status 0" in out and "4 rank(s), each placed apart" in out, out
+    placed = re.findall(r"rank (\d) +(node\d) +cores (\S+)", out)
+    assert sorted(placed) == [("0", "node1", "0"), ("1", "node1", "1"), ("2", "node2", "0"), ("3", "node2", "1")], out
+    assert "bound: 1 core(s) per rank" in _log(prefix / "jobs", "bind")
+
+
 def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(pbs: Cluster, prefix: Path) -> None:
     """`torchhpc jobscript --submit` from a user's directory with the README's .venv active and nothing else
     said: the training template on 2 nodes x 2 ranks under PBS (select, place=scatter), started by mpiexec from the

@@ -16,5 +16,5 @@ workdir=$PWD
 load_config
 cd "$workdir"
 launch_resolve
-step "$LAUNCH_NODES node(s) x $LAUNCH_PPN rank(s) with $TORCHHPC_LAUNCHER in $workdir"
+step "$LAUNCH_NODES node(s) x $LAUNCH_PPN rank(s) with $TORCHHPC_LAUNCHER in $workdir; bound: $LAUNCH_BIND"
 run "${LAUNCH[@]}" "$@"

@@ -10,6 +10,9 @@
 #   The launcher: TORCHHPC_LAUNCHER=mpiexec (the site's mpiexec: MPICH/PALS style `-ppn`, or Open MPI's
 #   `--map-by ppr:N:node`; both read the PBS or Slurm allocation), or srun (Slurm only) with
 #   `--mpi=$TORCHHPC_SRUN_MPI` (pmix, pmi2, cray_shasta: what the MPI library was built for).
+#   Binding (LAUNCH_BIND says which): every rank to its share of the node's cores in the launcher's own words
+#   (Open MPI `--map-by ppr:N:node:PE=C --bind-to core`, MPICH's Hydra `-bind-to core:C`, Cray PALS
+#   `--cpu-bind depth -d C`, srun `--cpus-per-task C --cpu-bind=cores`); none when ranks outnumber cores.
 #   A dry run outside a job assumes NODES (default 2) nodes.
 
 launch_resolve() {
@@ -27,18 +30,32 @@ launch_resolve() {
     [[ "$DRY_RUN" == 1 ]] || die "neither PBS_NODEFILE nor SLURM_JOB_ID is set: run this inside a PBS or Slurm job"
     LAUNCH_NODES=${NODES:-2}
   fi
-  local n=$((LAUNCH_NODES * LAUNCH_PPN))
+  local n=$((LAUNCH_NODES * LAUNCH_PPN)) cores per
+  # Each rank bound to its own cores, the node's shared evenly (the thread budget follows the binding): the
+  # node's cores as the scheduler gave them, else the host's.  No binding where ranks outnumber cores.
+  cores=${SLURM_CPUS_ON_NODE:-${NCPUS:-$(nproc)}}
+  per=$((cores / LAUNCH_PPN))
+  LAUNCH_BIND="$per core(s) per rank"
+  ((per >= 1)) || LAUNCH_BIND="none ($LAUNCH_PPN ranks per node on $cores cores)"
   case "$TORCHHPC_LAUNCHER" in
     srun)
       [[ -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] || die "LAUNCHER=srun needs a Slurm allocation"
-      LAUNCH=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$LAUNCH_NODES" --ntasks-per-node "$LAUNCH_PPN" -n "$n") ;;
+      LAUNCH=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$LAUNCH_NODES" --ntasks-per-node "$LAUNCH_PPN" -n "$n")
+      ((per < 1)) || LAUNCH+=(--cpus-per-task "$per" --cpu-bind=cores) ;;
     mpiexec)
       # Under PBS both wheels' mpiexecs read the job's hosts from $PBS_NODEFILE themselves (Open MPI: PRRTE's
       # ras/pbs; MPICH: Hydra's PBS support) and start remote ranks over ssh, as Cray's PALS mpiexec does.
-      if mpiexec --version 2>/dev/null | grep -qi 'open mpi'; then
-        LAUNCH=(mpiexec -n "$n" --map-by "ppr:$LAUNCH_PPN:node")
-      else
+      local version
+      version=$(mpiexec --version 2>&1 || true)
+      if grep -qi 'open mpi' <<<"$version"; then
+        LAUNCH=(mpiexec -n "$n" --map-by "ppr:$LAUNCH_PPN:node$( ((per < 1)) || echo ":PE=$per")")
+        if ((per >= 1)); then LAUNCH+=(--bind-to core); else LAUNCH+=(--bind-to none); fi
+      elif grep -qi 'hydra' <<<"$version"; then
         LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
+        ((per < 1)) || LAUNCH+=(-bind-to "core:$per")
+      else  # Cray PALS (Derecho, Polaris): its own binding options
+        LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
+        ((per < 1)) || LAUNCH+=(--cpu-bind depth -d "$per")
       fi ;;
     *) die "LAUNCHER '$TORCHHPC_LAUNCHER' is not mpiexec or srun" ;;
   esac

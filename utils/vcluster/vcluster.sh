@@ -156,7 +156,8 @@ SlurmdLogFile=$dir/log/slurmd-%n.log
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+# srun binds tasks to the cores it asks for (--cpu-bind), as on a cluster's nodes
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
