@@ -254,14 +254,14 @@ def test_test_slurm_runs_the_all_reduce_table_with_mpiexec(slurm: Slurm, tmp_pat
     log = job_log(proc)
     assert log.count("# Out of bounds values : 0 OK") == 1
     assert "# torchhpc all_reduce_test: backend accl, 2 ranks, device cpu, launcher openmpi" in log
-    assert "+ mpiexec -n 2 --map-by ppr:2:node python" in log
+    assert "+ mpiexec -n 2 --map-by ppr:2:node:PE=1 --bind-to core python" in log  # a core each
 
 
 def test_test_slurm_with_srun_pmix(slurm: Slurm, tmp_path: Path) -> None:
     proc = _all_reduce(slurm, tmp_path, "accl", LAUNCHER="srun", SRUN_MPI="pmix")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = job_log(proc)
-    assert "+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 python" in log
+    assert "+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 --cpus-per-task 1 --cpu-bind=cores python" in log
     assert log.count("# Out of bounds values : 0 OK") == 1
 
 
