@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="torchhpc jobscript",
         description="Write (or submit) a PBS or Slurm job script that runs COMMAND once per rank across the "
-                    "nodes asked for, in the site's built environment with its runtime settings.",
+                    "nodes asked for, with the site's runtime settings, in its built environment or yours (--env).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="site directives: the profile's extra scheduler options, replaced for one job from the environment:\n"
                "  PBS_EXTRA='-l job_priority=premium' (qsub options), SLURM_EXTRA='--constraint=gpu --qos=debug'\n"
