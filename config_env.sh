@@ -109,7 +109,7 @@ _torchhpc_config_env() {
   export TORCHHPC_ROOT=$root
 
   _torchhpc_leave_env
-  unset -f site_matches site_configure site_runtime_env 2>/dev/null
+  unset -f site_matches site_configure site_runtime_env site_slingshot_env 2>/dev/null
   unset "${!SITE_@}"
 
   # --- 1. site profile -----------------------------------------------------------------------------
@@ -247,7 +247,7 @@ _torchhpc_config_env() {
 
 _torchhpc_config_env
 _torchhpc_rc=$?
-unset -f site_matches site_configure site_runtime_env _torchhpc_config_env _torchhpc_load_modules \
+unset -f site_matches site_configure site_runtime_env site_slingshot_env _torchhpc_config_env _torchhpc_load_modules \
   _torchhpc_create_env _torchhpc_activate_env _torchhpc_leave_env _torchhpc_say _torchhpc_err
 unset "${!SITE_@}"
 eval "unset _torchhpc_rc; return $_torchhpc_rc"

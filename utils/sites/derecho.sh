@@ -2,6 +2,9 @@
 # Site profile "derecho": NCAR Derecho (HPE Cray EX, Slingshot 11, 4x A100-40GB per GPU node, PBS Pro).
 # The names this file must define are listed in utils/sites/generic.sh.
 
+# shellcheck source=utils/lib/slingshot.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/slingshot.sh"
+
 site_matches() {
   [[ "${NCAR_HOST:-}" == derecho ]] && return 0
   case "$(hostname 2>/dev/null)" in derecho* | dec[0-9]* | deg[0-9]*) return 0 ;; esac
@@ -57,29 +60,11 @@ site_configure() {
 }
 
 site_runtime_env() {
+  site_slingshot_env
   cat <<HOOK
-# Cray MPICH: accept CUDA device buffers (GPU-aware MPI). The patched ProcessGroupMPI asks MPICH for this.
-export MPICH_GPU_SUPPORT_ENABLED=1
 # Cray MPICH: each rank uses the Slingshot NIC nearest to its GPU.
 export MPICH_OFI_NIC_POLICY=GPU
-# libfabric: memory-registration cache monitor; NCCL can deadlock with the default (memhooks) per HPE.
-export FI_MR_CACHE_MONITOR=userfaultfd
-# libfabric CXI: stop the provider registering host memory through CUDA calls (another NCCL deadlock).
-export FI_CXI_DISABLE_HOST_REGISTER=1
-# libfabric CXI: completion queue sized for large jobs (provider default 1024; HPE recommends 131072).
-export FI_CXI_DEFAULT_CQ_SIZE=131072
-# NCCL: use the AWS OFI plugin over libfabric and fail loudly if it cannot load, instead of silently
-# falling back to TCP sockets (which is how NCCL performance collapses on Slingshot).
-export NCCL_NET="AWS Libfabric"
 # NCCL: bootstrap and socket traffic on the Slingshot interfaces hsn0..hsn3, never the management network.
 export NCCL_SOCKET_IFNAME=hsn
-# NCCL: allow a ring to leave a node on a different NIC than it entered (better on 4-NIC nodes).
-export NCCL_CROSS_NIC=1
-# NCCL: GPUDirect RDMA whenever GPU and NIC share a PCIe host bridge.
-export NCCL_NET_GDR_LEVEL=PHB
-# NCCL: warnings and errors only (INFO shows the chosen transport, e.g. "NET/AWS Libfabric").
-export NCCL_DEBUG=WARN
-# Our NCCL and its plugin (libnccl-net.so) first, before the copies other modules put on the path.
-export LD_LIBRARY_PATH="${NCCL_OFI_PREFIX}/lib:${NCCL_OFI_PREFIX}/plugin/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 HOOK
 }

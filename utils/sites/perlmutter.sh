@@ -8,6 +8,9 @@
 #   https://docs.nersc.gov/machinelearning/pytorch/                   (NCCL, libfabric)
 # Module names and versions change with NERSC's software updates: check them with `module avail` before a build.
 
+# shellcheck source=utils/lib/slingshot.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/slingshot.sh"
+
 site_matches() {
   [[ "${NERSC_HOST:-}" == perlmutter ]]
 }
@@ -54,28 +57,11 @@ site_configure() {
 }
 
 site_runtime_env() {
+  site_slingshot_env
   cat <<HOOK
-# Cray MPICH: accept CUDA device buffers (GPU-aware MPI).
-export MPICH_GPU_SUPPORT_ENABLED=1
-# Cray MPICH: each rank uses the Slingshot NIC nearest its GPU.
+# Cray MPICH: each rank uses the Slingshot NIC nearest to its GPU.
 export MPICH_OFI_NIC_POLICY=GPU
-# libfabric: the userfaultfd memory-registration monitor (the default can deadlock NCCL, per HPE).
-export FI_MR_CACHE_MONITOR=userfaultfd
-# libfabric CXI: no host-memory registration through CUDA calls (another NCCL deadlock).
-export FI_CXI_DISABLE_HOST_REGISTER=1
-# libfabric CXI: a completion queue sized for large jobs.
-export FI_CXI_DEFAULT_CQ_SIZE=131072
-# NCCL: the AWS OFI plugin over libfabric, failing loudly rather than falling back to TCP sockets.
-export NCCL_NET="AWS Libfabric"
-# NCCL: bootstrap and socket traffic on the Slingshot interfaces hsn0..hsn3.
+# NCCL: bootstrap and socket traffic on the Slingshot interfaces hsn0..hsn3, never the management network.
 export NCCL_SOCKET_IFNAME=hsn
-# NCCL: GPUDirect RDMA where GPU and NIC share a PCIe host bridge.
-export NCCL_NET_GDR_LEVEL=PHB
-# NCCL: a ring may leave a node on another NIC than it entered (better on 4-NIC nodes).
-export NCCL_CROSS_NIC=1
-# NCCL: warnings and errors only (INFO shows the chosen transport).
-export NCCL_DEBUG=WARN
-# Our NCCL and its plugin first, before the copies the modules put on the path.
-export LD_LIBRARY_PATH="${NCCL_OFI_PREFIX}/lib:${NCCL_OFI_PREFIX}/plugin/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 HOOK
 }

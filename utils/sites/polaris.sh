@@ -7,6 +7,9 @@
 #   https://docs.alcf.anl.gov/polaris/data-science/frameworks/pytorch/       (NCCL and libfabric settings)
 # Module names and versions change with ALCF's software updates: check them with `module avail` before a build.
 
+# shellcheck source=utils/lib/slingshot.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib/slingshot.sh"
+
 site_matches() {
   case "$(hostname -f 2>/dev/null || hostname)" in polaris-login-* | x3[0-9][0-9][0-9]c0s*) return 0 ;; esac
   [[ "${PBS_O_HOST:-}" == polaris-* ]]
@@ -49,24 +52,5 @@ site_configure() {
 }
 
 site_runtime_env() {
-  cat <<HOOK
-# Cray MPICH: accept CUDA device buffers (GPU-aware MPI).
-export MPICH_GPU_SUPPORT_ENABLED=1
-# libfabric: the userfaultfd memory-registration monitor (the default can deadlock NCCL, per ALCF and HPE).
-export FI_MR_CACHE_MONITOR=userfaultfd
-# libfabric CXI: no host-memory registration through CUDA calls (another NCCL deadlock).
-export FI_CXI_DISABLE_HOST_REGISTER=1
-# libfabric CXI: a completion queue sized for large jobs (ALCF's setting).
-export FI_CXI_DEFAULT_CQ_SIZE=131072
-# NCCL: the AWS OFI plugin over libfabric, failing loudly rather than falling back to TCP sockets.
-export NCCL_NET="AWS Libfabric"
-# NCCL: GPUDirect RDMA where GPU and NIC share a PCIe host bridge (ALCF's setting).
-export NCCL_NET_GDR_LEVEL=PHB
-# NCCL: a ring may leave a node on another NIC than it entered (better on 4-NIC nodes).
-export NCCL_CROSS_NIC=1
-# NCCL: warnings and errors only (INFO shows the chosen transport).
-export NCCL_DEBUG=WARN
-# Our NCCL and its plugin first, before the copies the modules put on the path.
-export LD_LIBRARY_PATH="${NCCL_OFI_PREFIX}/lib:${NCCL_OFI_PREFIX}/plugin/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
-HOOK
+  site_slingshot_env
 }
