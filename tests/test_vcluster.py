@@ -434,8 +434,8 @@ def check_survivors(cluster: Cluster, job: str, out_file: Path, ended: tuple[str
 
 def check_flight_records(dumps: Path, stopped: bool) -> None:
     """torch's analyzer (``torchhpc frtrace``) on the job's flight records.  Stopped ranks write nothing (no
-    thread of theirs runs), and the analyzer names them; behind a cut link every rank lives and writes, and the
-    entries show all four inside the same all_reduce, none completed: no rank diverged, the link failed."""
+    thread of theirs runs), and the analyzer names them; behind a cut link every rank lives and writes.  The entries
+    show each rank inside one all_reduce, and no two ranks in different kinds of call: no rank diverged."""
     def frtrace(*args: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "torchhpc", "frtrace", *args, str(dumps)], capture_output=True,
                               text=True, timeout=120)
@@ -463,18 +463,16 @@ def check_flight_records(dumps: Path, stopped: bool) -> None:
         # a call whose messages crossed before the cut may have completed on one side of it: the analyzer then
         # reports states ('started' against 'completed'), never different calls: no rank diverged
         assert set(re.findall(r"Error type: (\w+)", analysis)) <= {"COLLECTIVE_STATE_MISMATCH"}, analysis
+    # every rank is inside exactly one all_reduce, not always the same one: a survivor may have finished the call
+    # its peer still waits in (its share arrived before the fault) and be waiting in the next
     table = frtrace("-j", "--allow-incomplete-ranks")
-    if stopped:
-        last = [line for line in table.splitlines() if "all_reduce(" in line][-1]
-        assert last.count("state=started") == len(written) and "completed" not in last, table[-3000:]
-    else:  # every rank is inside exactly one all_reduce (on either side of the cut: maybe not the same one)
-        assert table.count("state=started") == len(written), table[-3000:]
+    assert table.count("state=started") == len(written), table[-3000:]
 
 
 @pytest.mark.parametrize("fault", ["stop", "cut"])
 def test_a_silent_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster, fault: str) -> None:
     """Node 2 goes silent while everything in it lives: its ranks are SIGSTOPped, or its link is cut.  Both
-    ranks of node 1 raise torchhpc's error naming the silent ranks within the group timeout, the job ends,
+    ranks of node 1 raise torchhpc's error within the group timeout, one naming a silent rank, the job ends,
     and once node 2 answers again (SIGCONT, link up) a job across both nodes runs."""
     job, out_file = start_failure_job(cluster, f"silent-{fault}")
     vcluster = ["bash", str(VCLUSTER)]
@@ -488,8 +486,11 @@ def test_a_silent_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
                                     ("JobState=FAILED", "JobState=NODE_FAIL", "JobState=CANCELLED"))
     finally:
         subprocess.run([*vcluster, *undo], capture_output=True, text=True)
-    for *_, error in survivors:
-        assert re.search(r"rank [23] \(this rank was waiting on it\)", error), f"no silent rank named: {error}"
+    # each survivor names the peer it was waiting on; that peer may be the other survivor, itself waiting (a
+    # reduction's chain of waits), but the chain among the living ends at a silent rank: one survivor names it
+    waited = [re.search(r"rank (\d) \(this rank was waiting on it\)", error) for *_, error in survivors]
+    assert all(waited), f"a survivor names no peer: {survivors}"
+    assert {m.group(1) for m in waited} & {"2", "3"}, f"no silent rank named: {survivors}"
     check_flight_records(cluster.shared / f"silent-{fault}-fr", stopped=fault == "stop")
     deadline = time.monotonic() + 90  # ReturnToService=2: node2 is back once its slurmd registers again
     while "idle" not in cluster.ok("sinfo -h -n node2 -o %T"):
