@@ -136,6 +136,7 @@ def _site_env(checkout: Path, env: dict[str, str]) -> Path:
 def choose_env(choice: str, checkout: Path, env: dict[str, str]) -> dict[str, str]:
     """The variables that put the job in the chosen Python environment, after checking it holds torch and
     torchhpc; SystemExit with the fix when it does not."""
+    prog = env.get("TORCHHPC_PROG", "torchhpc jobscript")
     if choice == "auto" and env.get("TORCHHPC_NO_ENV") == "1":
         choice = "current"  # the site's environment switched off by hand: the one at hand, as before
     site = _site_env(checkout, env)
@@ -144,24 +145,26 @@ def choose_env(choice: str, checkout: Path, env: dict[str, str]) -> dict[str, st
     current_ok = _holds_torch(Path(sys.executable))
     if choice == "site" or (choice == "auto" and site_ok):
         if not site_ok:
-            raise SystemExit(f"torchhpc jobscript: the site's environment {site} does not hold torch and "
+            raise SystemExit(f"{prog}: the site's environment {site} does not hold torch and "
                              "torchhpc: build it (make build-pytorch-<version>-pbs or -slurm, then make "
                              "install-packages), or run the job in this one: --env current")
         return {}
     if not current_ok:
-        raise SystemExit(f"torchhpc jobscript: neither the site's environment ({site}) nor this one ({current}) "
+        raise SystemExit(f"{prog}: neither the site's environment ({site}) nor this one ({current}) "
                          "holds torch and torchhpc: activate one that does (pip install torch, then torchhpc), "
                          "or build the site's (make build-pytorch-<version>-pbs or -slurm)")
     if choice == "auto":
-        print(f"torchhpc jobscript: the site's environment {site} does not hold torch and torchhpc yet: the job "
+        print(f"{prog}: the site's environment {site} does not hold torch and torchhpc yet: the job "
               f"runs in this one, {current} (--env site insists)", file=sys.stderr)
     conda = env.get("CONDA_EXE")
     return {"TORCHHPC_JOB_PYENV": str(current), "TORCHHPC_JOB_MODULES": env.get("LOADEDMODULES", ""),
             "TORCHHPC_JOB_CONDA_SH": str(Path(conda).parents[1] / "etc/profile.d/conda.sh") if conda else ""}
 
 
-def submit_args(ns: argparse.Namespace, checkout: Path, command: Sequence[str]) -> list[str]:
-    """The ``utils/submit_job.sh`` command line for these options (the one route to a job script)."""
+def submit_args(ns: argparse.Namespace, checkout: Path, command: Sequence[str],
+                record: Path | None = None) -> list[str]:
+    """The ``utils/submit_job.sh`` command line for these options (the one route to a job script); ``record``:
+    a file the job's record (scheduler, id, log) is appended to at each submission."""
     args = ["bash", str(checkout / "utils/submit_job.sh"), "--shape", "run",
             "--name", ns.name or _job_name(command), "--workdir", str(Path.cwd())]
     for flag, value in (("--nodes", ns.nodes), ("--ranks-per-node", ns.ranks_per_node), ("--gpus", ns.gpus),
@@ -169,6 +172,8 @@ def submit_args(ns: argparse.Namespace, checkout: Path, command: Sequence[str]) 
                         ("--queue", ns.queue), ("--scheduler", ns.scheduler)):
         if value is not None:
             args += [flag, str(value)]
+    if record is not None:
+        args += ["--record", str(record)]
     if ns.detach:
         args.append("--detach")
     elif not ns.submit:

@@ -324,6 +324,7 @@ job_run() {
   job_submit
   printf 'JOB_SCHEDULER=%q JOB_ID=%q JOB_LOG=%q JOB_SHAPE=%q JOB_WALLTIME=%q\n' \
     "$JOB_SCHEDULER" "$JOB_ID" "$JOB_LOG" "$JOB_SHAPE" "$JOB_WALLTIME" >"$JOB_DIR/$JOB_NAME.job"
+  [[ -z "${JOB_RECORD_TO:-}" ]] || (umask 077 && cat "$JOB_DIR/$JOB_NAME.job" >>"$JOB_RECORD_TO")
   if [[ "$JOB_DETACH" == 1 ]]; then
     step "detached from $(job_kind) job $JOB_ID; it runs on. Follow it with: make job-wait JOB=$JOB_NAME" \
       "(or: bash utils/submit_job.sh --attach $JOB_NAME); its log as it grows: $JOB_LOG"
