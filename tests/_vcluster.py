@@ -7,8 +7,11 @@ Shared by tests/test_vcluster.py (Slurm, 4 nodes) and tests/test_vcluster_pbs.py
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -140,3 +143,40 @@ def readme_knobs(prefix: Path, upstream: Path, env_prefix: Path) -> dict[str, st
             "CUDA_HOME": str(prefix / "nocuda"), "ENV_KIND": "venv", "TORCHHPC_ENV_PREFIX_OVERRIDE": str(env_prefix),
             "STOP_AFTER": "patches", "GPUS_PER_NODE": "2", "BACKENDS": "accl", "ALL_REDUCE_ARGS": "-e 64K -n 3 -w 1",
             "PIP_NO_INDEX": "1", "OMP_NUM_THREADS": "1"}
+
+
+def check_submit(cluster: Cluster, array: int) -> None:
+    """torchhpc.submit from the login node, as a Python user: examples/submit_training.py trains on 2 nodes to the
+    loss of the same run under `mpiexec --host`; beside it, tests/vcluster/submit_driver.py's functions: rank 1's
+    error comes back with its traceback and host; a cancelled job says so; a call needing more than its walltime
+    checkpoints, submits itself again and finishes with the sum of an uninterrupted run; ``array`` calls return."""
+    work = cluster.shared / f"submit-{cluster.scheduler}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    driver, example = ROOT / "tests" / "vcluster" / "submit_driver.py", ROOT / "examples" / "submit_training.py"
+    env = {**RANK_ENV, "SITE": "generic", "TORCHHPC_PREFIX": str(work / "prefix")}
+    probe = (f"import sys; sys.path[:0] = [{str(example.parent)!r}]; import train, submit_training as s; "
+             "r = train.main(s.train_args(30)); print('LOSS', repr(r['loss'])) if train.dist.get_rank() == 0 else 0")
+    ref = cluster.ok(f"cd {work} && mpiexec --host node1:1,node2:1 -n 2 python -c {shlex.quote(probe)}", env=env,
+                     timeout=180)
+    loss = float(ref.split("LOSS ")[1].split()[0])
+    out = cluster.ok(f"cd {work} && {{ python {example} --nodes 2 --ranks-per-node 1 --cpus 1 --walltime 00:05:00 "
+                     f"--scheduler {cluster.scheduler} --folder {work / 'runs'} --steps 30 > example.out 2>&1 & }}; "
+                     f"python {driver} {work / 'runs'} {cluster.scheduler} {array}; d=$?; wait $!; e=$?; "
+                     "cat example.out; exit $((d || e))", env=env, timeout=900)
+    got = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    assert got["folder_mode"] == "0o700", got
+    trained = re.search(r"loss (\S+) on (.*): \d+ samples/s; rank 0 printed:", out)
+    assert trained and float(trained.group(1)) == loss and trained.group(2) == "node1 node2", (loss, out)
+    assert "ranks on hosts: 0:node1 1:node2" in out, out
+    error = got["error"]
+    assert re.search(r"rank 1 on node2 raised ValueError: rank 1 gave up on node2\n\nrank 1's traceback:",
+                     error["text"]), error
+    assert 'in boom\n    raise ValueError' in error["text"] and error["cause"].startswith("ValueError("), error
+    assert got["cancel"]["state"] == "CANCELLED" and "cancelled (scancel/qdel)" in got["cancel"]["text"], got
+    assert got["array"] == [i * i for i in range(array)], got
+    requeue = got["requeue"]
+    assert "result" in requeue, requeue
+    steps = 36  # submit_driver.REQUEUE_STEPS: the sum over the steps of rank 0 + rank 1 + 2 * step
+    assert requeue["result"]["total"] == steps + steps * (steps - 1) and requeue["result"]["attempt"] == 2, requeue
+    assert 0 < requeue["result"]["started_at"] < steps and len(requeue["ids"]) == 2, requeue

@@ -11,7 +11,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "torchhpc"
 CAPABILITIES = {"accl", "rehearsal", "braid", "chunkstore", "checkpoint"}
-TOOLS = {"launcher", "cli", "doctor", "bindings", "jobscript", "frtrace", "bench", "mpi_upstream"}
+TOOLS = {"launcher", "cli", "doctor", "bindings", "jobscript", "submit", "frtrace", "bench", "mpi_upstream"}
 
 
 def _imported(path: Path) -> set[str]:

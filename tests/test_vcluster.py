@@ -25,7 +25,17 @@ from pathlib import Path
 import pytest
 from _mpijob import STACKS_MARGIN, inner_pytest_argv
 from _upstream import tagged_upstream
-from _vcluster import RANK_ENV, ROOT, VCLUSTER, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
+from _vcluster import (
+    RANK_ENV,
+    ROOT,
+    VCLUSTER,
+    Cluster,
+    check_submit,
+    check_thread_budget,
+    cluster_up,
+    readme_knobs,
+    site_env_over,
+)
 from test_readme import readme_cluster_lines
 
 from torchhpc.runtime.mpirun import side_mpich
@@ -327,6 +337,12 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(cluster: C
     log = Path(out.split("; log: ")[1].split()[0]).read_text()
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
     assert f"2 node(s) x 2 rank(s) with {launcher} in {work}" in log, log
+
+
+def test_submit_runs_python_functions_on_slurm(cluster: Cluster) -> None:
+    """torchhpc.submit from a Python session on the login node: training on 2 nodes, an error re-raised with its
+    rank's traceback, cancel, a walltime hit that checkpoints and requeues, 20 calls through map_array."""
+    check_submit(cluster, array=20)
 
 
 def test_the_readme_cluster_lines_run_as_typed(cluster: Cluster) -> None:

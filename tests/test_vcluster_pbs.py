@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 from _upstream import PG_MPI, tagged_upstream
-from _vcluster import ROOT, Cluster, check_thread_budget, cluster_up, readme_knobs, site_env_over
+from _vcluster import ROOT, Cluster, check_submit, check_thread_budget, cluster_up, readme_knobs, site_env_over
 from test_readme import readme_cluster_lines
 
 from torchhpc.runtime.mpirun import side_mpich
@@ -299,6 +299,12 @@ def site_script(pbs: Cluster, prefix: Path, site: str, shape: str) -> Path:
     return path
 
 
+def test_submit_runs_python_functions_on_pbs(pbs: Cluster) -> None:
+    """torchhpc.submit under OpenPBS: the same calls as under Slurm (tests/_vcluster.py's check_submit); the
+    requeue goes through qsub from the job's first node, the time left from qstat's start time and walltime."""
+    check_submit(pbs, array=20)
+
+
 def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Path) -> None:
     """Every SITE_PBS_* value of the derecho, polaris and generic profiles reaches a real qsub and is accepted.
     What OpenPBS does not define (the `ngpus`, `job_priority`, `system` and `filesystems` resources, Derecho's
@@ -386,3 +392,4 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
     resumed = [int(s) for s in re.findall(r"RESUMED at step (\d+) of \d+ on 2 ranks", text)]
     assert len(resumed) == 1 and 2 * every <= resumed[0] < steps, text[-5000:]
     assert digest.findall(text) == want, text[-5000:]
+

@@ -1,9 +1,9 @@
 """A Python user of torchhpc.submit on the virtual cluster's login node: functions defined here, in ``__main__``
 (not importable from the jobs), submitted together, then waited for; one JSON line with what came back.
+(Training through torchhpc.submit is examples/submit_training.py, run beside this.)
 
 ``python submit_driver.py FOLDER SCHEDULER ARRAY_SIZE`` (run by tests/test_vcluster.py and test_vcluster_pbs.py):
 
-- ``train``: examples/train.py's training for a few steps on 2 nodes x 1 rank; its mean final loss and hosts;
 - ``error``: rank 1 raises ValueError; what ``exception()`` and ``result()`` give back;
 - ``cancel``: a call that sleeps, cancelled once running; its state and error;
 - ``requeue``: a callable with a checkpoint hook that needs longer than its one-minute walltime: it checkpoints
@@ -21,20 +21,7 @@ from pathlib import Path
 
 from torchhpc.submit import Executor, job_environment, maybe_requeue
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAIN_ARGS = ["--steps", "30", "--width", "32", "--batch", "16", "--every", "0", "--log-every", "10",
-              "--backend", "accl"]
 REQUEUE_STEPS = 36
-
-
-def fit(root: str) -> dict:
-    """examples/train.py's main, as a notebook would call it."""
-    sys.path.insert(0, f"{root}/examples")
-    import train
-
-    out = train.main(TRAIN_ARGS)
-    env = job_environment()
-    return {"loss": out["loss"], "nodes": list(env.nodes), "world": env.world_size}
 
 
 def boom() -> int:
@@ -88,7 +75,7 @@ def square(x: int) -> int:
 def main(folder: str, scheduler: str, array: int) -> dict:
     base = {"scheduler": scheduler, "cpus": 1, "folder": folder}
     two = Executor(nodes=2, ranks_per_node=1, walltime="00:05:00", **base)
-    jobs = {"train": two.submit(fit, str(ROOT)), "error": two.submit(boom)}
+    jobs = {"error": two.submit(boom)}
     ckpt = Path(folder).parent / "countdown-ckpt"
     jobs["requeue"] = Executor(nodes=2, ranks_per_node=1, walltime="00:01:00", init=True, warn_s=30,
                                **base).submit(Countdown(str(ckpt)))
@@ -99,9 +86,7 @@ def main(folder: str, scheduler: str, array: int) -> dict:
         time.sleep(0.5)
     cancel.cancel()
     squares = one.map_array(square, range(array))
-    out: dict = {"train_id": jobs["train"].job_id, "folder_mode": oct(os.stat(folder).st_mode & 0o777)}
-    train = jobs["train"].result(timeout=600)
-    out["train"] = {**train, "stdout0": jobs["train"].stdout(0), "state": jobs["train"].state}
+    out: dict = {"folder_mode": oct(os.stat(folder).st_mode & 0o777)}
     error = jobs["error"].exception(timeout=600)
     out["error"] = {"text": str(error), "cause": repr(error.__cause__) if error else None,
                     "rank0_err": jobs["error"].stderr(0), "rank1_err": jobs["error"].stderr(1)}
