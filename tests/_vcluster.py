@@ -148,15 +148,17 @@ def readme_knobs(prefix: Path, upstream: Path, env_prefix: Path) -> dict[str, st
 def check_submit(cluster: Cluster, array: int) -> None:
     """torchhpc.submit from the login node, as a Python user: examples/submit_training.py trains on 2 nodes to the
     loss of the same run under `mpiexec --host`; beside it, tests/vcluster/submit_driver.py's functions: rank 1's
-    error comes back with its traceback and host; a cancelled job says so; a call needing more than its walltime
-    checkpoints, submits itself again and finishes with the sum of an uninterrupted run; ``array`` calls return."""
+    error comes back with its traceback and host; a cancelled job and one past its walltime say so; a call that
+    needs more than its walltime checkpoints, submits itself again and ends with the sum of an uninterrupted run;
+    ``array`` calls return."""
     work = cluster.shared / f"submit-{cluster.scheduler}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     driver, example = ROOT / "tests" / "vcluster" / "submit_driver.py", ROOT / "examples" / "submit_training.py"
     env = {**RANK_ENV, "SITE": "generic", "TORCHHPC_PREFIX": str(work / "prefix")}
-    probe = (f"import sys; sys.path[:0] = [{str(example.parent)!r}]; import train, submit_training as s; "
-             "r = train.main(s.train_args(30)); print('LOSS', repr(r['loss'])) if train.dist.get_rank() == 0 else 0")
+    probe = (f"import os, sys; sys.path[:0] = [{str(example.parent)!r}]; import train, submit_training as s; "
+             "r = train.main(s.train_args(30)); os.environ['OMPI_COMM_WORLD_RANK'] == '0' and print('LOSS', "
+             "repr(r['loss']))")
     ref = cluster.ok(f"cd {work} && mpiexec --host node1:1,node2:1 -n 2 python -c {shlex.quote(probe)}", env=env,
                      timeout=180)
     loss = float(ref.split("LOSS ")[1].split()[0])
@@ -175,6 +177,8 @@ def check_submit(cluster: Cluster, array: int) -> None:
     assert 'in boom\n    raise ValueError' in error["text"] and error["cause"].startswith("ValueError("), error
     assert got["cancel"]["state"] == "CANCELLED" and "cancelled (scancel/qdel)" in got["cancel"]["text"], got
     assert got["array"] == [i * i for i in range(array)], got
+    timed = got["timeout"]
+    assert timed["state"] == "TIMEOUT" and "the scheduler ended it at its time limit" in timed["text"], got
     requeue = got["requeue"]
     assert "result" in requeue, requeue
     steps = 36  # submit_driver.REQUEUE_STEPS: the sum over the steps of rank 0 + rank 1 + 2 * step

@@ -314,6 +314,21 @@ def test_a_cpu_only_cluster_needs_no_gpus_flag(tmp_path: Path, scheduler: str, t
     assert ("reports no GPUs" in proc.stderr) == (gpus == 0), proc.stderr
 
 
+def test_spare_nodes_are_asked_for_and_kept_through_a_node_failure(tmp_path: Path) -> None:
+    """--spare-nodes K: N+K nodes, an allocation that outlives a failed node (Slurm --no-kill, PBS
+    tolerate_node_failures), and the count handed to the supervisor (utils/run_ranks.sh) in the job."""
+    common = ("--nodes", "2", "--spare-nodes", "1", "--ranks-per-node", "1", "--gpus", "0", "--account", "P1")
+    slurm = jobscript(tmp_path, "--scheduler", "slurm", *common, "--", "python", "train.py").stdout.splitlines()
+    assert {"#SBATCH --nodes=3", "#SBATCH --no-kill"} <= set(slurm), slurm
+    assert any(line.startswith("export SITE=") and line.endswith(" TORCHHPC_SPARE_NODES=1") for line in slurm)
+    pbs = jobscript(tmp_path, "--scheduler", "pbs", *common, "--", "python", "train.py").stdout.splitlines()
+    assert "#PBS -l select=3:ncpus=32:mpiprocs=1" in pbs and "#PBS -W tolerate_node_failures=all" in pbs, pbs
+    plain = jobscript(tmp_path, "--scheduler", "slurm", "--nodes", "2", "--", "python", "t.py").stdout
+    assert "--no-kill" not in plain and "SPARE" not in plain
+    bad = jobscript(tmp_path, "--scheduler", "slurm", "--spare-nodes=-1", "--", "python", "t.py")
+    assert bad.returncode != 0 and "--spare-nodes '-1' is not a whole number" in bad.stderr, bad.stderr
+
+
 def test_run_ranks_places_ranks_from_the_allocation(tmp_path: Path) -> None:
     """utils/run_ranks.sh inside a PBS job of 2 hosts x 3 ranks: one launcher line for 6 ranks, 3 per node."""
     nodefile = tmp_path / "nodes"

@@ -5,7 +5,7 @@
 #   utils/submit_job.sh --name NAME --shape build|test|run [--scheduler pbs|slurm] [--walltime HH:MM:SS]
 #                       [--account A] [--queue Q] [--nodes N] [--ranks-per-node N] [--cpus N] [--gpus N]
 #                       [--select PBS_SELECT] [--submit qcmd|qsub] [--workdir DIR] [--detach]
-#                       [--print-script] [--record FILE] -- COMMAND [ARG...]
+#                       [--print-script] [--record FILE] [--spare-nodes K] -- COMMAND [ARG...]
 #   utils/submit_job.sh --attach NAME      follow a job submitted earlier (e.g. with --detach) to its end
 #
 # The scheduler is --scheduler, else SCHEDULER, else the site profile's SITE_SCHEDULER (`generic` detects
@@ -22,7 +22,9 @@
 # While waiting, a line shows the job's state, time queued or running and its log's latest line (ninja's
 # [N/M] as a percentage).  Ctrl-C (or a kill) deletes the job; --detach (DETACH=1) submits and returns, and
 # --attach NAME (`make job-wait JOB=NAME`) follows it later.  --record FILE appends the job's record (scheduler,
-# id, log) to FILE as well, one line per submission (torchhpc.submit follows its jobs there).
+# id, log) to FILE as well, one line per submission (torchhpc.submit follows its jobs there).  --spare-nodes K
+# (run shape) asks for K nodes beyond --nodes, kept by the allocation when one fails (Slurm --no-kill, PBS
+# tolerate_node_failures=all); utils/run_ranks.sh restarts the step on a spare in place of a lost node.
 # Exit status: the job's; 124 when it hit its time limit; 130 when cancelled; 1 for other failures.
 # DRY_RUN=1 prints the job script and the exact submit command instead of submitting; --print-script prints
 # only the script.
@@ -34,7 +36,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/jobs.sh"
 
 JOB_NAME="" JOB_SHAPE="" JOB_SCHEDULER=${SCHEDULER:-} JOB_WALLTIME="" JOB_ACCOUNT="" JOB_QUEUE=""
 JOB_NODES="" JOB_PPN="" JOB_CPUS="" JOB_GPUS="" JOB_SELECT="" JOB_SUBMIT="" JOB_WORKDIR="" JOB_DETACH=${DETACH:-0}
-JOB_ATTACH="" JOB_PRINT=0 JOB_RECORD_TO=""
+JOB_ATTACH="" JOB_PRINT=0 JOB_RECORD_TO="" JOB_SPARE=0
 while (($#)); do
   case "$1" in
     --name) JOB_NAME=${2:?--name needs a value}; shift 2 ;;
@@ -54,6 +56,7 @@ while (($#)); do
     --attach) JOB_ATTACH=${2:?--attach needs a job name}; shift 2 ;;
     --print-script) JOB_PRINT=1; shift ;;
     --record) JOB_RECORD_TO=${2:?--record needs a file}; shift 2 ;;
+    --spare-nodes) JOB_SPARE=${2:?--spare-nodes needs a value}; shift 2 ;;
     --) shift; break ;;
     *) die "unknown option '$1' (see the header of $0)" ;;
   esac

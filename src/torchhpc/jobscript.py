@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                "example: torchhpc jobscript --nodes 2 --ranks-per-node 4 --walltime 01:00:00 --account UABC0001 \\\n"
                "           --submit -- python examples/train.py --epochs 10")
     ap.add_argument("--nodes", type=int, default=None, help="compute nodes (default 1)")
+    ap.add_argument("--spare-nodes", type=int, default=None,
+                    help="nodes held beyond --nodes: when one of the step's nodes fails, the step starts again at "
+                         "once on a spare in its place, resuming from your checkpoint (docs/restart.md)")
     ap.add_argument("--ranks-per-node", type=int, default=None,
                     help="ranks on each node (default: the site's GPUs per node)")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: the site's; 0 for CPU jobs)")
@@ -167,7 +170,8 @@ def submit_args(ns: argparse.Namespace, checkout: Path, command: Sequence[str],
     a file the job's record (scheduler, id, log) is appended to at each submission."""
     args = ["bash", str(checkout / "utils/submit_job.sh"), "--shape", "run",
             "--name", ns.name or _job_name(command), "--workdir", str(Path.cwd())]
-    for flag, value in (("--nodes", ns.nodes), ("--ranks-per-node", ns.ranks_per_node), ("--gpus", ns.gpus),
+    for flag, value in (("--nodes", ns.nodes), ("--spare-nodes", ns.spare_nodes),
+                        ("--ranks-per-node", ns.ranks_per_node), ("--gpus", ns.gpus),
                         ("--cpus", ns.cpus), ("--walltime", ns.walltime), ("--account", ns.account),
                         ("--queue", ns.queue), ("--scheduler", ns.scheduler)):
         if value is not None:

@@ -6,6 +6,7 @@
 
 - ``error``: rank 1 raises ValueError; what ``exception()`` and ``result()`` give back;
 - ``cancel``: a call that sleeps, cancelled once running; its state and error;
+- ``timeout``: a call that sleeps past its one-minute walltime; its state and error;
 - ``requeue``: a callable with a checkpoint hook that needs longer than its one-minute walltime: it checkpoints
   (torchhpc.checkpoint) near the limit, is submitted again and resumes; its result and job ids;
 - ``array``: ARRAY_SIZE small calls through ``map_array``; their results.
@@ -81,6 +82,7 @@ def main(folder: str, scheduler: str, array: int) -> dict:
                                **base).submit(Countdown(str(ckpt)))
     one = Executor(nodes=1, ranks_per_node=1, walltime="00:05:00", **base)
     cancel = one.submit(sleeper)
+    timed = Executor(nodes=1, ranks_per_node=1, walltime="00:01:00", **base).submit(sleeper)
     deadline = time.monotonic() + 240
     while cancel.state != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -93,6 +95,7 @@ def main(folder: str, scheduler: str, array: int) -> dict:
     cancelled = cancel.exception(timeout=600)
     out["cancel"] = {"state": cancel.wait(), "text": str(cancelled)}
     out["array"] = [job.result(timeout=600) for job in squares]
+    out["timeout"] = {"state": timed.wait(timeout=600), "text": str(timed.exception())}
     requeued = jobs["requeue"]
     try:
         out["requeue"] = {"result": requeued.result(timeout=600), "ids": requeued.job_ids}

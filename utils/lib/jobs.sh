@@ -54,6 +54,13 @@ job_resolve() {
   esac
   job_private_dir
   [[ "$JOB_SHAPE" == run && -z "$JOB_GPUS" && "${TORCHHPC_DETECT_GPUS:-0}" == 1 ]] && job_detect_gpus
+  # spare nodes: the step's N plus K the allocation holds for it (utils/run_ranks.sh supervises)
+  [[ "${JOB_SPARE:=0}" =~ ^[0-9]+$ ]] || job_die_value --spare-nodes "$JOB_SPARE" "is not a whole number"
+  if ((JOB_SPARE > 0)); then
+    [[ "$JOB_SHAPE" == run ]] || job_die_value --spare-nodes "$JOB_SPARE" "applies to a run (torchhpc jobscript) only"
+    [[ "${JOB_NODES:-1}" =~ ^[1-9][0-9]*$ ]] || job_die_value --nodes "$JOB_NODES" "is not a positive whole number"
+    JOB_NODES=$((${JOB_NODES:-1} + JOB_SPARE))
+  fi
   if [[ "$JOB_SCHEDULER" == pbs ]]; then
     job_resolve_pbs
   else
@@ -196,6 +203,7 @@ job_directives() {
       && " ${JOB_EXTRA[*]} " != *place=* ]]; then
       printf '#PBS %s\n' "-l place=scatter:excl"
     fi
+    ((JOB_SPARE > 0)) && printf '#PBS %s\n' "-W tolerate_node_failures=all"
     ((${#JOB_EXTRA[@]})) && printf '#PBS %s\n' "${JOB_EXTRA[*]}"
   else
     printf '#SBATCH %s\n' "--job-name=$JOB_NAME"
@@ -204,6 +212,7 @@ job_directives() {
     printf '#SBATCH %s\n' "--nodes=$JOB_NODES" "--ntasks-per-node=$JOB_PPN" "--cpus-per-task=$JOB_CPUS"
     ((JOB_GPUS > 0)) && printf '#SBATCH %s\n' "--gpus-per-node=$JOB_GPUS"
     printf '#SBATCH %s\n' "--time=$JOB_WALLTIME" "--output=$JOB_LOG"
+    ((JOB_SPARE > 0)) && printf '#SBATCH %s\n' "--no-kill"
     ((${#JOB_EXTRA[@]})) && printf '#SBATCH %s\n' "${JOB_EXTRA[@]}"
   fi
   return 0
@@ -228,7 +237,7 @@ JOB
     fi
     cat <<JOB
 cd $(printf '%q' "$JOB_WORKDIR")
-export SITE=$(printf '%q' "$TORCHHPC_SITE") PYTORCH_VERSION=$(printf '%q' "$PYTORCH_VERSION") TORCHHPC_PREFIX=$(printf '%q' "$TORCHHPC_PREFIX") SCHEDULER=$JOB_SCHEDULER
+export SITE=$(printf '%q' "$TORCHHPC_SITE") PYTORCH_VERSION=$(printf '%q' "$PYTORCH_VERSION") TORCHHPC_PREFIX=$(printf '%q' "$TORCHHPC_PREFIX") SCHEDULER=$JOB_SCHEDULER$( ((JOB_SPARE == 0)) || echo " TORCHHPC_SPARE_NODES=$JOB_SPARE")
 echo "job \${PBS_JOBID:-\${SLURM_JOB_ID:-?}} on \$(hostname) at \$(date -u +%FT%TZ)"
 $JOB_EXPORTS
 printf 'command: %s\n' $(printf '%q' "$JOB_COMMAND")

@@ -14,6 +14,12 @@
 #   (Open MPI `--map-by ppr:N:node:PE=C --bind-to core`, MPICH's Hydra `-bind-to core:C`, Cray PALS
 #   `--cpu-bind depth -d C`, srun `--cpus-per-task C --cpu-bind=cores`); none when ranks outnumber cores.
 #   A dry run outside a job assumes NODES (default 2) nodes.
+#   LAUNCH_HOSTS (space-separated host names), when set, restricts the ranks to those hosts, in the launcher's
+#   words (srun --nodelist, Open MPI --host h:N,..., Hydra -hosts, PALS --hosts): the supervisor's healthy nodes.
+#
+# launch_hosts prints the allocation's hosts, in order; launch_probe HOST says (exit status) whether HOST runs a
+# process through the launcher within TORCHHPC_PROBE_S seconds (default 20): a node that died, hangs or lost its
+# link does not.
 
 launch_resolve() {
   LAUNCH_PPN=$TORCHHPC_GPUS_PER_NODE
@@ -21,8 +27,10 @@ launch_resolve() {
     # one line per MPI process (select's mpiprocs), hosts in order
     LAUNCH_NODES=$(sort -u "$PBS_NODEFILE" | wc -l)
     LAUNCH_PPN=$(grep -cxF "$(head -n 1 "$PBS_NODEFILE")" "$PBS_NODEFILE")
+    [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH_NODES=$(wc -w <<<"$LAUNCH_HOSTS")
   elif [[ -n "${SLURM_JOB_ID:-}" ]]; then
     LAUNCH_NODES=${SLURM_JOB_NUM_NODES:?SLURM_JOB_NUM_NODES not set inside Slurm job $SLURM_JOB_ID}
+    [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH_NODES=$(wc -w <<<"$LAUNCH_HOSTS")
     # "2(x2)" or "4,2": the first node's task count (the same count on every node is assumed)
     local tasks=${SLURM_TASKS_PER_NODE:-$LAUNCH_PPN}
     LAUNCH_PPN=${tasks%%[(,]*}
@@ -41,7 +49,8 @@ launch_resolve() {
     srun)
       [[ -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] || die "LAUNCHER=srun needs a Slurm allocation"
       LAUNCH=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$LAUNCH_NODES" --ntasks-per-node "$LAUNCH_PPN" -n "$n")
-      ((per < 1)) || LAUNCH+=(--cpus-per-task "$per" --cpu-bind=cores) ;;
+      ((per < 1)) || LAUNCH+=(--cpus-per-task "$per" --cpu-bind=cores)
+      [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=("--nodelist=$(tr ' ' , <<<"$LAUNCH_HOSTS")") ;;
     mpiexec)
       # Under PBS both wheels' mpiexecs read the job's hosts from $PBS_NODEFILE themselves (Open MPI: PRRTE's
       # ras/pbs; MPICH: Hydra's PBS support) and start remote ranks over ssh, as Cray's PALS mpiexec does.
@@ -50,13 +59,39 @@ launch_resolve() {
       if grep -qi 'open mpi' <<<"$version"; then
         LAUNCH=(mpiexec -n "$n" --map-by "ppr:$LAUNCH_PPN:node$( ((per < 1)) || echo ":PE=$per")")
         if ((per >= 1)); then LAUNCH+=(--bind-to core); else LAUNCH+=(--bind-to none); fi
+        [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=(--host "$(sed "s/\([^ ][^ ]*\)/\1:$LAUNCH_PPN/g; s/ /,/g" <<<"$LAUNCH_HOSTS")")
       elif grep -qi 'hydra' <<<"$version"; then
         LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
         ((per < 1)) || LAUNCH+=(-bind-to "core:$per")
+        [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=(-hosts "$(tr ' ' , <<<"$LAUNCH_HOSTS")")
       else  # Cray PALS (Derecho, Polaris): its own binding options
         LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
         ((per < 1)) || LAUNCH+=(--cpu-bind depth -d "$per")
+        [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=(--hosts "$(tr ' ' , <<<"$LAUNCH_HOSTS")")
       fi ;;
     *) die "LAUNCHER '$TORCHHPC_LAUNCHER' is not mpiexec or srun" ;;
   esac
+}
+
+launch_hosts() {
+  if [[ -n "${PBS_NODEFILE:-}" && -r "${PBS_NODEFILE:-}" ]]; then
+    awk '!seen[$0]++' "$PBS_NODEFILE"
+  elif [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+    scontrol show hostnames "$SLURM_JOB_NODELIST"
+  else
+    die "neither PBS_NODEFILE nor SLURM_JOB_NODELIST is set: run this inside a PBS or Slurm job"
+  fi
+}
+
+launch_probe() {
+  local wait=${TORCHHPC_PROBE_S:-20}
+  if [[ "$TORCHHPC_LAUNCHER" == srun ]]; then
+    timeout -k 5 "$wait" srun --overlap --nodes 1 --ntasks 1 --nodelist "$1" true >/dev/null 2>&1
+  elif mpiexec --version 2>&1 | grep -qi 'open mpi'; then
+    timeout -k 5 "$wait" mpiexec -n 1 --host "$1:1" true >/dev/null 2>&1
+  elif mpiexec --version 2>&1 | grep -qi 'hydra'; then
+    timeout -k 5 "$wait" mpiexec -n 1 -hosts "$1" true >/dev/null 2>&1
+  else
+    timeout -k 5 "$wait" mpiexec -n 1 --hosts "$1" true >/dev/null 2>&1
+  fi
 }

@@ -158,11 +158,13 @@ class Executor:
     ``folder``: where each call's folder goes (default ``~/.cache/torchhpc/submit``), on a file system the
     compute nodes see; ``init``: initialise ``torch.distributed`` before the call (``True``: nccl with GPUs, accl
     on CPUs; or a backend name); ``warn_s``: how long before the time limit :func:`maybe_requeue` checkpoints;
-    ``env``: the job's Python, ``"site"``, ``"current"`` or ``"auto"`` as for ``torchhpc jobscript --env``."""
+    ``env``: the job's Python, ``"site"``, ``"current"`` or ``"auto"`` as for ``torchhpc jobscript --env``;
+    ``spare_nodes``: nodes held beyond ``nodes``, on which the step restarts in place of a failed one."""
 
     def __init__(self, folder: str | os.PathLike[str] | None = None, *, nodes: int | None = None,
-                 ranks_per_node: int | None = None, gpus: int | None = None, cpus: int | None = None,
-                 walltime: str | None = None, account: str | None = None, queue: str | None = None,
+                 spare_nodes: int | None = None, ranks_per_node: int | None = None, gpus: int | None = None,
+                 cpus: int | None = None, walltime: str | None = None, account: str | None = None,
+                 queue: str | None = None,
                  scheduler: str | None = None, site: str | None = None, launcher: str | None = None,
                  env: str = "auto", checkout: str | None = None, init: bool | str = False,
                  warn_s: float = 120.0) -> None:
@@ -173,8 +175,9 @@ class Executor:
         if warn_s < 0:
             raise ValueError(f"warn_s must be at least 0, got {warn_s}")
         self.folder = Path(folder).expanduser() if folder is not None else None
-        self.options = argparse.Namespace(nodes=nodes, ranks_per_node=ranks_per_node, gpus=gpus, cpus=cpus,
-                                          walltime=walltime, account=account, queue=queue, scheduler=scheduler,
+        self.options = argparse.Namespace(nodes=nodes, spare_nodes=spare_nodes, ranks_per_node=ranks_per_node,
+                                          gpus=gpus, cpus=cpus, walltime=walltime, account=account, queue=queue,
+                                          scheduler=scheduler,
                                           name=None, detach=True, submit=False)
         self.site, self.launcher, self.env, self.checkout = site, launcher, env, checkout
         self.init, self.warn_s = init, warn_s
