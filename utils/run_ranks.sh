@@ -74,6 +74,7 @@ while :; do
     step "node(s) ${lost[*]} lost, more than the $spare spare(s): ending the job (exit $status) for the scheduler's requeue"
     exit "$status"
   fi
+  LAUNCH_OVERLAP=1
   step "node(s) ${dead[*]} stopped answering (step exit $status; probed in $((SECONDS - started)) s): restarting" \
     "in place without them, ${#lost[@]} of $spare spare(s) used"
 done

@@ -15,7 +15,8 @@
 #   `--cpu-bind depth -d C`, srun `--cpus-per-task C --cpu-bind=cores`); none when ranks outnumber cores.
 #   A dry run outside a job assumes NODES (default 2) nodes.
 #   LAUNCH_HOSTS (space-separated host names), when set, restricts the ranks to those hosts, in the launcher's
-#   words (srun --nodelist, Open MPI --host h:N,..., Hydra -hosts, PALS --hosts): the supervisor's healthy nodes.
+#   words (srun --nodelist, Open MPI --host h:N,..., Hydra -hosts, PALS --hosts): the supervisor's healthy nodes;
+#   LAUNCH_OVERLAP=1 lets a restarted srun step share the cores a step on a lost node still holds.
 #
 # launch_hosts prints the allocation's hosts, in order; launch_probe HOST says (exit status) whether HOST runs a
 # process through the launcher within TORCHHPC_PROBE_S seconds (default 20): a node that died, hangs or lost its
@@ -50,7 +51,9 @@ launch_resolve() {
       [[ -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] || die "LAUNCHER=srun needs a Slurm allocation"
       LAUNCH=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$LAUNCH_NODES" --ntasks-per-node "$LAUNCH_PPN" -n "$n")
       ((per < 1)) || LAUNCH+=(--cpus-per-task "$per" --cpu-bind=cores)
-      [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=("--nodelist=$(tr ' ' , <<<"$LAUNCH_HOSTS")") ;;
+      [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=("--nodelist=$(tr ' ' , <<<"$LAUNCH_HOSTS")")
+      # a step that ran on a lost node keeps its cores in Slurm's books until the node returns: share them
+      [[ -z "${LAUNCH_OVERLAP:-}" ]] || LAUNCH+=(--overlap) ;;
     mpiexec)
       # Under PBS both wheels' mpiexecs read the job's hosts from $PBS_NODEFILE themselves (Open MPI: PRRTE's
       # ras/pbs; MPICH: Hydra's PBS support) and start remote ranks over ssh, as Cray's PALS mpiexec does.
