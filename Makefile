@@ -113,7 +113,7 @@ RATE  ?= none
 NODE  ?= node1
 VCLUSTER  = VENV="$(VENV)" TORCHHPC_PREFIX="$(TORCHHPC_PREFIX)" bash utils/vcluster/vcluster.sh
 
-.PHONY: cluster-up cluster-down cluster-exec cluster-shell cluster-status cluster-link openpbs fault-soak
+.PHONY: cluster-up cluster-down cluster-exec cluster-shell cluster-status cluster-link openpbs fault-soak recovery-bench
 
 cluster-up: $(PY) ## A virtual cluster of NODES=2 nodes (namespaces) on this host, SCHEDULER=slurm|pbs across them (root)
 	@$(VCLUSTER) up "$(NODES)" "$(or $(SCHEDULER),slurm)"
@@ -145,6 +145,15 @@ fault-soak: $(PY) ## Random faults on a 4-node virtual cluster for SOAK_MINUTES=
 	  --json "$(TORCHHPC_PREFIX)/fault-soak.json" || status=$$?; \
 	if [ "$(KEEP_CLUSTER)" = 1 ]; then echo "fault-soak: the 4-node cluster is still up (make cluster-down stops it)"; \
 	else $(VCLUSTER) down >/dev/null && echo "fault-soak: took its 4-node cluster down (KEEP_CLUSTER=1 keeps it)"; fi; \
+	exit $$status
+
+RECOVERY_TRIALS ?= 3
+recovery-bench: $(PY) ## A lost node: restart in place on a spare against Slurm's requeue, RECOVERY_TRIALS=3 each on 4 virtual nodes; its table; then cluster-down (KEEP_CLUSTER=1 keeps it up)
+	@$(VCLUSTER) up 4 slurm
+	@status=0; OMP_NUM_THREADS=1 $(PY) tests/vcluster/recovery.py --trials "$(RECOVERY_TRIALS)" \
+	  --json "$(TORCHHPC_PREFIX)/recovery.json" || status=$$?; \
+	if [ "$(KEEP_CLUSTER)" = 1 ]; then echo "recovery-bench: the 4-node cluster is still up (make cluster-down stops it)"; \
+	else $(VCLUSTER) down >/dev/null && echo "recovery-bench: took its 4-node cluster down (KEEP_CLUSTER=1 keeps it)"; fi; \
 	exit $$status
 
 # ---- cluster builds: config_env.sh, utils/sites/<site>.sh, utils/pytorch_versions.tsv ----------------

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,3 +185,96 @@ def check_submit(cluster: Cluster, array: int) -> None:
     steps = 36  # submit_driver.REQUEUE_STEPS: the sum over the steps of rank 0 + rank 1 + 2 * step
     assert requeue["result"]["total"] == steps + steps * (steps - 1) and requeue["result"]["attempt"] == 2, requeue
     assert 0 < requeue["result"]["started_at"] < steps and len(requeue["ids"]) == 2, requeue
+
+
+# examples/resumable_training.py as the restart tests and tests/vcluster/recovery.py run it on 2 nodes
+RESUME_STEPS, RESUME_EVERY = 400, 20
+DIGEST = re.compile(rf"FINAL step {RESUME_STEPS} sha256 ([0-9a-f]{{64}})")
+
+
+def train_command(ckpt: Path, *extra: str) -> str:
+    return (f"python {ROOT}/examples/resumable_training.py --dir {ckpt} --steps {RESUME_STEPS} "
+            f"--every {RESUME_EVERY} {' '.join(extra)}").strip()
+
+
+def uninterrupted_digest(cluster: Cluster) -> str:
+    """The SHA-256 of the final parameters of the training on 2 nodes (srun), never stopped."""
+    work = cluster.shared / "resume-ref"
+    shutil.rmtree(work, ignore_errors=True)
+    ref = cluster.ok(f"srun --mpi=pmix -N 2 --ntasks-per-node=1 -O {train_command(work)}", timeout=300,
+                     env=RANK_ENV)
+    found = DIGEST.findall(ref)
+    assert len(found) == 1, ref
+    return found[0]
+
+
+def wait_for_line(path: Path, pattern: str, timeout: float, after: int = 0) -> tuple[re.Match[str], float]:
+    """The first match of ``pattern`` in ``path``'s text past offset ``after``, and when it was seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = path.read_text() if path.exists() else ""
+        found = re.search(pattern, text[after:])
+        if found:
+            return found, time.monotonic()
+        assert time.monotonic() < deadline, f"no '{pattern}' in {timeout:.0f} s:\n{text[-5000:]}"
+        time.sleep(0.2)
+
+
+def _submit_restartable(cluster: Cluster, how: str, work: Path) -> tuple[str, Path]:
+    """The 2-node training as a Slurm job that survives a lost node: ``in-place`` (torchhpc jobscript
+    --spare-nodes 1, srun) or ``requeue`` (sbatch --requeue); its job id and log."""
+    ckpt = work / "ckpt"
+    if how == "in-place":
+        env = {**RANK_ENV, "SITE": "generic", "TORCHHPC_PREFIX": str(work / "prefix"), "TORCHHPC_PROBE_S": "10"}
+        out = cluster.ok(f"cd {work} && torchhpc jobscript --nodes 2 --spare-nodes 1 --ranks-per-node 1 --cpus 1 "
+                         f"--walltime 00:10:00 --launcher srun --name spare --detach -- "
+                         f"{train_command(ckpt, '--timeout 20')}", env=env)
+        found = re.search(r"detached from Slurm job (\d+)", out)
+        assert found, out
+        return found.group(1), Path(re.search(r"its log as it grows: (\S+)", out).group(1))
+    script, log = work / "resume.sh", work / "resume.out"
+    script.write_text(f"#!/bin/bash\nsrun --mpi=pmix {train_command(ckpt)}\n")
+    job = cluster.ok(f"sbatch --parsable --requeue --open-mode=append -N 2 --ntasks-per-node=1 -O -o {log} "
+                     f"{script}", env=RANK_ENV).strip().splitlines()[-1]
+    return job, log
+
+
+def restart_trial(cluster: Cluster, how: str, name: str, revive: bool = True) -> dict:
+    """One of the job's nodes (not the batch script's) torn down (link cut, every process killed) after the second
+    checkpoint of the 2-node training; the job restarts ``how`` (``in-place`` or ``requeue``).  Returns the
+    victim, the seconds from the fault to the resumed step's first line, the step resumed at, the final digest,
+    the job's end state and its log.  The node is revived afterwards unless ``revive`` is false."""
+    work = cluster.shared / name
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    job, log = _submit_restartable(cluster, how, work)
+    wait_for_line(log, r"STARTED at step 0", 180)
+    batch_host = cluster.ok(f"squeue -h -j {job} -o %B").strip()
+    nodes = cluster.ok(f"scontrol show hostnames $(squeue -h -j {job} -o %N)")
+    deadline = time.monotonic() + 120
+    while not (work / "ckpt" / f"step-{2 * RESUME_EVERY:08d}").is_dir():
+        assert time.monotonic() < deadline, f"no second checkpoint\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    steps = re.findall(r"on (node\d) (node\d) \(spare", log.read_text())
+    step_nodes = list(steps[-1]) if steps else re.findall(r"node\d", nodes)
+    victim = next(n for n in step_nodes if n != batch_host)
+    offset = len(log.read_text())
+    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", victim], capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    fault = time.monotonic()
+    try:
+        resumed, seen = wait_for_line(log, r"RESUMED at step (\d+) of \d+ on 2 ranks", 300, offset)
+        state, deadline = "", time.monotonic() + 240
+        while time.monotonic() < deadline:
+            state = cluster.ok(f"scontrol show job {job} | grep -o 'JobState=[A-Z_]*'").strip().split("=")[-1]
+            if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+                break
+            time.sleep(1)
+        text = log.read_text()
+        digests = DIGEST.findall(text)
+        return {"how": how, "victim": victim, "recovery_s": seen - fault, "resumed_at": int(resumed.group(1)),
+                "digest": digests[-1] if len(digests) == 1 else None, "state": state, "log": text}
+    finally:
+        if revive:
+            subprocess.run(["bash", str(VCLUSTER), "revive-node", victim], capture_output=True, text=True,
+                           timeout=120)

@@ -27,6 +27,8 @@ from _mpijob import STACKS_MARGIN, inner_pytest_argv
 from _upstream import tagged_upstream
 from _vcluster import (
     RANK_ENV,
+    RESUME_EVERY,
+    RESUME_STEPS,
     ROOT,
     VCLUSTER,
     Cluster,
@@ -34,7 +36,9 @@ from _vcluster import (
     check_thread_budget,
     cluster_up,
     readme_knobs,
+    restart_trial,
     site_env_over,
+    uninterrupted_digest,
 )
 from test_readme import readme_cluster_lines
 
@@ -531,36 +535,10 @@ def test_a_failed_node_fails_every_survivor_in_time_and_the_job(cluster: Cluster
     assert sorted(hosts) == [f"node{i + 1}" for i in range(NODES)], hosts
 
 
-RESUME_STEPS, RESUME_EVERY = 400, 20
-DIGEST = re.compile(rf"FINAL step {RESUME_STEPS} sha256 ([0-9a-f]{{64}})")
-
-
-def train(ckpt: Path, *extra: str) -> str:
-    """examples/resumable_training.py's command line for the restart tests."""
-    return (f"{PYTHON} {ROOT}/examples/resumable_training.py --dir {ckpt} --steps {RESUME_STEPS} "
-            f"--every {RESUME_EVERY} {' '.join(extra)}").strip()
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(cluster: Cluster) -> str:
     """The SHA-256 of the final parameters of examples/resumable_training.py on 2 nodes, never stopped."""
-    ref = cluster.ok(f"srun --mpi=pmix -N 2 --ntasks-per-node=1 -O {train(cluster.shared / 'resume-ref')}",
-                     timeout=300, env=RANK_ENV)
-    found = DIGEST.findall(ref)
-    assert len(found) == 1, ref
-    return found[0]
-
-
-def wait_for_line(path: Path, pattern: str, timeout: float, after: int = 0) -> tuple[re.Match[str], float]:
-    """The first match of ``pattern`` in ``path``'s text past offset ``after``, and when it was seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = path.read_text() if path.exists() else ""
-        found = re.search(pattern, text[after:])
-        if found:
-            return found, time.monotonic()
-        assert time.monotonic() < deadline, f"no '{pattern}' in {timeout:.0f} s:\n{text[-5000:]}"
-        time.sleep(0.2)
+    return uninterrupted_digest(cluster)
 
 
 def test_a_lost_node_is_replaced_by_a_spare_in_place(cluster: Cluster, uninterrupted: str) -> None:
@@ -568,45 +546,15 @@ def test_a_lost_node_is_replaced_by_a_spare_in_place(cluster: Cluster, uninterru
     torn down after the second checkpoint; the job lives on (--no-kill), the supervisor finds the node silent and
     starts the step again at once on the spare, which resumes from the checkpoint and ends with the parameters of
     a run never stopped, bit for bit; the job completes without the scheduler's requeue."""
-    work = cluster.shared / "spare"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
-    env = {**RANK_ENV, "SITE": "generic", "TORCHHPC_PREFIX": str(work / "prefix"), "TORCHHPC_PROBE_S": "10"}
-    command = train(work / "ckpt", "--timeout 20")
-    out = cluster.ok(f"cd {work} && torchhpc jobscript --nodes 2 --spare-nodes 1 --ranks-per-node 1 --cpus 1 "
-                     f"--walltime 00:10:00 --launcher srun --name spare --detach -- {command}", env=env)
-    job = re.search(r"detached from Slurm job (\d+)", out).group(1)
-    log = Path(re.search(r"its log as it grows: (\S+)", out).group(1))
-    first, _ = wait_for_line(log, r"on (node\d) (node\d) \(spare: 1; lost: none\)", 120)
-    batch_host = cluster.ok(f"squeue -h -j {job} -o %B").strip()
-    victim = next(n for n in first.groups() if n != batch_host)
-    deadline = time.monotonic() + 120
-    while not (work / "ckpt" / f"step-{2 * RESUME_EVERY:08d}").is_dir():
-        assert time.monotonic() < deadline, f"no second checkpoint\n{log.read_text()[-3000:]}"
-        time.sleep(0.1)
-    offset = len(log.read_text())
-    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", victim], capture_output=True, text=True)
-    assert killed.returncode == 0, killed.stderr
-    fault = time.monotonic()
-    try:
-        resumed, seen = wait_for_line(log, r"RESUMED at step (\d+) of \d+ on 2 ranks", 180, offset)
-        deadline = time.monotonic() + 180
-        state = ""
-        while time.monotonic() < deadline:
-            state = cluster.ok(f"scontrol show job {job} | grep -o 'JobState=[A-Z_]*'").strip()
-            if state not in ("JobState=RUNNING", "JobState=COMPLETING"):
-                break
-            time.sleep(1)
-        text = log.read_text()
-        print(f"RECOVERY in place: {seen - fault:.1f} s from the fault to the resumed step")
-        assert state == "JobState=COMPLETED", f"{state}\n{text[-5000:]}\n{cluster.logs()}"
-        assert f"node(s) {victim} stopped answering" in text and "restarting in place without them" in text, text
-        second = re.findall(r"on (node\d) (node\d) \(spare: 0; lost: (node\d)\)", text)
-        assert len(second) == 1 and victim not in second[0][:2] and second[0][2] == victim, text[-5000:]
-        assert 2 * RESUME_EVERY <= int(resumed.group(1)) < RESUME_STEPS, text[-5000:]
-        assert DIGEST.findall(text) == [uninterrupted], text[-5000:]
-    finally:
-        subprocess.run(["bash", str(VCLUSTER), "revive-node", victim], capture_output=True, text=True, timeout=120)
+    trial = restart_trial(cluster, "in-place", "spare-test")
+    text, victim = trial["log"], trial["victim"]
+    print(f"RECOVERY in place: {trial['recovery_s']:.1f} s from the fault to the resumed step")
+    assert trial["state"] == "COMPLETED", f"{trial['state']}\n{text[-5000:]}\n{cluster.logs()}"
+    assert f"node(s) {victim} stopped answering" in text and "restarting in place without them" in text, text
+    second = re.findall(r"on (node\d) (node\d) \(spare: 0; lost: (node\d)\)", text)
+    assert len(second) == 1 and victim not in second[0][:2] and second[0][2] == victim, text[-5000:]
+    assert 2 * RESUME_EVERY <= trial["resumed_at"] < RESUME_STEPS, text[-5000:]
+    assert trial["digest"] == uninterrupted, text[-5000:]
 
 
 def test_a_requeued_job_resumes_from_its_checkpoint_bitwise_equal(cluster: Cluster, uninterrupted: str) -> None:
@@ -614,32 +562,12 @@ def test_a_requeued_job_resumes_from_its_checkpoint_bitwise_equal(cluster: Clust
     every process killed) after the second checkpoint; Slurm ends the run NODE_FAIL and requeues it on the nodes
     left, where it resumes from its newest finished checkpoint and ends with the parameters of a run never stopped,
     bit for bit.  Takes down one of the job's nodes."""
-    script, out_file = cluster.shared / "resume.sh", cluster.shared / "resume.out"
-    ckpt = cluster.shared / "resume-ckpt"
-    script.write_text(f"#!/bin/bash\nsrun --mpi=pmix {train(ckpt)}\n")
-    out_file.unlink(missing_ok=True)
-    job = cluster.ok(f"sbatch --parsable --requeue --open-mode=append -N 2 --ntasks-per-node=1 -O -o {out_file} "
-                     f"{script}", env=RANK_ENV).strip().splitlines()[-1]
-    deadline = time.monotonic() + 120
-    while not (ckpt / f"step-{2 * RESUME_EVERY:08d}").is_dir():
-        assert time.monotonic() < deadline, f"no second checkpoint\n{cluster.logs()}"
-        time.sleep(0.1)
-    nodes = cluster.ok(f"squeue -h -j {job} -o %N").strip()
-    victim = next(n for n in re.findall(r"node\d", cluster.ok(f"scontrol show hostnames {nodes}")) if n != "node1")
-    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", victim], capture_output=True, text=True)
-    assert killed.returncode == 0, killed.stderr
-    state = ""
-    deadline = time.monotonic() + 240  # the node declared down, the requeue's delay, the rest of the run
-    while time.monotonic() < deadline:
-        state = cluster.ok(f"scontrol show job {job} | grep -o 'JobState=[A-Z_]*'").strip()
-        if state in ("JobState=COMPLETED", "JobState=FAILED", "JobState=CANCELLED"):
-            break
-        time.sleep(2)
-    text = out_file.read_text()
-    assert state == "JobState=COMPLETED", f"{state}\n{text[-5000:]}\n{cluster.logs()}"
-    resumed = [int(s) for s in re.findall(r"RESUMED at step (\d+) of \d+ on 2 ranks \(SLURM_RESTART_COUNT=1\)", text)]
-    assert len(resumed) == 1 and 2 * RESUME_EVERY <= resumed[0] < RESUME_STEPS, text[-5000:]
-    assert DIGEST.findall(text) == [uninterrupted], text[-5000:]
+    trial = restart_trial(cluster, "requeue", "requeue-test", revive=False)
+    text = trial["log"]
+    print(f"RECOVERY by requeue: {trial['recovery_s']:.1f} s from the fault to the resumed step")
+    assert trial["state"] == "COMPLETED", f"{trial['state']}\n{text[-5000:]}\n{cluster.logs()}"
+    assert "(SLURM_RESTART_COUNT=1)" in text and 2 * RESUME_EVERY <= trial["resumed_at"] < RESUME_STEPS, text
+    assert trial["digest"] == uninterrupted, text[-5000:]
 
 
 def test_cluster_up_is_idempotent_repairs_and_cleans_up_after_a_failed_start(cluster: Cluster) -> None:

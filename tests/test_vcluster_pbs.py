@@ -1,10 +1,10 @@
-"""The PBS targets end to end on a real OpenPBS across a 2-node virtual cluster (`make cluster-up SCHEDULER=pbs`).
+"""The PBS targets end to end on a real OpenPBS across a 3-node virtual cluster (`make cluster-up SCHEDULER=pbs`).
 
 OpenPBS is built once from the pinned commit (utils/vcluster/build_openpbs.sh; the vendor archive in CI); node1
-runs the server, scheduler, comm and a mom, node2 a mom; output comes back through the moms' `$usecp` to the
-shared file system, as on a site.  Every job goes through the real `qsub`, is deleted with the real `qdel`,
-and its exit status comes from PBS's own job record (`qstat -x`).  The module skips, saying why, where the
-cluster or OpenPBS cannot be built or started here.
+runs the server, scheduler, comm and a mom, node2 and node3 a mom each (node3: the spare of 2-node jobs); output
+comes back through the moms' `$usecp` to the shared file system, as on a site.  Every job goes through the real
+`qsub`, is deleted with the real `qdel`, and its exit status comes from PBS's own job record (`qstat -x`).  The
+module skips, saying why, where the cluster or OpenPBS cannot be built or started here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,21 @@ from pathlib import Path
 
 import pytest
 from _upstream import PG_MPI, tagged_upstream
-from _vcluster import ROOT, Cluster, check_submit, check_thread_budget, cluster_up, readme_knobs, site_env_over
+from _vcluster import (
+    DIGEST,
+    RANK_ENV,
+    RESUME_EVERY,
+    RESUME_STEPS,
+    ROOT,
+    Cluster,
+    check_submit,
+    check_thread_budget,
+    cluster_up,
+    readme_knobs,
+    site_env_over,
+    train_command,
+    wait_for_line,
+)
 from test_readme import readme_cluster_lines
 
 from torchhpc.runtime.mpirun import side_mpich
@@ -37,7 +51,7 @@ SUBMIT = "bash utils/submit_job.sh --scheduler pbs --shape build --select 1:ncpu
 @pytest.fixture(scope="module")
 def pbs() -> Iterator[Cluster]:
     # the first bring-up in a fresh checkout builds OpenPBS (about 2-3 minutes on 2 cores)
-    with cluster_up(2, "pbs", timeout=900) as up:
+    with cluster_up(3, "pbs", timeout=900) as up:  # 3: a spare for 2-node jobs
         yield up
 
 
@@ -79,14 +93,14 @@ def qstat_x(pbs: Cluster, job: str) -> dict[str, str]:
 # ---- the server and its nodes --------------------------------------------------------------------------------
 
 
-def test_both_moms_are_free_and_cluster_up_is_idempotent(pbs: Cluster) -> None:
+def test_every_mom_is_free_and_cluster_up_is_idempotent(pbs: Cluster) -> None:
     nodes = json.loads(pbs.ok("pbsnodes -a -F json"))["nodes"]
-    assert sorted(nodes) == ["node1", "node2"], nodes
+    assert sorted(nodes) == ["node1", "node2", "node3"], nodes
     assert {n["state"] for n in nodes.values()} == {"free"}, nodes
     assert "acl_roots = root" in pbs.ok("qmgr -c 'list server'")
-    kept = subprocess.run(["make", "--no-print-directory", "cluster-up", "SCHEDULER=pbs", "NODES=2",
+    kept = subprocess.run(["make", "--no-print-directory", "cluster-up", "SCHEDULER=pbs", "NODES=3",
                            f"VENV={sys.prefix}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert kept.returncode == 0 and "already up: 2 nodes, pbs" in kept.stderr, kept.stderr
+    assert kept.returncode == 0 and "already up: 3 nodes, pbs" in kept.stderr, kept.stderr
 
 
 # ---- submit_job.sh through the real qsub --------------------------------------------------------------------
@@ -338,13 +352,62 @@ def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Pat
                 pbs.ok(f"qdel {job}")
 
 
+# ---- a node lost, a spare in its place (revives its node) -----------------------------------------------------
+
+
+def test_a_lost_node_is_replaced_by_a_spare_in_place(pbs: Cluster, prefix: Path) -> None:
+    """`torchhpc jobscript --scheduler pbs --nodes 2 --spare-nodes 1`: 3 nodes (tolerate_node_failures=all), the
+    training on 2 with mpiexec.  The step's node other than the mother superior is torn down after the second
+    checkpoint; the supervisor restarts the step on the spare, which resumes and ends bitwise equal to a run never
+    stopped, and the job ends with exit status 0 without a rerun."""
+    ref = pbs.ok(f"cd {prefix} && mpiexec --host node1:1,node2:1 -n 2 -x OMP_NUM_THREADS "
+                 f"{train_command(prefix / 'ref-ckpt')}", env=RANK_ENV, timeout=300)
+    want = DIGEST.findall(ref)
+    assert len(want) == 1, ref
+    env = {**RANK_ENV, "SITE": "generic", "TORCHHPC_PREFIX": str(prefix), "TORCHHPC_PROBE_S": "10"}
+    out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --spare-nodes 1 --ranks-per-node 1 "
+                 f"--cpus 1 --walltime 00:10:00 --name spare --detach -- "
+                 f"{train_command(prefix / 'ckpt', '--timeout 20')}", env=env)
+    job = re.search(r"detached from PBS job (\S+);", out).group(1)
+    log = Path(re.search(r"its log as it grows: (\S+)", out).group(1))
+    first, _ = wait_for_line(log, r"on (node\d) (node\d) \(spare: 1; lost: none\)", 180)
+    mother = qstat_x(pbs, job)["exec_host"].split("/")[0]
+    victim = next(n for n in first.groups() if n != mother)
+    deadline = time.monotonic() + 120
+    while not (prefix / "ckpt" / f"step-{2 * RESUME_EVERY:08d}").is_dir():
+        assert time.monotonic() < deadline, f"no second checkpoint\n{log.read_text()[-3000:]}"
+        time.sleep(0.1)
+    offset = len(log.read_text())
+    killed = subprocess.run(["bash", str(ROOT / "utils/vcluster/vcluster.sh"), "kill-node", victim],
+                            capture_output=True, text=True)
+    assert killed.returncode == 0, killed.stderr
+    fault = time.monotonic()
+    try:
+        resumed, seen = wait_for_line(log, r"RESUMED at step (\d+) of \d+ on 2 ranks", 240, offset)
+        print(f"RECOVERY in place under PBS: {seen - fault:.1f} s from the fault to the resumed step")
+        deadline = time.monotonic() + 240
+        rec = qstat_x(pbs, job)
+        while time.monotonic() < deadline and rec["job_state"] != "F":
+            time.sleep(2)
+            rec = qstat_x(pbs, job)
+        text = log.read_text()
+        assert rec["job_state"] == "F" and rec.get("Exit_status") == 0, f"{rec}\n{text[-5000:]}\n{pbs.logs()}"
+        assert rec.get("run_count", 1) == 1, rec
+        assert f"node(s) {victim} stopped answering" in text and f"lost: {victim})" in text, text[-5000:]
+        assert 2 * RESUME_EVERY <= int(resumed.group(1)) < RESUME_STEPS, text[-5000:]
+        assert DIGEST.findall(text) == want, text[-5000:]
+    finally:
+        subprocess.run(["bash", str(ROOT / "utils/vcluster/vcluster.sh"), "revive-node", victim],
+                       capture_output=True, text=True, timeout=120)
+
+
 # ---- a rerunnable job survives its node (runs last: it takes node2 down) -------------------------------------
 
 
 def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster, prefix: Path) -> None:
     """examples/resumable_training.py in a rerunnable job (`qsub -r y`, 2 ranks on one node) placed on node2,
     which is torn down (link cut, every process killed) after the second checkpoint: the server requeues the
-    job once the mom is silent past node_fail_requeue, it runs again on node1, resumes from its newest finished
+    job once the mom is silent past node_fail_requeue, it runs again on another node, resumes from its newest finished
     checkpoint and ends with the parameters of a run never stopped, bit for bit."""
     steps, every = 400, 20
 
@@ -368,7 +431,7 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
     want = digest.findall(output("ref"))
     assert len(want) == 1, output("ref")
     ckpt = prefix / "ckpt"
-    pbs.ok("pbsnodes -o node1")  # the job must start on node2, the node that fails
+    pbs.ok("pbsnodes -o node1 node3")  # the job must start on node2, the node that fails
     try:
         jid = pbs.ok(f"qsub {job('resume', ckpt, 'y')}").strip().splitlines()[-1]
         deadline = time.monotonic() + 120
@@ -376,7 +439,7 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
             assert time.monotonic() < deadline, f"no second checkpoint: {qstat_x(pbs, jid)}\n{pbs.logs()}"
             time.sleep(0.1)
     finally:
-        pbs.ok("pbsnodes -r node1")
+        pbs.ok("pbsnodes -r node1 node3")
     assert qstat_x(pbs, jid)["exec_host"].startswith("node2"), qstat_x(pbs, jid)
     killed = subprocess.run(["bash", str(ROOT / "utils/vcluster/vcluster.sh"), "kill-node", "node2"],
                             capture_output=True, text=True)
@@ -388,7 +451,7 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
         rec = qstat_x(pbs, jid)
     text = output("resume")
     assert rec["job_state"] == "F" and rec.get("Exit_status") == 0, f"{rec}\n{text[-5000:]}\n{pbs.logs()}"
-    assert rec["run_count"] == 2 and rec["exec_host"].startswith("node1"), rec
+    assert rec["run_count"] == 2 and not rec["exec_host"].startswith("node2"), rec
     resumed = [int(s) for s in re.findall(r"RESUMED at step (\d+) of \d+ on 2 ranks", text)]
     assert len(resumed) == 1 and 2 * every <= resumed[0] < steps, text[-5000:]
     assert digest.findall(text) == want, text[-5000:]

@@ -10,6 +10,11 @@ thread per physical core this rank may use; ranks that share their cores (no bin
 thread each.  ``OMP_NUM_THREADS`` set by the user (or torchrun) wins, and so does ``torch.set_num_threads`` called
 after ``import torchhpc``; PBS's default (``OMP_NUM_THREADS`` = the chunk's ``ncpus`` when the job asks for no
 ``ompthreads``, inherited by every MPI process of the chunk) does not.  Without a launcher nothing changes.
+
+A rank the launcher left on every core of a node it shares with other ranks (``mpiexec --bind-to none``, MPICH's
+Hydra, ``srun --cpu-bind=none``, torchrun) binds itself first to its own share of the node's physical cores, the
+local rank's block, as the launcher's binding flags would have (``TORCHHPC_BIND=0`` leaves it unbound); a rank the
+launcher bound is left where it is.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["ThreadBudget", "thread_budget", "set_default"]
+from . import settings
+
+__all__ = ["ThreadBudget", "thread_budget", "set_default", "bind_share"]
 
 MARKER = "TORCHHPC_THREADS"  # the budget torchhpc applied to this process, for doctor and child processes
 
@@ -77,22 +84,44 @@ def _pbs_default(env: Mapping[str, str], value: str) -> bool:
     return "PBS_JOBID" in env and env.get("NCPUS", "").strip() == value
 
 
-def _launch(env: Mapping[str, str]) -> tuple[int, str]:
-    """(ranks on this node, launcher) from the launcher's variables; (1, "single") without a launcher."""
+def _launch(env: Mapping[str, str]) -> tuple[int, str, int]:
+    """(ranks on this node, launcher, local rank) from the launcher's variables; (1, "single", 0) without one."""
     from .errors import LauncherError
     from .world import world_info
 
     try:  # a copy: world_info may ask MPI about os.environ itself, and this must not start MPI
         info = world_info(dict(env), use_mpi=False)
     except LauncherError:
-        return 1, "unreadable"
-    return max(1, info.local_size), info.launcher
+        return 1, "unreadable", 0
+    return max(1, info.local_size), info.launcher, info.local_rank
 
 
 def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
     """The budget for this process from ``env`` (default: ``os.environ``) and its CPU affinity; MPI-free."""
     env = os.environ if env is None else env
-    return _budget(env, *_launch(env))
+    local, launcher, _ = _launch(env)
+    return _budget(env, local, launcher)
+
+
+def bind_share(local: int, local_rank: int) -> list[int] | None:
+    """Bind this process to the ``local_rank``-th of ``local`` equal blocks of the node's physical cores (each
+    core with its hyperthreads) when its mask is the whole node; the CPUs bound to, or None where it was bound
+    already, the cores are fewer than the ranks, or the platform cannot say."""
+    try:
+        mask = os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return None
+    if local <= 1 or len(mask) < (os.cpu_count() or 1):
+        return None
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(mask):
+        cores.setdefault(_core_of(cpu), []).append(cpu)
+    per = len(cores) // local
+    if per < 1:
+        return None
+    mine = [cpu for block in list(cores.values())[local_rank * per:(local_rank + 1) * per] for cpu in block]
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 def _budget(env: Mapping[str, str], local: int, launcher: str) -> ThreadBudget:
@@ -111,12 +140,15 @@ def _budget(env: Mapping[str, str], local: int, launcher: str) -> ThreadBudget:
 
 def set_default(env: dict[str, str] | None = None) -> ThreadBudget | None:
     """Apply the budget of a process a launcher started: ``OMP_NUM_THREADS`` (and the marker) in ``env``, which
-    torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already.  Nothing
+    torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already; this process
+    (``env`` None) first bound to its share of the node's cores if the launcher left it on all of them.  Nothing
     without a launcher or where the user set ``OMP_NUM_THREADS``.  Returns the budget applied, or None."""
     target = os.environ if env is None else env
-    local, launcher = _launch(target)
+    local, launcher, local_rank = _launch(target)
     if launcher in ("single", "unreadable"):  # a plain process: torch's default (and no sysfs reads)
         return None
+    if env is None and local_rank < local and settings.get("TORCHHPC_BIND", target):
+        bind_share(local, local_rank)
     budget = _budget(target, local, launcher)
     if budget.user_set:
         return None
