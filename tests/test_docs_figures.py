@@ -95,6 +95,28 @@ CLAIMS.append(
      soak_second_run))
 
 
+def recovery_rows() -> list[str]:
+    """restart.md's in-place and requeue rows: trials, median, min and max seconds, completed and bitwise counts."""
+    import statistics
+
+    trials = json.loads((DATA / "recovery.json").read_text())["trials"]
+    out = []
+    for how in ("in-place", "requeue"):
+        mine = [t for t in trials if t["how"] == how]
+        secs = [t["recovery_s"] for t in mine]
+        done = sum(t["state"] == "COMPLETED" for t in mine)
+        out += [str(len(mine)), one(statistics.median(secs)), one(min(secs)), one(max(secs)), str(done),
+                str(len(mine)), str(sum(t["bitwise"] for t in mine)), str(len(mine))]
+    return out
+
+
+CLAIMS.append(
+    ("restart.md", r"\| in place, spare node \| (\d+) \| ([\d.]+) s \| ([\d.]+) - ([\d.]+) s \| (\d+) of (\d+) \| "
+                   r"(\d+) of (\d+) \| \| Slurm requeue \| (\d+) \| ([\d.]+) s \| ([\d.]+) - ([\d.]+) s \| "
+                   r"(\d+) of (\d+) \| (\d+) of (\d+) \|",
+     recovery_rows))
+
+
 @pytest.mark.parametrize(("page", "pattern", "figures"), CLAIMS, ids=[f"{p}:{i}" for i, (p, *_) in enumerate(CLAIMS)])
 def test_the_prose_quotes_its_data(page: str, pattern: str, figures: Callable[[], list[str]]) -> None:
     text = " ".join((ROOT / "docs" / page).read_text().split())  # one line: claims wrap anywhere
