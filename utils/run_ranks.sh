@@ -9,7 +9,7 @@
 #
 # Spare nodes (TORCHHPC_SPARE_NODES=K, written by `torchhpc jobscript --spare-nodes K` into a job of N+K nodes):
 # this script supervises the step.  It runs COMMAND on the first N nodes that answer a probe (launch_probe);
-# when the step fails it probes the step's nodes again: if one no longer answers, it is left out for good and
+# when the step ends it probes the step's nodes again: if one no longer answers, it is left out for good and
 # the step starts again at once on N answering nodes, a spare in its place (COMMAND resumes from its own newest
 # checkpoint); after K nodes lost, or when fewer than N answer, it exits with the step's status, for the
 # scheduler's requeue.  A step that fails with every node answering is the program's failure: no restart.
@@ -58,16 +58,19 @@ while :; do
     "(spare: $((${#healthy[@]} - need)); lost: ${lost[*]:-none}); bound: $LAUNCH_BIND"
   status=0
   run "${LAUNCH[@]}" "$@" || status=$?
-  ((status != 0)) || exit 0
+  # probed even after a success: Open MPI's mpiexec exits 0 when it loses a node's daemon mid-run
   started=$SECONDS
   read -r -a used <<<"$LAUNCH_HOSTS"
   mapfile -t alive < <(answering "${used[@]}")
   hosts=() dead=()
   for host in "${used[@]}"; do [[ " ${alive[*]} " == *" $host "* ]] || dead+=("$host"); done
   if ((${#dead[@]} == 0)); then
+    ((status == 0)) && exit 0
     step "the step failed (exit $status) with every node answering: the program's failure, not a node's; no restart"
     exit "$status"
   fi
+  seen=$status
+  ((status != 0)) || status=1  # a lost node is a failure, whatever the launcher said
   lost+=("${dead[@]}")
   for host in $(launch_hosts); do [[ " ${lost[*]} " == *" $host "* ]] || hosts+=("$host"); done
   if ((${#lost[@]} > spare)); then
@@ -75,6 +78,6 @@ while :; do
     exit "$status"
   fi
   LAUNCH_OVERLAP=1
-  step "node(s) ${dead[*]} stopped answering (step exit $status; probed in $((SECONDS - started)) s): restarting" \
+  step "node(s) ${dead[*]} stopped answering (step exit $seen; probed in $((SECONDS - started)) s): restarting" \
     "in place without them, ${#lost[@]} of $spare spare(s) used"
 done
