@@ -303,15 +303,13 @@ start_pbs() {
 }
 
 # pbs_habitat NODE: the node's PBS_HOME, its mom told that the server's host may command it and that job
-# files go to the shared file system by cp ($usecp, instead of scp); it checks a job's walltime every 2-5 s
-# (the defaults, 10-120 s, would let a job run up to two minutes past its limit).
+# files go to the shared file system by cp ($usecp, instead of scp).
 pbs_habitat() {
   local node=$1
   enter "$node" env LANG=C "$pbs_exec/libexec/pbs_habitat" >"$dir/log/pbs-habitat-$node.log" 2>&1
   # every path but the node-local /tmp, /run and /dev/shm is on the one shared file system
   # shellcheck disable=SC2016  # the mom's own syntax
-  printf '$clienthost node1\n$usecp *:/ /\n$min_check_poll 2\n$max_check_poll 5\n' \
-    | enter "$node" tee -a /run/pbs/mom_priv/config >/dev/null
+  printf '$clienthost node1\n$usecp *:/ /\n' | enter "$node" tee -a /run/pbs/mom_priv/config >/dev/null
 }
 
 # pbs_start NODE: the node's PBS daemons (node1: server, scheduler, comm and mom; the others a mom).
