@@ -26,6 +26,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from torchhpc.runtime.mpirun import find_mpiexec  # noqa: E402
+
 WAYS = ("bound", "self-bound", "unbound")
 
 
@@ -39,7 +43,7 @@ def run(way: str, ranks: int, steps: int) -> float:
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
            "TORCHHPC_BIND": "0" if way == "unbound" else "1"}
     env.pop("OMP_NUM_THREADS", None)  # the thread budget follows the binding
-    argv = ["mpiexec", "-n", str(ranks), *placement, "-x", "TORCHHPC_BIND", sys.executable,
+    argv = [find_mpiexec(), "-n", str(ranks), *placement, "-x", "TORCHHPC_BIND", sys.executable,
             str(ROOT / "examples" / "train.py"), "--steps", str(steps), "--every", "0", "--log-every", str(steps),
             "--width", "256", "--batch", "64", "--backend", "accl"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)

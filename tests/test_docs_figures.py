@@ -117,6 +117,23 @@ CLAIMS.append(
      recovery_rows))
 
 
+def binding_figures() -> list[str]:
+    """launcher.md's sentence on bench/binding.py: ranks, rounds, bound samples/s and spread, the two ratios."""
+    import statistics
+
+    data = json.loads((DATA / "binding.json").read_text())
+    runs = data["samples_per_s"]
+    med = {way: statistics.median(v) for way, v in runs.items()}
+    spread = (max(runs["bound"]) - min(runs["bound"])) / med["bound"]
+    return [str(data["ranks"]), str(len(runs["bound"])), whole(med["bound"]), f"{spread:.0%}",
+            f"{med['self-bound'] / med['bound']:.2f}", f"{med['unbound'] / med['bound']:.2f}"]
+
+
+CLAIMS.append(
+    ("launcher.md", r"(\d+) ranks, (\d+) rounds \(\[its data\]\(data/binding.json\)\): bound (\d+) samples/s "
+                    r"\(spread (\d+%)\), self-bound ([\d.]+)x, unbound ([\d.]+)x", binding_figures))
+
+
 @pytest.mark.parametrize(("page", "pattern", "figures"), CLAIMS, ids=[f"{p}:{i}" for i, (p, *_) in enumerate(CLAIMS)])
 def test_the_prose_quotes_its_data(page: str, pattern: str, figures: Callable[[], list[str]]) -> None:
     text = " ".join((ROOT / "docs" / page).read_text().split())  # one line: claims wrap anywhere

@@ -19,6 +19,7 @@ launcher bound is left where it is.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
@@ -120,7 +121,13 @@ def bind_share(local: int, local_rank: int) -> list[int] | None:
     if per < 1:
         return None
     mine = [cpu for block in list(cores.values())[local_rank * per:(local_rank + 1) * per] for cpu in block]
-    os.sched_setaffinity(0, mine)
+    try:  # every thread the process has so far (an MPI library's, torch's pools): later ones inherit
+        tasks = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tasks = [0]
+    for task in tasks:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setaffinity(task, mine)
     return mine
 
 
