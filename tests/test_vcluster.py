@@ -346,7 +346,7 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(cluster: C
 def test_submit_runs_python_functions_on_slurm(cluster: Cluster) -> None:
     """torchhpc.submit from a Python session on the login node: training on 2 nodes, an error re-raised with its
     rank's traceback, cancel, a walltime hit that checkpoints and requeues, 20 calls through map_array."""
-    check_submit(cluster, array=20)
+    check_submit(cluster, array=20, walltime_kill=True)
 
 
 def test_the_readme_cluster_lines_run_as_typed(cluster: Cluster) -> None:

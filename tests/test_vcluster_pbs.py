@@ -314,9 +314,10 @@ def site_script(pbs: Cluster, prefix: Path, site: str, shape: str) -> Path:
 
 
 def test_submit_runs_python_functions_on_pbs(pbs: Cluster) -> None:
-    """torchhpc.submit under OpenPBS: the same calls as under Slurm (tests/_vcluster.py's check_submit); the
-    requeue goes through qsub from the job's first node, the time left from qstat's start time and walltime."""
-    check_submit(pbs, array=20)
+    """torchhpc.submit under OpenPBS: the calls made under Slurm (tests/_vcluster.py's check_submit), 6 through
+    map_array; the requeue goes through qsub from the job's first node, the time left from qstat's start time and
+    walltime.  (PBS's walltime kill: test_walltime_kill_says_so; its state word: tests/test_submit.py.)"""
+    check_submit(pbs, array=6, walltime_kill=False)
 
 
 def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Path) -> None:
@@ -355,15 +356,23 @@ def test_site_profiles_directives_are_accepted_by_qsub(pbs: Cluster, prefix: Pat
 # ---- a node lost, a spare in its place (revives its node) -----------------------------------------------------
 
 
-def test_a_lost_node_is_replaced_by_a_spare_in_place(pbs: Cluster, prefix: Path) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(pbs: Cluster) -> str:
+    """The SHA-256 of the final parameters of examples/resumable_training.py on 2 ranks, never stopped."""
+    work = pbs.shared / "resume-ref"
+    shutil.rmtree(work, ignore_errors=True)
+    ref = pbs.ok(f"mpiexec --host node1:1,node2:1 -n 2 -x OMP_NUM_THREADS {train_command(work)}", env=RANK_ENV,
+                 timeout=300)
+    want = DIGEST.findall(ref)
+    assert len(want) == 1, ref
+    return want[0]
+
+
+def test_a_lost_node_is_replaced_by_a_spare_in_place(pbs: Cluster, prefix: Path, uninterrupted: str) -> None:
     """`torchhpc jobscript --scheduler pbs --nodes 2 --spare-nodes 1`: 3 nodes (tolerate_node_failures=all), the
     training on 2 with mpiexec.  The step's node other than the mother superior is torn down after the second
     checkpoint; the supervisor restarts the step on the spare, which resumes and ends bitwise equal to a run never
     stopped, and the job ends with exit status 0 without a rerun."""
-    ref = pbs.ok(f"cd {prefix} && mpiexec --host node1:1,node2:1 -n 2 -x OMP_NUM_THREADS "
-                 f"{train_command(prefix / 'ref-ckpt')}", env=RANK_ENV, timeout=300)
-    want = DIGEST.findall(ref)
-    assert len(want) == 1, ref
     env = {**RANK_ENV, "SITE": "generic", "TORCHHPC_PREFIX": str(prefix), "TORCHHPC_PROBE_S": "10"}
     out = pbs.ok(f"cd {prefix} && torchhpc jobscript --scheduler pbs --nodes 2 --spare-nodes 1 --ranks-per-node 1 "
                  f"--cpus 1 --walltime 00:10:00 --name spare --detach -- "
@@ -395,7 +404,7 @@ def test_a_lost_node_is_replaced_by_a_spare_in_place(pbs: Cluster, prefix: Path)
         assert rec.get("run_count", 1) == 1, rec
         assert f"node(s) {victim} stopped answering" in text and f"lost: {victim})" in text, text[-5000:]
         assert 2 * RESUME_EVERY <= int(resumed.group(1)) < RESUME_STEPS, text[-5000:]
-        assert DIGEST.findall(text) == want, text[-5000:]
+        assert DIGEST.findall(text) == [uninterrupted], text[-5000:]
     finally:
         subprocess.run(["bash", str(ROOT / "utils/vcluster/vcluster.sh"), "revive-node", victim],
                        capture_output=True, text=True, timeout=120)
@@ -404,7 +413,8 @@ def test_a_lost_node_is_replaced_by_a_spare_in_place(pbs: Cluster, prefix: Path)
 # ---- a rerunnable job survives its node (runs last: it takes node2 down) -------------------------------------
 
 
-def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster, prefix: Path) -> None:
+def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster, prefix: Path,
+                                                                    uninterrupted: str) -> None:
     """examples/resumable_training.py in a rerunnable job (`qsub -r y`, 2 ranks on one node) placed on node2,
     which is torn down (link cut, every process killed) after the second checkpoint: the server requeues the
     job once the mom is silent past node_fail_requeue, it runs again on another node, resumes from its newest finished
@@ -427,9 +437,7 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
         return (prefix / f"{name}.out").read_text()
 
     digest = re.compile(rf"FINAL step {steps} sha256 ([0-9a-f]{{64}})")
-    pbs.ok(f"qsub -W block=true {job('ref', prefix / 'ref-ckpt', 'n')}", timeout=300)
-    want = digest.findall(output("ref"))
-    assert len(want) == 1, output("ref")
+    want = [uninterrupted]
     ckpt = prefix / "ckpt"
     pbs.ok("pbsnodes -o node1 node3")  # the job must start on node2, the node that fails
     try:

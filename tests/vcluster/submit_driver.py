@@ -2,7 +2,8 @@
 (not importable from the jobs), submitted together, then waited for; one JSON line with what came back.
 (Training through torchhpc.submit is examples/submit_training.py, run beside this.)
 
-``python submit_driver.py FOLDER SCHEDULER ARRAY_SIZE`` (run by tests/test_vcluster.py and test_vcluster_pbs.py):
+``python submit_driver.py FOLDER SCHEDULER ARRAY_SIZE [timeout]`` (run by tests/test_vcluster.py and
+test_vcluster_pbs.py; ``timeout`` adds the walltime-kill call):
 
 - ``error``: rank 1 raises ValueError; what ``exception()`` and ``result()`` give back;
 - ``cancel``: a call that sleeps, cancelled once running; its state and error;
@@ -73,7 +74,7 @@ def square(x: int) -> int:
     return x * x
 
 
-def main(folder: str, scheduler: str, array: int) -> dict:
+def main(folder: str, scheduler: str, array: int, walltime_kill: bool) -> dict:
     base = {"scheduler": scheduler, "cpus": 1, "folder": folder}
     two = Executor(nodes=2, ranks_per_node=1, walltime="00:05:00", **base)
     jobs = {"error": two.submit(boom)}
@@ -82,7 +83,8 @@ def main(folder: str, scheduler: str, array: int) -> dict:
                                **base).submit(Countdown(str(ckpt)))
     one = Executor(nodes=1, ranks_per_node=1, walltime="00:05:00", **base)
     cancel = one.submit(sleeper)
-    timed = Executor(nodes=1, ranks_per_node=1, walltime="00:01:00", **base).submit(sleeper)
+    timed = Executor(nodes=1, ranks_per_node=1, walltime="00:01:00", **base).submit(sleeper) if walltime_kill \
+        else None
     deadline = time.monotonic() + 240
     while cancel.state != "RUNNING" and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -95,7 +97,8 @@ def main(folder: str, scheduler: str, array: int) -> dict:
     cancelled = cancel.exception(timeout=600)
     out["cancel"] = {"state": cancel.wait(), "text": str(cancelled)}
     out["array"] = [job.result(timeout=600) for job in squares]
-    out["timeout"] = {"state": timed.wait(timeout=600), "text": str(timed.exception())}
+    if timed is not None:
+        out["timeout"] = {"state": timed.wait(timeout=600), "text": str(timed.exception())}
     requeued = jobs["requeue"]
     try:
         out["requeue"] = {"result": requeued.result(timeout=600), "ids": requeued.job_ids}
@@ -106,4 +109,5 @@ def main(folder: str, scheduler: str, array: int) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]))), flush=True)
+    print("RESULT " + json.dumps(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["timeout"])),
+          flush=True)

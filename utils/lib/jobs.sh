@@ -26,7 +26,9 @@ job_private_dir() {
   JOB_DIR=${TORCHHPC_JOBS_DIR:-$TORCHHPC_PREFIX/jobs/$who}
   # it goes into #PBS/#SBATCH directive lines, which no quoting protects
   [[ "$JOB_DIR" =~ ^[^[:space:]]+$ ]] || job_die_value "job directory" "$JOB_DIR" "has white space; set TORCHHPC_JOBS_DIR"
-  [[ -d "$JOB_DIR" ]] || { mkdir -p "${JOB_DIR%/*}" && mkdir -m 700 "$JOB_DIR"; } || die "cannot create $JOB_DIR; set TORCHHPC_JOBS_DIR"
+  # two submissions at once (torchhpc.submit from two sessions) may both create it: the second finds it made
+  [[ -d "$JOB_DIR" ]] || { mkdir -p "${JOB_DIR%/*}" && mkdir -m 700 "$JOB_DIR" 2>/dev/null; } || [[ -d "$JOB_DIR" ]] \
+    || die "cannot create $JOB_DIR; set TORCHHPC_JOBS_DIR"
   job_trusted "$JOB_DIR" 077
 }
 
