@@ -5,7 +5,7 @@ interleaved rounds (each round runs all three, starting one further along the li
 
 * ``bound``: ``--map-by ppr:N:node:PE=C --bind-to core``, the launcher's binding flags (what ``torchhpc jobscript``
   writes);
-* ``self-bound``: ``--bind-to none``, each rank binding itself to its share at ``import torchhpc``;
+* ``self-bound``: ``--bind-to none`` and ``TORCHHPC_BIND=1``, each rank binding itself to its share at import;
 * ``unbound``: ``--bind-to none`` and ``TORCHHPC_BIND=0``: the ranks float over every core (threads split).
 
 A round's figure is the median samples/s that rank 0 reports; the table gives each way's median round, its spread

@@ -191,7 +191,7 @@ def check_submit(cluster: Cluster, array: int, walltime_kill: bool) -> None:
 
 
 # examples/resumable_training.py as the restart tests and tests/vcluster/recovery.py run it on 2 nodes
-RESUME_STEPS, RESUME_EVERY = 400, 20
+RESUME_STEPS, RESUME_EVERY = 200, 20
 DIGEST = re.compile(rf"FINAL step {RESUME_STEPS} sha256 ([0-9a-f]{{64}})")
 
 

@@ -116,9 +116,9 @@ def test_under_torchrun(tmp_path: Path, nproc: int) -> None:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 1),
                     reason="needs 2 CPUs and an unbound test process")
 def test_a_rank_left_on_every_core_binds_itself_to_its_share() -> None:
-    """Two srun-style ranks the launcher left unbound: each binds itself to its own block of the node's cores
-    (disjoint, together all of them), and its thread budget follows; TORCHHPC_BIND=0 leaves it unbound; a rank
-    the launcher bound (taskset here) stays where it is."""
+    """Two srun-style ranks the launcher left unbound, with TORCHHPC_BIND=1: each binds itself to its own block of
+    the node's cores (disjoint, together all of them), and its thread budget follows; by default it stays unbound;
+    a rank the launcher bound (taskset here) stays where it is."""
     code = "import torchhpc, torch, os; print(sorted(os.sched_getaffinity(0)), torch.get_num_threads(), sep='|')"
     every = sorted(os.sched_getaffinity(0))
     got = []
@@ -127,15 +127,16 @@ def test_a_rank_left_on_every_core_binds_itself_to_its_share() -> None:
                              env={**{k: v for k, v in os.environ.items() if k not in MPI_LAUNCHER_VARS and not
                                      k.startswith(("SLURM_", "OMP_", "TORCHHPC_"))},
                                   "PYTHONPATH": str(ROOT / "src"), **_slurm(2), "SLURM_LOCALID": str(local_rank),
-                                  "SLURM_PROCID": str(local_rank)})
+                                  "SLURM_PROCID": str(local_rank), "TORCHHPC_BIND": "1"})
         assert res.returncode == 0, res.stderr[-2000:]
         cpus, nthreads = res.stdout.strip().splitlines()[-1].split("|")
         got.append(eval(cpus))  # noqa: S307  (a list of ints printed by the child)
         assert int(nthreads) == threads._cores(set(got[-1])), res.stdout
     assert got[0] and got[1] and not set(got[0]) & set(got[1]) and sorted(got[0] + got[1]) == every, got
-    unbound = _run("import torchhpc, os; print(len(os.sched_getaffinity(0)))", {**_slurm(2), "TORCHHPC_BIND": "0"})
+    unbound = _run("import torchhpc, os; print(len(os.sched_getaffinity(0)))", _slurm(2))
     assert unbound == str(len(every))
     res = subprocess.run(["taskset", "-c", str(every[-1]), sys.executable, "-c",
                           "import torchhpc, os; print(sorted(os.sched_getaffinity(0)))"], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **_slurm(2)})
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **_slurm(2),
+                                                      "TORCHHPC_BIND": "1"})
     assert res.stdout.split("\n")[-2] == f"[{every[-1]}]", res.stdout + res.stderr

@@ -419,7 +419,7 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
     which is torn down (link cut, every process killed) after the second checkpoint: the server requeues the
     job once the mom is silent past node_fail_requeue, it runs again on another node, resumes from its newest finished
     checkpoint and ends with the parameters of a run never stopped, bit for bit."""
-    steps, every = 400, 20
+    steps, every = RESUME_STEPS, RESUME_EVERY
 
     def job(name: str, ckpt: Path, rerun: str) -> Path:
         script = prefix / f"{name}.pbs"

@@ -87,7 +87,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TORCHHPC_BRAID_TIMEOUT", "float", None, "braid's deadline in seconds", low=1e-3),
     Setting("TORCHHPC_CUDA_AWARE_MPI", "bool", None, "whether MPI takes CUDA buffers"),
     Setting("TORCHHPC_MPI_FAMILY", "choice", None, "the MPI family", choices=("openmpi", "mpich")),
-    Setting("TORCHHPC_BIND", "bool", True, "binding a rank the launcher left on every core to its share"),
+    Setting("TORCHHPC_BIND", "bool", False, "binding a rank the launcher left on every core to its share"),
 )}
 
 

@@ -11,10 +11,11 @@ thread each.  ``OMP_NUM_THREADS`` set by the user (or torchrun) wins, and so doe
 after ``import torchhpc``; PBS's default (``OMP_NUM_THREADS`` = the chunk's ``ncpus`` when the job asks for no
 ``ompthreads``, inherited by every MPI process of the chunk) does not.  Without a launcher nothing changes.
 
-A rank the launcher left on every core of a node it shares with other ranks (``mpiexec --bind-to none``, MPICH's
-Hydra, ``srun --cpu-bind=none``, torchrun) binds itself first to its own share of the node's physical cores, the
-local rank's block, as the launcher's binding flags would have (``TORCHHPC_BIND=0`` leaves it unbound); a rank the
-launcher bound is left where it is.
+With ``TORCHHPC_BIND=1``, a rank the launcher left on every core of a node it shares with other ranks (``mpiexec
+--bind-to none``, MPICH's Hydra, ``srun --cpu-bind=none``, torchrun) binds itself first to its own share of the
+node's physical cores, the local rank's block, as the launcher's binding flags would have; a rank the launcher bound
+is left where it is.  Not by default: where jobs share a node without the scheduler confining each to its own cores
+(no cgroups), every job's local rank 0 would take the same block, and their helper threads with it.
 """
 
 from __future__ import annotations
@@ -147,8 +148,9 @@ def _budget(env: Mapping[str, str], local: int, launcher: str) -> ThreadBudget:
 
 def set_default(env: dict[str, str] | None = None) -> ThreadBudget | None:
     """Apply the budget of a process a launcher started: ``OMP_NUM_THREADS`` (and the marker) in ``env``, which
-    torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already; this process
-    (``env`` None) first bound to its share of the node's cores if the launcher left it on all of them.  Nothing
+    torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already; with
+    ``TORCHHPC_BIND=1`` this process (``env`` None) is first bound to its share of the node's cores if the launcher
+    left it on all of them.  Nothing
     without a launcher or where the user set ``OMP_NUM_THREADS``.  Returns the budget applied, or None."""
     target = os.environ if env is None else env
     local, launcher, local_rank = _launch(target)
