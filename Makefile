@@ -23,7 +23,7 @@ NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/n
 NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
                   NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-unit test-mpi test-torch-suite lint bench docs-plots doctor clean-env native clean-native mpi-backend \
+.PHONY: help env test test-long test-unit test-mpi test-torch-suite lint bench docs-plots doctor clean-env native clean-native mpi-backend \
         gpu-check gpu-check-prep
 
 help: ## List every target with one line each
@@ -68,6 +68,9 @@ $(PY):
 
 test: $(PY) ## Run the whole suite: unit tests and MPI tests at 2 and 4 ranks
 	@$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-long: $(PY) ## The long runs on the virtual cluster not in `make test` (PBS: submitting from Python, a spare node in place; ~6 min)
+	@$(PY) -m pytest tests -m long $(PYTEST_ARGS)
 
 test-unit: $(PY) ## Run only the single-process unit tests
 	@$(PY) -m pytest tests --ignore=tests/test_mpi_suites.py $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
-"""The PBS targets end to end on a real OpenPBS across a 3-node virtual cluster (`make cluster-up SCHEDULER=pbs`).
+"""The PBS targets end to end on a real OpenPBS across a 2-node virtual cluster (`make cluster-up SCHEDULER=pbs`).
 
 OpenPBS is built once from the pinned commit (utils/vcluster/build_openpbs.sh; the vendor archive in CI); node1
-runs the server, scheduler, comm and a mom, node2 and node3 a mom each (node3: the spare of 2-node jobs); output
+runs the server, scheduler, comm and a mom, node2 a mom (and node3 for the long runs: the spare of 2-node jobs); output
 comes back through the moms' `$usecp` to the shared file system, as on a site.  Every job goes through the real
 `qsub`, is deleted with the real `qdel`, and its exit status comes from PBS's own job record (`qstat -x`).  The
 module skips, saying why, where the cluster or OpenPBS cannot be built or started here.
@@ -49,10 +49,16 @@ SUBMIT = "bash utils/submit_job.sh --scheduler pbs --shape build --select 1:ncpu
 
 
 @pytest.fixture(scope="module")
-def pbs() -> Iterator[Cluster]:
-    # the first bring-up in a fresh checkout builds OpenPBS (about 2-3 minutes on 2 cores)
-    with cluster_up(3, "pbs", timeout=900) as up:  # 3: a spare for 2-node jobs
+def pbs(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    # the first bring-up in a fresh checkout builds OpenPBS (about 2-3 minutes on 2 cores); the long runs
+    # (make test-long) take a third node: the spare of 2-node jobs
+    with cluster_up(pbs_nodes(request.config), "pbs", timeout=900) as up:
         yield up
+
+
+def pbs_nodes(config: pytest.Config) -> int:
+    """2 nodes, or 3 where the long runs are selected (``-m long``)."""
+    return 2 if config.option.markexpr == "not long" else 3
 
 
 @pytest.fixture()
@@ -93,14 +99,15 @@ def qstat_x(pbs: Cluster, job: str) -> dict[str, str]:
 # ---- the server and its nodes --------------------------------------------------------------------------------
 
 
-def test_every_mom_is_free_and_cluster_up_is_idempotent(pbs: Cluster) -> None:
+def test_every_mom_is_free_and_cluster_up_is_idempotent(pbs: Cluster, request: pytest.FixtureRequest) -> None:
+    count = pbs_nodes(request.config)
     nodes = json.loads(pbs.ok("pbsnodes -a -F json"))["nodes"]
-    assert sorted(nodes) == ["node1", "node2", "node3"], nodes
+    assert sorted(nodes) == [f"node{i + 1}" for i in range(count)], nodes
     assert {n["state"] for n in nodes.values()} == {"free"}, nodes
     assert "acl_roots = root" in pbs.ok("qmgr -c 'list server'")
-    kept = subprocess.run(["make", "--no-print-directory", "cluster-up", "SCHEDULER=pbs", "NODES=3",
+    kept = subprocess.run(["make", "--no-print-directory", "cluster-up", "SCHEDULER=pbs", f"NODES={count}",
                            f"VENV={sys.prefix}"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert kept.returncode == 0 and "already up: 3 nodes, pbs" in kept.stderr, kept.stderr
+    assert kept.returncode == 0 and f"already up: {count} nodes, pbs" in kept.stderr, kept.stderr
 
 
 # ---- submit_job.sh through the real qsub --------------------------------------------------------------------
@@ -313,6 +320,7 @@ def site_script(pbs: Cluster, prefix: Path, site: str, shape: str) -> Path:
     return path
 
 
+@pytest.mark.long
 def test_submit_runs_python_functions_on_pbs(pbs: Cluster) -> None:
     """torchhpc.submit under OpenPBS: the calls made under Slurm (tests/_vcluster.py's check_submit), 6 through
     map_array; the requeue goes through qsub from the job's first node, the time left from qstat's start time and
@@ -368,6 +376,7 @@ def uninterrupted(pbs: Cluster) -> str:
     return want[0]
 
 
+@pytest.mark.long
 def test_a_lost_node_is_replaced_by_a_spare_in_place(pbs: Cluster, prefix: Path, uninterrupted: str) -> None:
     """`torchhpc jobscript --scheduler pbs --nodes 2 --spare-nodes 1`: 3 nodes (tolerate_node_failures=all), the
     training on 2 with mpiexec.  The step's node other than the mother superior is torn down after the second
@@ -439,7 +448,8 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
     digest = re.compile(rf"FINAL step {steps} sha256 ([0-9a-f]{{64}})")
     want = [uninterrupted]
     ckpt = prefix / "ckpt"
-    pbs.ok("pbsnodes -o node1 node3")  # the job must start on node2, the node that fails
+    others = " ".join(n for n in json.loads(pbs.ok("pbsnodes -a -F json"))["nodes"] if n != "node2")
+    pbs.ok(f"pbsnodes -o {others}")  # the job must start on node2, the node that fails
     try:
         jid = pbs.ok(f"qsub {job('resume', ckpt, 'y')}").strip().splitlines()[-1]
         deadline = time.monotonic() + 120
@@ -447,7 +457,7 @@ def test_a_rerunnable_job_resumes_from_its_checkpoint_bitwise_equal(pbs: Cluster
             assert time.monotonic() < deadline, f"no second checkpoint: {qstat_x(pbs, jid)}\n{pbs.logs()}"
             time.sleep(0.1)
     finally:
-        pbs.ok("pbsnodes -r node1 node3")
+        pbs.ok(f"pbsnodes -r {others}")
     assert qstat_x(pbs, jid)["exec_host"].startswith("node2"), qstat_x(pbs, jid)
     killed = subprocess.run(["bash", str(ROOT / "utils/vcluster/vcluster.sh"), "kill-node", "node2"],
                             capture_output=True, text=True)

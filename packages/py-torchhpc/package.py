@@ -31,6 +31,7 @@ class PyTorchhpc(PythonPackage):
     depends_on("cxx", type="build")  # accl's C++ backend, against py-torch's headers
     depends_on("py-psutil@5.9:", type=("build", "run"))
     depends_on("py-tabulate@0.9:", type="run")  # torch's flight-recorder analyzer (torchhpc frtrace)
+    depends_on("py-cloudpickle@3.0:", type="run")  # torchhpc.submit: calls from notebooks and __main__ by value
     depends_on("nlohmann-json", type=("build", "link"))  # torch's flight-recorder header, for accl's recorder
     # torch is left out of pyproject.toml on purpose (the environment provides it); here it is explicit.
     depends_on("py-torch+distributed+mpi", type=("build", "run"))
