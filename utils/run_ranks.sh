@@ -42,10 +42,13 @@ if ((spare == 0)) || [[ "$DRY_RUN" == 1 ]]; then
   exit 0
 fi
 
-mapfile -t hosts < <(launch_hosts)
-need=$((${#hosts[@]} - spare)) lost=() status=0
-((need >= 1)) || die "TORCHHPC_SPARE_NODES=$spare leaves none of the job's ${#hosts[@]} node(s) for the step"
+mapfile -t allocated < <(launch_hosts)
+need=$((${#allocated[@]} - spare)) lost=() status=0
+((need >= 1)) || die "TORCHHPC_SPARE_NODES=$spare leaves none of the job's ${#allocated[@]} node(s) for the step"
+launch_flavor  # once, before the probes' subshells
 while :; do
+  hosts=()
+  for host in "${allocated[@]}"; do [[ " ${lost[*]} " == *" $host "* ]] || hosts+=("$host"); done
   mapfile -t healthy < <(answering "${hosts[@]}")
   if ((${#healthy[@]} < need)); then
     step "${#healthy[@]} of the job's nodes answer (${healthy[*]:-none}; lost: ${lost[*]:-none}), $need needed:" \
@@ -62,7 +65,7 @@ while :; do
   started=$SECONDS
   read -r -a used <<<"$LAUNCH_HOSTS"
   mapfile -t alive < <(answering "${used[@]}")
-  hosts=() dead=()
+  dead=()
   for host in "${used[@]}"; do [[ " ${alive[*]} " == *" $host "* ]] || dead+=("$host"); done
   if ((${#dead[@]} == 0)); then
     ((status == 0)) && exit 0
@@ -72,7 +75,6 @@ while :; do
   seen=$status
   ((status != 0)) || status=1  # a lost node is a failure, whatever the launcher said
   lost+=("${dead[@]}")
-  for host in $(launch_hosts); do [[ " ${lost[*]} " == *" $host "* ]] || hosts+=("$host"); done
   if ((${#lost[@]} > spare)); then
     step "node(s) ${lost[*]} lost, more than the $spare spare(s): ending the job (exit $status) for the scheduler's requeue"
     exit "$status"

@@ -20,7 +20,7 @@
 #
 # launch_hosts prints the allocation's hosts, in order; launch_probe HOST says (exit status) whether HOST runs a
 # process through the launcher within TORCHHPC_PROBE_S seconds (default 20): a node that died, hangs or lost its
-# link does not.
+# link does not.  Both speak the launcher's words of launch_host_flags; launch_flavor names the launcher once.
 
 launch_resolve() {
   LAUNCH_PPN=$TORCHHPC_GPUS_PER_NODE
@@ -28,10 +28,8 @@ launch_resolve() {
     # one line per MPI process (select's mpiprocs), hosts in order
     LAUNCH_NODES=$(sort -u "$PBS_NODEFILE" | wc -l)
     LAUNCH_PPN=$(grep -cxF "$(head -n 1 "$PBS_NODEFILE")" "$PBS_NODEFILE")
-    [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH_NODES=$(wc -w <<<"$LAUNCH_HOSTS")
   elif [[ -n "${SLURM_JOB_ID:-}" ]]; then
     LAUNCH_NODES=${SLURM_JOB_NUM_NODES:?SLURM_JOB_NUM_NODES not set inside Slurm job $SLURM_JOB_ID}
-    [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH_NODES=$(wc -w <<<"$LAUNCH_HOSTS")
     # "2(x2)" or "4,2": the first node's task count (the same count on every node is assumed)
     local tasks=${SLURM_TASKS_PER_NODE:-$LAUNCH_PPN}
     LAUNCH_PPN=${tasks%%[(,]*}
@@ -39,6 +37,7 @@ launch_resolve() {
     [[ "$DRY_RUN" == 1 ]] || die "neither PBS_NODEFILE nor SLURM_JOB_ID is set: run this inside a PBS or Slurm job"
     LAUNCH_NODES=${NODES:-2}
   fi
+  [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH_NODES=$(wc -w <<<"$LAUNCH_HOSTS")
   local n=$((LAUNCH_NODES * LAUNCH_PPN)) cores per
   # Each rank bound to its own cores, the node's shared evenly (the thread budget follows the binding): the
   # node's cores as the scheduler gave them, else the host's.  No binding where ranks outnumber cores.
@@ -46,33 +45,60 @@ launch_resolve() {
   per=$((cores / LAUNCH_PPN))
   LAUNCH_BIND="$per core(s) per rank"
   ((per >= 1)) || LAUNCH_BIND="none ($LAUNCH_PPN ranks per node on $cores cores)"
-  case "$TORCHHPC_LAUNCHER" in
+  launch_flavor
+  [[ "$LAUNCH_FLAVOR" != srun || -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] \
+    || die "LAUNCHER=srun needs a Slurm allocation"
+  case "$LAUNCH_FLAVOR" in
     srun)
-      [[ -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] || die "LAUNCHER=srun needs a Slurm allocation"
       LAUNCH=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$LAUNCH_NODES" --ntasks-per-node "$LAUNCH_PPN" -n "$n")
       ((per < 1)) || LAUNCH+=(--cpus-per-task "$per" --cpu-bind=cores)
-      [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=("--nodelist=$(tr ' ' , <<<"$LAUNCH_HOSTS")")
       # a step that ran on a lost node keeps its cores in Slurm's books until the node returns: share them
       [[ -z "${LAUNCH_OVERLAP:-}" ]] || LAUNCH+=(--overlap) ;;
+    # Under PBS both wheels' mpiexecs read the job's hosts from $PBS_NODEFILE themselves (Open MPI: PRRTE's
+    # ras/pbs; MPICH: Hydra's PBS support) and start remote ranks over ssh, as Cray's PALS mpiexec does.
+    openmpi)
+      LAUNCH=(mpiexec -n "$n" --map-by "ppr:$LAUNCH_PPN:node$( ((per < 1)) || echo ":PE=$per")")
+      if ((per >= 1)); then LAUNCH+=(--bind-to core); else LAUNCH+=(--bind-to none); fi ;;
+    hydra)
+      LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
+      ((per < 1)) || LAUNCH+=(-bind-to "core:$per") ;;
+    pals)  # Cray PALS (Derecho, Polaris): its own binding options
+      LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
+      ((per < 1)) || LAUNCH+=(--cpu-bind depth -d "$per") ;;
+  esac
+  if [[ -n "${LAUNCH_HOSTS:-}" ]]; then
+    local flags
+    # shellcheck disable=SC2086  # the host list, one word per host
+    mapfile -t flags < <(launch_host_flags "$LAUNCH_PPN" $LAUNCH_HOSTS)
+    LAUNCH+=("${flags[@]}")
+  fi
+}
+
+# LAUNCH_FLAVOR: srun, or the site's mpiexec as openmpi, hydra (MPICH) or pals (Cray), asked once.
+launch_flavor() {
+  [[ -z "${LAUNCH_FLAVOR:-}" ]] || return 0
+  case "$TORCHHPC_LAUNCHER" in
+    srun) LAUNCH_FLAVOR=srun ;;
     mpiexec)
-      # Under PBS both wheels' mpiexecs read the job's hosts from $PBS_NODEFILE themselves (Open MPI: PRRTE's
-      # ras/pbs; MPICH: Hydra's PBS support) and start remote ranks over ssh, as Cray's PALS mpiexec does.
       local version
       version=$(mpiexec --version 2>&1 || true)
-      if grep -qi 'open mpi' <<<"$version"; then
-        LAUNCH=(mpiexec -n "$n" --map-by "ppr:$LAUNCH_PPN:node$( ((per < 1)) || echo ":PE=$per")")
-        if ((per >= 1)); then LAUNCH+=(--bind-to core); else LAUNCH+=(--bind-to none); fi
-        [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=(--host "$(sed "s/\([^ ][^ ]*\)/\1:$LAUNCH_PPN/g; s/ /,/g" <<<"$LAUNCH_HOSTS")")
-      elif grep -qi 'hydra' <<<"$version"; then
-        LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
-        ((per < 1)) || LAUNCH+=(-bind-to "core:$per")
-        [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=(-hosts "$(tr ' ' , <<<"$LAUNCH_HOSTS")")
-      else  # Cray PALS (Derecho, Polaris): its own binding options
-        LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
-        ((per < 1)) || LAUNCH+=(--cpu-bind depth -d "$per")
-        [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH+=(--hosts "$(tr ' ' , <<<"$LAUNCH_HOSTS")")
-      fi ;;
+      if grep -qi 'open mpi' <<<"$version"; then LAUNCH_FLAVOR=openmpi
+      elif grep -qi 'hydra' <<<"$version"; then LAUNCH_FLAVOR=hydra
+      else LAUNCH_FLAVOR=pals; fi ;;
     *) die "LAUNCHER '$TORCHHPC_LAUNCHER' is not mpiexec or srun" ;;
+  esac
+}
+
+# launch_host_flags PPN HOST...: the launcher's words (one per line) for "these hosts, PPN ranks each".
+launch_host_flags() {
+  local ppn=$1 list
+  shift
+  list=$(IFS=,; echo "$*")
+  case "$LAUNCH_FLAVOR" in
+    srun) printf '%s\n' "--nodelist=$list" ;;
+    openmpi) printf '%s\n' --host "$(sed "s/,/:$ppn,/g; s/\$/:$ppn/" <<<"$list")" ;;
+    hydra) printf '%s\n' -hosts "$list" ;;
+    pals) printf '%s\n' --hosts "$list" ;;
   esac
 }
 
@@ -87,14 +113,9 @@ launch_hosts() {
 }
 
 launch_probe() {
-  local wait=${TORCHHPC_PROBE_S:-20}
-  if [[ "$TORCHHPC_LAUNCHER" == srun ]]; then
-    timeout -k 5 "$wait" srun --overlap --nodes 1 --ntasks 1 --nodelist "$1" true >/dev/null 2>&1
-  elif mpiexec --version 2>&1 | grep -qi 'open mpi'; then
-    timeout -k 5 "$wait" mpiexec -n 1 --host "$1:1" true >/dev/null 2>&1
-  elif mpiexec --version 2>&1 | grep -qi 'hydra'; then
-    timeout -k 5 "$wait" mpiexec -n 1 -hosts "$1" true >/dev/null 2>&1
-  else
-    timeout -k 5 "$wait" mpiexec -n 1 --hosts "$1" true >/dev/null 2>&1
-  fi
+  local wait=${TORCHHPC_PROBE_S:-20} start=(mpiexec -n 1) flags
+  launch_flavor
+  [[ "$LAUNCH_FLAVOR" != srun ]] || start=(srun --overlap --nodes 1 --ntasks 1)
+  mapfile -t flags < <(launch_host_flags 1 "$1")
+  timeout -k 5 "$wait" "${start[@]}" "${flags[@]}" true >/dev/null 2>&1
 }

@@ -40,6 +40,7 @@ from .worker import JobEnvironment, job_environment, maybe_requeue
 
 __all__ = ["Executor", "Job", "JobError", "JobEnvironment", "job_environment", "maybe_requeue"]
 
+
 class Job:
     """One submitted call, followed through its scheduler and its requeues to its outcome."""
 
@@ -70,24 +71,28 @@ class Job:
         ``CANCELLED``, ``TIMEOUT``, ...; ``GONE`` once the scheduler has forgotten it)."""
         return scheduler.state(self.scheduler, self.job_id)
 
+    def _final_state(self) -> str | None:
+        """The newest job's final state once the call runs no more (it ended and was not submitted again: a job
+        that requeues itself records its successor before it ends), else None.  One scheduler query."""
+        records = files.records(self.folder)
+        state = scheduler.state(records[-1]["JOB_SCHEDULER"], records[-1]["JOB_ID"])
+        return state if state in scheduler.FINAL and len(files.records(self.folder)) == len(records) else None
+
     def done(self) -> bool:
         """Whether the call runs no more: its newest job has ended and was not submitted again."""
-        before = self.job_ids
-        if scheduler.state(self.scheduler, before[-1]) not in scheduler.FINAL:
-            return False
-        return self.job_ids == before  # a job that requeued itself records its successor before it ends
+        return self._final_state() is not None
 
     def wait(self, timeout: float | None = None) -> str:
         """Wait until :meth:`done` (polling the scheduler every 0.5 s, growing to 5 s); returns the final state.
         :class:`JobError` after ``timeout`` seconds, the job left running."""
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.5
-        while not self.done():
+        while (state := self._final_state()) is None:
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobError(f"job {self.job_id} ({self.name}) still {self.state} after {timeout:g} s")
             time.sleep(pause)
             pause = min(2 * pause, 5.0)
-        return self.state
+        return state
 
     def results(self, timeout: float | None = None) -> list[Any]:
         """Every rank's return value, in rank order, once the job is done; :class:`JobError` for a rank's
