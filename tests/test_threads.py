@@ -140,3 +140,30 @@ def test_a_rank_left_on_every_core_binds_itself_to_its_share() -> None:
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT / "src"), **_slurm(2),
                                                       "TORCHHPC_BIND": "1"})
     assert res.stdout.split("\n")[-2] == f"[{every[-1]}]", res.stdout + res.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 1),
+                    reason="needs 2 CPUs and an unbound test process")
+def test_a_rank_left_unbound_takes_its_cores_and_gpu_from_the_job_layers_plan() -> None:
+    """The job layer's plan (TORCHHPC_CPU_MAP, TORCHHPC_GPU_MAP) read by ranks the launcher left unbound (Open MPI
+    with --bind-to none, PALS without GPU words): each binds itself to its own CPUs in the map (in reverse order
+    here, so no block rule could give it) and takes its GPU as CUDA_VISIBLE_DEVICES unless the launcher set one; a
+    malformed map is an error naming the variable."""
+    every = sorted(os.sched_getaffinity(0))[:2]
+    code = ("import torchhpc, os; print(sorted(os.sched_getaffinity(0)), os.environ.get('CUDA_VISIBLE_DEVICES'), "
+            "sep='|')")
+    base = {k: v for k, v in os.environ.items() if k not in MPI_LAUNCHER_VARS and
+            not k.startswith(("SLURM_", "OMP_", "TORCHHPC_", "CUDA_VISIBLE"))}
+    plan = {"TORCHHPC_CPU_MAP": f"{every[1]}:{every[0]}", "TORCHHPC_GPU_MAP": "3,2"}
+    for local_rank in range(2):
+        env = {**base, "PYTHONPATH": str(ROOT / "src"), **_slurm(2), "SLURM_LOCALID": str(local_rank),
+               "SLURM_PROCID": str(local_rank), **plan}
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert res.stdout.strip().splitlines()[-1] == f"[{every[1 - local_rank]}]|{3 - local_rank}", res.stdout
+    set_by_launcher = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                                     env={**env, "CUDA_VISIBLE_DEVICES": "0"})
+    assert set_by_launcher.stdout.strip().endswith("|0"), set_by_launcher.stdout
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**env, "TORCHHPC_CPU_MAP": "0-x:x-1"})
+    assert bad.returncode != 0 and "TORCHHPC_CPU_MAP='0-x:x-1'" in bad.stderr, bad.stderr[-2000:]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from torchhpc.runtime import topology
 
 DATA = Path(__file__).with_name("data") / "hwloc"
@@ -44,3 +46,75 @@ def test_without_gpus_ranks_spread_over_the_numa_nodes() -> None:
     assert [s.numa for s in slots] == [0, 0, 1, 1]
     assert [s.cores for s in slots] == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert all(s.gpu is None and s.notes == ("no NIC on this machine",) for s in slots)
+
+
+def test_the_plan_in_each_launchers_words() -> None:
+    """The 2-socket machine's two ranks (GPU and InfiniBand on NUMA node 1) in srun's, PALS', Hydra's and Open
+    MPI's binding words, and the maps the ranks read."""
+    slots = topology.plan(topology.read_xml(DATA / "32em64t-2n8c2t-pci-normalio.xml"), 2)
+    assert topology.maps(slots) == ("8-11,24-27:12-15,28-31", "0,0")
+    assert topology.launch_words(slots, "srun") == ["--cpu-bind=mask_cpu:0xf000f00,0xf000f000",
+                                                    "--gpu-bind=map_gpu:0,0"]
+    assert topology.launch_words(slots, "pals") == ["--cpu-bind", "list:8-11,24-27:12-15,28-31"]
+    assert topology.launch_words(slots, "hydra") == ["-bind-to", "user:8+9+10+11+24+25+26+27,12+13+14+15+28+29+30+31"]
+    # hyperthreads numbered apart (8-11 with 24-27) are no consecutive block: Open MPI's ranks bind themselves
+    assert topology.launch_words(slots, "openmpi") == ["--map-by", "ppr:2:node", "--bind-to", "none"]
+    plain = topology.plan(topology.Node({0: (0, 1, 2, 3)}, tuple((c,) for c in range(4)), ()), 2)
+    assert topology.launch_words(plain, "openmpi") == ["--map-by", "ppr:2:node:PE=2", "--bind-to", "core"]
+    assert topology.maps(plain) == ("0-1:2-3", "")
+    dgx = topology.plan(topology.read_xml(DATA / "nvidiaDGX2.xml"), 16)
+    assert topology.launch_words(dgx, "srun")[1] == "--gpu-bind=map_gpu:" + ",".join(map(str, range(16)))
+    with pytest.raises(ValueError, match="not one of srun"):
+        topology.launch_words(plain, "aprun")
+
+
+def _fake_sysfs(root: Path) -> Path:
+    """A node as Linux shows it: 2 NUMA nodes of 2 cores x 2 threads, an NVIDIA GPU and a ConnectX NIC (net and
+    InfiniBand names) behind one PCIe switch on NUMA node 1, a BMC's VGA and a virtual NIC that are neither."""
+    for node, cpus in ((0, "0-1,4-5"), (1, "2-3,6-7")):
+        (root / f"devices/system/node/node{node}").mkdir(parents=True)
+        (root / f"devices/system/node/node{node}/cpulist").write_text(cpus + "\n")
+    for cpu in range(8):
+        (root / f"devices/system/cpu/cpu{cpu}/topology").mkdir(parents=True)
+        (root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").write_text(f"{cpu % 4},{cpu % 4 + 4}\n")
+    switch = root / "devices/pci0000:80/0000:80:01.0"
+    for name, cls, vendor, numa in (("0000:81:00.0", "0x030200", "0x10de", 1), ("0000:82:00.0", "0x020700",
+                                    "0x15b3", 1), ("0000:02:00.0", "0x030000", "0x1a03", 0)):
+        dev = (switch if numa else root / "devices/pci0000:00/0000:00:02.0") / name
+        dev.mkdir(parents=True)
+        for key, value in (("class", cls), ("vendor", vendor), ("numa_node", str(numa))):
+            (dev / key).write_text(value + "\n")
+        (root / "bus/pci/devices").mkdir(parents=True, exist_ok=True)
+        (root / "bus/pci/devices" / name).symlink_to(dev)
+    for cls, name in (("net", "ib0"), ("infiniband", "mlx5_0")):
+        (root / f"class/{cls}/{name}").mkdir(parents=True)
+        (root / f"class/{cls}/{name}/device").symlink_to(switch / "0000:82:00.0")
+    (root / "devices/virtual/net/lo").mkdir(parents=True)
+    (root / "class/net/lo").mkdir(parents=True)
+    (root / "class/net/lo/device").symlink_to(root / "devices/virtual/net/lo")
+    return root
+
+
+def test_a_node_read_from_sysfs_is_planned_as_from_hwloc(tmp_path: Path) -> None:
+    node = topology.from_sysfs(_fake_sysfs(tmp_path))
+    assert node.numa == {0: (0, 1, 4, 5), 1: (2, 3, 6, 7)}
+    assert node.cores == ((0, 4), (1, 5), (2, 6), (3, 7))
+    (gpu,) = node.of("gpu")
+    (nic,) = node.of("nic")
+    assert (gpu.names, gpu.busid, gpu.numa) == (("cuda0",), "0000:81:00.0", 1)
+    assert (nic.names, nic.numa) == (("ib0", "mlx5_0"), 1) and topology._shared(gpu, nic) == 2
+    (slot,) = topology.plan(node, 1)
+    assert (slot.cores, slot.numa, slot.gpu, slot.nic, slot.notes) == ((2, 3, 6, 7), 1, gpu, nic, ())
+
+
+def test_the_command_prints_the_maps_the_source_and_the_words(capsys: pytest.CaptureFixture[str]) -> None:
+    xml = DATA / "32em64t-2n8c2t-pci-normalio.xml"
+    assert topology.main(["--ranks", "2", "--launcher", "pals", "--xml", str(xml)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["TORCHHPC_CPU_MAP=8-11,24-27:12-15,28-31", "TORCHHPC_GPU_MAP=0,0",
+                                                    f"hwloc XML {xml}", "--cpu-bind", "list:8-11,24-27:12-15,28-31"]
+    assert topology.main(["--ranks", "2", "--xml", str(xml)]) == 0
+    table = capsys.readouterr().out
+    assert "local rank 1: cores 12-15,28-31  NUMA 1  GPU cuda0 (0000:84:00.0)  NIC mlx5_0  !! 2 ranks for 1" in table
+    with pytest.raises(SystemExit):
+        topology.main(["--ranks", "0"])
+    assert "--ranks must be at least 1, not 0" in capsys.readouterr().err

@@ -15,6 +15,8 @@ import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .runtime.topology import cpulist, device_numa, ranges
+
 __all__ = ["Placement", "gathered", "placement", "problems", "report"]
 
 SYS = Path("/sys")
@@ -34,41 +36,12 @@ class Placement:
     nics: list[str] = field(default_factory=list)  # physical interfaces on the rank's NUMA nodes
 
 
-def _cpulist(text: str) -> list[int]:
-    """The cores of a Linux cpulist ("0-3,8,10-11")."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
-def _ranges(cores: list[int]) -> str:
-    """A cpulist again, for the report."""
-    spans: list[str] = []
-    for c in sorted(cores):
-        if spans and int(spans[-1].split("-")[-1]) == c - 1:
-            spans[-1] = f"{spans[-1].split('-')[0]}-{c}"
-        else:
-            spans.append(str(c))
-    return ",".join(spans)
-
-
 def _numa_of_cores(cores: list[int], sys_root: Path) -> list[int]:
     nodes = []
     for node in sorted(sys_root.glob("devices/system/node/node[0-9]*")):
-        if set(_cpulist((node / "cpulist").read_text())) & set(cores):
+        if set(cpulist((node / "cpulist").read_text())) & set(cores):
             nodes.append(int(node.name[4:]))
     return nodes
-
-
-def _device_numa(device: Path) -> int | None:
-    try:
-        value = int((device / "numa_node").read_text())
-    except (OSError, ValueError):
-        return None
-    return value if value >= 0 else None
 
 
 def _gpu(sys_root: Path) -> tuple[str, int | None]:
@@ -80,7 +53,7 @@ def _gpu(sys_root: Path) -> tuple[str, int | None]:
         return "", None
     index = torch.cuda.current_device()
     bus = getattr(torch.cuda.get_device_properties(index), "pci_bus_id", "")  # e.g. "0000:07:00.0"
-    return f"cuda:{index} {bus}".strip(), _device_numa(sys_root / "bus/pci/devices" / str(bus).lower()) if bus else None
+    return f"cuda:{index} {bus}".strip(), device_numa(sys_root / "bus/pci/devices" / str(bus).lower()) if bus else None
 
 
 def _nics(numa: list[int], sys_root: Path) -> list[str]:
@@ -90,7 +63,7 @@ def _nics(numa: list[int], sys_root: Path) -> list[str]:
         device = nic / "device"
         if not device.exists() or "virtual" in str(device.resolve()):
             continue
-        where = _device_numa(device)
+        where = device_numa(device)
         if where is None or where in numa:
             out.append(nic.name)
     return out
@@ -112,9 +85,9 @@ def problems(ranks: list[Placement]) -> dict[int, list[str]]:
         for q in ranks:
             shared = set(p.cores) & set(q.cores)
             if q.rank != p.rank and q.host == p.host and shared:
-                found[p.rank].append(f"shares cores {_ranges(sorted(shared))} with rank {q.rank}")
+                found[p.rank].append(f"shares cores {ranges(sorted(shared))} with rank {q.rank}")
         if p.gpu and p.gpu_numa is not None and p.gpu_numa not in p.numa:
-            found[p.rank].append(f"its GPU is on NUMA node {p.gpu_numa}, its cores on {_ranges(p.numa)}")
+            found[p.rank].append(f"its GPU is on NUMA node {p.gpu_numa}, its cores on {ranges(p.numa)}")
         if len(ranks) > 1 and len(p.cores) == p.node_cores and sum(q.host == p.host for q in ranks) > 1:
             found[p.rank].append("unbound: free to run on every core of the node")
     return found
@@ -126,7 +99,7 @@ def report(ranks: list[Placement]) -> str:
     lines = []
     for p in sorted(ranks, key=lambda p: p.rank):
         gpu = f"{p.gpu} (NUMA {p.gpu_numa if p.gpu_numa is not None else '?'})" if p.gpu else "none"
-        lines.append(f"rank {p.rank:<4} {p.host:<16} cores {_ranges(p.cores):<12} NUMA {_ranges(p.numa) or '?':<4} "
+        lines.append(f"rank {p.rank:<4} {p.host:<16} cores {ranges(p.cores):<12} NUMA {ranges(p.numa) or '?':<4} "
                      f"GPU {gpu}  NIC {','.join(p.nics) or 'none'}")
         lines += [f"  !! {why}" for why in flagged[p.rank]]
     bad = sum(bool(v) for v in flagged.values())

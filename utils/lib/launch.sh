@@ -38,7 +38,8 @@ launch_resolve() {
     LAUNCH_NODES=${NODES:-2}
   fi
   [[ -z "${LAUNCH_HOSTS:-}" ]] || LAUNCH_NODES=$(wc -w <<<"$LAUNCH_HOSTS")
-  local n=$((LAUNCH_NODES * LAUNCH_PPN)) cores per
+  local n=$((LAUNCH_NODES * LAUNCH_PPN)) cores per words=()
+  LAUNCH_WORDS=()
   # Each rank bound to its own cores, the node's shared evenly (the thread budget follows the binding): the
   # node's cores as the scheduler gave them, else the host's.  No binding where ranks outnumber cores.
   cores=${SLURM_CPUS_ON_NODE:-${NCPUS:-$(nproc)}}
@@ -48,30 +49,58 @@ launch_resolve() {
   launch_flavor
   [[ "$LAUNCH_FLAVOR" != srun || -n "${SLURM_JOB_ID:-}" || "$DRY_RUN" == 1 ]] \
     || die "LAUNCHER=srun needs a Slurm allocation"
+  ((per < 1)) || launch_topology "$cores"
   case "$LAUNCH_FLAVOR" in
     srun)
       LAUNCH=(srun "--mpi=$TORCHHPC_SRUN_MPI" --nodes "$LAUNCH_NODES" --ntasks-per-node "$LAUNCH_PPN" -n "$n")
-      ((per < 1)) || LAUNCH+=(--cpus-per-task "$per" --cpu-bind=cores)
+      ((per < 1)) || LAUNCH+=(--cpus-per-task "$per")
+      ((per < 1)) || ((${#LAUNCH_WORDS[@]})) || LAUNCH+=(--cpu-bind=cores)
       # a step that ran on a lost node keeps its cores in Slurm's books until the node returns: share them
       [[ -z "${LAUNCH_OVERLAP:-}" ]] || LAUNCH+=(--overlap) ;;
     # Under PBS both wheels' mpiexecs read the job's hosts from $PBS_NODEFILE themselves (Open MPI: PRRTE's
     # ras/pbs; MPICH: Hydra's PBS support) and start remote ranks over ssh, as Cray's PALS mpiexec does.
+    # Open MPI forwards only the variables named by -x to other nodes: the placement's maps among them.
     openmpi)
-      LAUNCH=(mpiexec -n "$n" --map-by "ppr:$LAUNCH_PPN:node$( ((per < 1)) || echo ":PE=$per")")
-      if ((per >= 1)); then LAUNCH+=(--bind-to core); else LAUNCH+=(--bind-to none); fi ;;
+      LAUNCH=(mpiexec -n "$n")
+      if ((${#LAUNCH_WORDS[@]})); then LAUNCH+=(-x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP)
+      elif ((per >= 1)); then words=(--map-by "ppr:$LAUNCH_PPN:node:PE=$per" --bind-to core)
+      else words=(--map-by "ppr:$LAUNCH_PPN:node" --bind-to none); fi ;;
     hydra)
       LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
-      ((per < 1)) || LAUNCH+=(-bind-to "core:$per") ;;
+      ((per < 1)) || words=(-bind-to "core:$per") ;;
     pals)  # Cray PALS (Derecho, Polaris): its own binding options
       LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
-      ((per < 1)) || LAUNCH+=(--cpu-bind depth -d "$per") ;;
+      ((per < 1)) || words=(--cpu-bind depth -d "$per") ;;
   esac
+  if ((${#LAUNCH_WORDS[@]})); then LAUNCH+=("${LAUNCH_WORDS[@]}"); else LAUNCH+=("${words[@]}"); fi
   if [[ -n "${LAUNCH_HOSTS:-}" ]]; then
     local flags
     # shellcheck disable=SC2086  # the host list, one word per host
     mapfile -t flags < <(launch_host_flags "$LAUNCH_PPN" $LAUNCH_HOSTS)
     LAUNCH+=("${flags[@]}")
   fi
+}
+
+# launch_topology CORES: where the job holds its node whole (CORES, the scheduler's count, is every CPU of the
+# host), each local rank's cores, GPU and NIC from the node's topology (torchhpc.runtime.topology: hwloc's
+# XML from HWLOC_XMLFILE or lstopo, else sysfs; nodes of one job alike), in the launcher's words
+# (LAUNCH_WORDS), with the maps the ranks read exported (TORCHHPC_CPU_MAP, TORCHHPC_GPU_MAP: a rank the launcher
+# left unbound binds itself, and takes its GPU where the launcher set none).  Else LAUNCH_WORDS stays empty and
+# launch_resolve's count of cores per rank binds.  A dry run outside a job plans nothing.
+launch_topology() {
+  local cores=$1 plan
+  [[ "$DRY_RUN" != 1 ]] && ((cores >= $(getconf _NPROCESSORS_ONLN))) || return 0
+  plan=$(python -m torchhpc.runtime.topology --ranks "$LAUNCH_PPN" --launcher "$LAUNCH_FLAVOR" 2>&1) || {
+    printf 'warning: no plan from the node'"'"'s topology (%s): %s\n' "$plan" "$LAUNCH_BIND" >&2
+    return 0
+  }
+  local lines
+  mapfile -t lines <<<"$plan"
+  export "${lines[0]}" "${lines[1]}"
+  LAUNCH_WORDS=("${lines[@]:3}")
+  local cpus=${lines[0]#*=}
+  LAUNCH_BIND="from the node's topology (${lines[2]}): cores ${cpus//:/ | }"
+  [[ -z "$TORCHHPC_GPU_MAP" ]] || LAUNCH_BIND+="; GPUs $TORCHHPC_GPU_MAP"
 }
 
 # LAUNCH_FLAVOR: srun, or the site's mpiexec as openmpi, hydra (MPICH) or pals (Cray), asked once.

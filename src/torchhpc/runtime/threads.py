@@ -11,11 +11,14 @@ thread each.  ``OMP_NUM_THREADS`` set by the user (or torchrun) wins, and so doe
 after ``import torchhpc``; PBS's default (``OMP_NUM_THREADS`` = the chunk's ``ncpus`` when the job asks for no
 ``ompthreads``, inherited by every MPI process of the chunk) does not.  Without a launcher nothing changes.
 
-With ``TORCHHPC_BIND=1``, a rank the launcher left on every core of a node it shares with other ranks (``mpiexec
---bind-to none``, MPICH's Hydra, ``srun --cpu-bind=none``, torchrun) binds itself first to its own share of the
-node's physical cores, the local rank's block, as the launcher's binding flags would have; a rank the launcher bound
-is left where it is.  Not by default: where jobs share a node without the scheduler confining each to its own cores
-(no cgroups), every job's local rank 0 would take the same block, and their helper threads with it.
+Where the job layer planned the node (``TORCHHPC_CPU_MAP``, ``TORCHHPC_GPU_MAP``: each local rank's cores and GPU
+from the node's topology, :mod:`.topology`), a rank the launcher left unbound binds itself to its cores and takes
+its GPU as ``CUDA_VISIBLE_DEVICES``.  With ``TORCHHPC_BIND=1``, a rank the launcher left on every core of a node it
+shares with other ranks (``mpiexec --bind-to none``, MPICH's Hydra, ``srun --cpu-bind=none``, torchrun) binds
+itself first to its own share of the node's physical cores, the local rank's block, as the launcher's binding flags
+would have; a rank the launcher bound is left where it is.  Not by default: where jobs share a node without the
+scheduler confining each to its own cores (no cgroups), every job's local rank 0 would take the same block, and
+their helper threads with it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from . import settings
+from .settings import SettingError
+from .topology import cpulist
 
 __all__ = ["ThreadBudget", "thread_budget", "set_default", "bind_share"]
 
@@ -105,10 +110,11 @@ def thread_budget(env: Mapping[str, str] | None = None) -> ThreadBudget:
     return _budget(env, local, launcher)
 
 
-def bind_share(local: int, local_rank: int) -> list[int] | None:
-    """Bind this process to the ``local_rank``-th of ``local`` equal blocks of the node's physical cores (each
-    core with its hyperthreads) when its mask is the whole node; the CPUs bound to, or None where it was bound
-    already, the cores are fewer than the ranks, or the platform cannot say."""
+def bind_share(local: int, local_rank: int, cpu_map: str = "") -> list[int] | None:
+    """Bind this process to its CPUs in ``cpu_map`` (``TORCHHPC_CPU_MAP``: each local rank's cpulist, ranks apart by
+    ":", the job layer's plan from the node's topology), else to the ``local_rank``-th of ``local`` equal blocks of
+    the node's physical cores (each core with its hyperthreads), when its mask is the whole node; the CPUs bound
+    to, or None where it was bound already, the cores are fewer than the ranks, or the platform cannot say."""
     try:
         mask = os.sched_getaffinity(0)
     except (AttributeError, OSError):
@@ -119,9 +125,17 @@ def bind_share(local: int, local_rank: int) -> list[int] | None:
     for cpu in sorted(mask):
         cores.setdefault(_core_of(cpu), []).append(cpu)
     per = len(cores) // local
-    if per < 1:
+    if cpu_map:
+        sets = cpu_map.split(":")
+        try:
+            mine = cpulist(sets[local_rank % len(sets)])
+        except ValueError:
+            raise SettingError(f"TORCHHPC_CPU_MAP={cpu_map!r}: each local rank's cpulist (0-3,8), ranks apart "
+                               "by ':' (the job layer writes it from the node's topology)") from None
+    elif per < 1:
         return None
-    mine = [cpu for block in list(cores.values())[local_rank * per:(local_rank + 1) * per] for cpu in block]
+    else:
+        mine = [cpu for block in list(cores.values())[local_rank * per:(local_rank + 1) * per] for cpu in block]
     try:  # every thread the process has so far (an MPI library's, torch's pools): later ones inherit
         tasks = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -149,15 +163,20 @@ def _budget(env: Mapping[str, str], local: int, launcher: str) -> ThreadBudget:
 def set_default(env: dict[str, str] | None = None) -> ThreadBudget | None:
     """Apply the budget of a process a launcher started: ``OMP_NUM_THREADS`` (and the marker) in ``env``, which
     torch reads when it is imported, and ``torch.set_num_threads`` where torch is imported already; with
-    ``TORCHHPC_BIND=1`` this process (``env`` None) is first bound to its share of the node's cores if the launcher
-    left it on all of them.  Nothing
-    without a launcher or where the user set ``OMP_NUM_THREADS``.  Returns the budget applied, or None."""
+    ``TORCHHPC_BIND=1`` or ``TORCHHPC_CPU_MAP`` this process (``env`` None) is first bound to its share of the
+    node's cores (that map's, the job layer's plan) if the launcher left it on all of them, and ``TORCHHPC_GPU_MAP``
+    gives it its GPU as ``CUDA_VISIBLE_DEVICES`` where the launcher set none.  Nothing without a launcher or where
+    the user set ``OMP_NUM_THREADS``.  Returns the budget applied, or None."""
     target = os.environ if env is None else env
     local, launcher, local_rank = _launch(target)
     if launcher in ("single", "unreadable"):  # a plain process: torch's default (and no sysfs reads)
         return None
-    if env is None and local_rank < local and settings.get("TORCHHPC_BIND", target):
-        bind_share(local, local_rank)
+    cpu_map = target.get("TORCHHPC_CPU_MAP", "")
+    if env is None and local_rank < local and (cpu_map or settings.get("TORCHHPC_BIND", target)):
+        bind_share(local, local_rank, cpu_map)
+    gpus = target.get("TORCHHPC_GPU_MAP", "").split(",")
+    if gpus != [""] and "CUDA_VISIBLE_DEVICES" not in target:  # the launcher had no GPU words (srun sets it)
+        target["CUDA_VISIBLE_DEVICES"] = gpus[local_rank % len(gpus)]
     budget = _budget(target, local, launcher)
     if budget.user_set:
         return None

@@ -1,17 +1,29 @@
-"""A node's layout as hwloc describes it (``lstopo --of xml``, the file ``HWLOC_XMLFILE`` names): which cores, GPUs
-and NICs share a NUMA node, and a placement that keeps each local rank beside its GPU and its NIC.
+"""A node's layout (which cores, GPUs and NICs share a NUMA node), a placement that keeps each local rank beside
+its GPU and its NIC, and that placement in each launcher's own binding words.
 
-Read from hwloc's XML (topology format 2 and 3) with the standard library: no hwloc binding is needed to plan, and
-the same function plans for a machine at hand (``lstopo --of xml``) or for one described in a file.
+The layout comes from hwloc's XML (topology format 2 and 3, read with the standard library: the file
+``HWLOC_XMLFILE`` names, or ``lstopo --of xml`` where hwloc's tools are installed), else from Linux's sysfs; the
+same functions plan for the machine at hand or for one described in a file.  The job layer runs
+``python -m torchhpc.runtime.topology --ranks N --launcher L`` on a node it holds whole: it prints the maps the
+ranks read (``TORCHHPC_CPU_MAP``, ``TORCHHPC_GPU_MAP``), where the layout came from, then the launcher's words.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Device", "Node", "Slot", "plan", "read_xml"]
+__all__ = ["Device", "Node", "Slot", "cpulist", "device_numa", "from_sysfs", "launch_words", "maps", "plan",
+           "ranges", "read_xml", "this_node"]
+
+LAUNCHERS = ("srun", "openmpi", "hydra", "pals")
 
 # OSDev kinds: hwloc 3 writes a bitmask (GPU 4, COPROC 8, NETWORK 16, OPENFABRICS 32), hwloc 2 one number
 _GPU_V3, _NIC_V3 = 4 | 8, 16 | 32
@@ -74,9 +86,42 @@ def _kind(obj: ET.Element, version: int) -> str | None:
     return "gpu" if raw in _GPU_V2 else "nic" if raw in _NIC_V2 else None
 
 
+def cpulist(text: str) -> list[int]:
+    """The CPUs of a Linux cpulist ("0-3,8,10-11")."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def ranges(cpus: tuple[int, ...] | list[int]) -> str:
+    """A cpulist again ("0-3,8")."""
+    spans: list[list[int]] = []
+    for c in sorted(cpus):
+        if spans and spans[-1][1] == c - 1:
+            spans[-1][1] = c
+        else:
+            spans.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def device_numa(device: Path) -> int | None:
+    """The NUMA node sysfs gives a device (None: none or unknown)."""
+    try:
+        value = int((device / "numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return value if value >= 0 else None
+
+
 def read_xml(path: str | Path) -> Node:
     """The node an hwloc XML file describes."""
-    root = ET.parse(path).getroot()
+    return _from_hwloc(ET.parse(path).getroot())
+
+
+def _from_hwloc(root: ET.Element) -> Node:
     version = int(float(root.get("version", "2.0")))
     numa: dict[int, tuple[int, ...]] = {}
     cores: list[tuple[int, ...]] = []
@@ -104,6 +149,58 @@ def read_xml(path: str | Path) -> Node:
         named = tuple(sorted(names, key=lambda n: (not n.startswith(("cuda", "nvml", "rsmi", "mlx", "cxi")), n)))
         devices.append(Device(what, named, busid, near[0] if len(near) == 1 else None, path))
     return Node(numa, tuple(cores), tuple(devices))
+
+
+def from_sysfs(root: Path = Path("/sys")) -> Node:
+    """The node as Linux describes it: NUMA nodes, physical cores (hyperthread siblings together), NVIDIA and AMD
+    GPUs in PCI order (named cuda0.. as CUDA orders them by default on a node of one GPU model) and NICs (net and
+    InfiniBand devices with a PCI device behind them), each with its NUMA node and PCI path."""
+    numa = {int(d.name[4:]): tuple(cpulist((d / "cpulist").read_text()))
+            for d in root.glob("devices/system/node/node[0-9]*")}
+    cpus = sorted(int(c.name[3:]) for c in root.glob("devices/system/cpu/cpu[0-9]*"))
+    cores: dict[tuple[int, ...], None] = {}
+    for cpu in cpus:
+        siblings = root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
+        cores.setdefault(tuple(cpulist(siblings.read_text())) if siblings.exists() else (cpu,), None)
+    devices = []
+
+    def pci(dev: Path) -> tuple[str, tuple[str, ...]]:
+        real = dev.resolve()
+        return real.name, tuple(p.name for p in real.parents if p.name.startswith("pci") or ":" in p.name)
+
+    gpus = [d for d in sorted((root / "bus/pci/devices").glob("*"))
+            if _read(d / "class").startswith("0x03") and _read(d / "vendor") in ("0x10de", "0x1002")]
+    for index, dev in enumerate(gpus):
+        busid, path = pci(dev)
+        devices.append(Device("gpu", (f"cuda{index}",), busid, device_numa(dev), path[::-1]))
+    nics: dict[str, list[str]] = {}
+    for nic in [*root.glob("class/net/*"), *root.glob("class/infiniband/*")]:
+        if (nic / "device").exists() and "virtual" not in str((nic / "device").resolve()):
+            nics.setdefault(str((nic / "device").resolve()), []).append(nic.name)
+    for real, names in sorted(nics.items()):
+        busid, path = pci(Path(real))
+        devices.append(Device("nic", tuple(sorted(names)), busid, device_numa(Path(real)), path[::-1]))
+    return Node(numa or {0: tuple(cpus)}, tuple(sorted(cores, key=min)), tuple(devices))
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def this_node() -> tuple[Node, str]:
+    """This node's layout and where it came from: ``HWLOC_XMLFILE``, else ``lstopo --of xml``, else sysfs."""
+    named = os.environ.get("HWLOC_XMLFILE")
+    if named:
+        return read_xml(named), f"hwloc XML {named}"
+    lstopo = shutil.which("lstopo-no-graphics") or shutil.which("lstopo")
+    if lstopo:
+        out = subprocess.run([lstopo, "--of", "xml", "-"], capture_output=True, text=True, timeout=60, check=False)
+        if out.returncode == 0:
+            return _from_hwloc(ET.fromstring(out.stdout)), "lstopo"
+    return from_sysfs(), "sysfs"
 
 
 def _shared(a: Device, b: Device) -> int:
@@ -158,8 +255,80 @@ def _notes(rank: int, gpu: Device | None, nic: Device | None, numa: int | None, 
         notes.append(f"{ranks} ranks for {gpus} GPUs: shares {gpu.names[0]}")
     if nic is None:
         notes.append("no NIC on this machine")
-    elif numa is not None and nic.numa != numa:
+    elif numa is not None and nic.numa is not None and nic.numa != numa:
         notes.append(f"no NIC on NUMA node {numa}: {nic.names[0]} is on {nic.numa}")
     if cores < peers:
         notes.append(f"{peers} ranks on {cores} cores of NUMA node {numa}: they share them")
     return tuple(notes)
+
+
+def _gpu_index(gpu: Device) -> int:
+    """The GPU's index as CUDA, ROCm and Slurm's GRES number it (cuda2, nvml2, rsmi2: 2)."""
+    digits = re.search(r"(\d+)$", gpu.names[0])
+    return int(digits.group(1)) if digits else 0
+
+
+def maps(slots: list[Slot]) -> tuple[str, str]:
+    """The placement as the ranks read it: ``TORCHHPC_CPU_MAP`` (each local rank's CPUs, ranks apart by ":") and
+    ``TORCHHPC_GPU_MAP`` (each local rank's GPU index, by ","; "" without GPUs)."""
+    gpus = ",".join(str(_gpu_index(s.gpu)) for s in slots if s.gpu)
+    return ":".join(ranges(s.cores) for s in slots), gpus if len(gpus.split(",")) == len(slots) else ""
+
+
+def launch_words(slots: list[Slot], launcher: str) -> list[str]:
+    """The placement in ``launcher``'s own binding words: srun ``--cpu-bind=mask_cpu:`` (and ``--gpu-bind=
+    map_gpu:``), Cray PALS ``--cpu-bind list:``, MPICH's Hydra ``-bind-to user:``, Open MPI ``--map-by ppr:N:node:
+    PE=C --bind-to core`` where the placement is consecutive blocks of C cores (else ``--bind-to none``: Open MPI has
+    no per-rank list but a rankfile, and the ranks bind themselves from ``TORCHHPC_CPU_MAP`` at import)."""
+    sets = [s.cores for s in slots]
+    if launcher == "srun":
+        words = ["--cpu-bind=mask_cpu:" + ",".join(hex(sum(1 << c for c in cpus)) for cpus in sets)]
+        gpus = maps(slots)[1]
+        return words + [f"--gpu-bind=map_gpu:{gpus}"] if gpus else words
+    if launcher == "pals":
+        return ["--cpu-bind", "list:" + ":".join(ranges(cpus) for cpus in sets)]
+    if launcher == "hydra":
+        return ["-bind-to", "user:" + ",".join("+".join(map(str, cpus)) for cpus in sets)]
+    if launcher == "openmpi":
+        per = len(sets[0]) if sets else 0
+        flat = [cpu for cpus in sets for cpu in cpus]
+        blocks = per and all(len(c) == per for c in sets) and flat == sorted(flat) and len(set(flat)) == len(flat)
+        if blocks:
+            return ["--map-by", f"ppr:{len(sets)}:node:PE={per}", "--bind-to", "core"]
+        return ["--map-by", f"ppr:{len(sets)}:node", "--bind-to", "none"]
+    raise ValueError(f"launcher {launcher!r} is not one of {', '.join(LAUNCHERS)}")
+
+
+def _table(slots: list[Slot]) -> str:
+    """One line per local rank: cores, NUMA node, GPU (bus id), NIC and what is not ideal."""
+    lines = []
+    for s in slots:
+        gpu = f"{s.gpu.names[0]} ({s.gpu.busid})" if s.gpu else "none"
+        nic = s.nic.names[0] if s.nic else "none"
+        note = f"  !! {'; '.join(s.notes)}" if s.notes else ""
+        lines.append(f"local rank {s.rank}: cores {ranges(s.cores)}  NUMA {s.numa}  GPU {gpu}  NIC {nic}{note}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m torchhpc.runtime.topology --ranks N [--launcher L | --table] [--xml FILE]``."""
+    ap = argparse.ArgumentParser(prog="python -m torchhpc.runtime.topology", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", type=int, required=True, help="ranks on the node")
+    ap.add_argument("--launcher", choices=LAUNCHERS, help="print the maps, the layout's source and its words")
+    ap.add_argument("--xml", help="an hwloc XML file to plan for (default: this node)")
+    args = ap.parse_args(argv)
+    if args.ranks < 1:
+        ap.error(f"--ranks must be at least 1, not {args.ranks}")
+    node, source = (read_xml(args.xml), f"hwloc XML {args.xml}") if args.xml else this_node()
+    slots = plan(node, args.ranks)
+    if args.launcher is None:
+        print(f"{args.ranks} rank(s) on a node of {len(node.cores)} cores, {len(node.numa)} NUMA node(s), "
+              f"{len(node.of('gpu'))} GPU(s), {len(node.of('nic'))} NIC(s) ({source}):\n{_table(slots)}")
+        return 0
+    cpus, gpus = maps(slots)
+    print(f"TORCHHPC_CPU_MAP={cpus}\nTORCHHPC_GPU_MAP={gpus}\n{source}", *launch_words(slots, args.launcher), sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
