@@ -321,7 +321,7 @@ def test_jobscript_binds_each_rank_to_its_own_cores(cluster: Cluster, launcher: 
     placed = re.findall(r"rank (\d) +(node\d) +cores (\S+)", out)
     assert sorted(placed) == [("0", "node1", "0"), ("1", "node1", "1"), ("2", "node2", "0"), ("3", "node2", "1")], out
     log = Path(out.split("; log: ")[1].split()[0]).read_text()
-    assert "bound: 1 core(s) per rank" in log, log
+    assert "bound: from the node's topology (sysfs): cores 0 | 1" in log, log
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "srun"])

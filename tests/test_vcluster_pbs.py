@@ -203,7 +203,7 @@ def test_jobscript_binds_each_rank_to_its_own_cores(pbs: Cluster, prefix: Path) 
     assert "finished: exit status 0" in out and "4 rank(s), each placed apart" in out, out
     placed = re.findall(r"rank (\d) +(node\d) +cores (\S+)", out)
     assert sorted(placed) == [("0", "node1", "0"), ("1", "node1", "1"), ("2", "node2", "0"), ("3", "node2", "1")], out
-    assert "bound: 1 core(s) per rank" in _log(prefix / "jobs", "bind")
+    assert "bound: from the node's topology (sysfs): cores 0 | 1" in _log(prefix / "jobs", "bind")
 
 
 def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(pbs: Cluster, prefix: Path) -> None:

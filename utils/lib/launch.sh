@@ -90,8 +90,8 @@ launch_resolve() {
 launch_topology() {
   local cores=$1 plan
   [[ "$DRY_RUN" != 1 ]] && ((cores >= $(getconf _NPROCESSORS_ONLN))) || return 0
-  plan=$(python -m torchhpc.runtime.topology --ranks "$LAUNCH_PPN" --launcher "$LAUNCH_FLAVOR" 2>&1) || {
-    printf 'warning: no plan from the node'"'"'s topology (%s): %s\n' "$plan" "$LAUNCH_BIND" >&2
+  plan=$(python -m torchhpc.runtime.topology --ranks "$LAUNCH_PPN" --launcher "$LAUNCH_FLAVOR") || {
+    printf 'warning: no plan from the node'"'"'s topology (its error above): %s\n' "$LAUNCH_BIND" >&2
     return 0
   }
   local lines

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 from . import settings
 from .settings import SettingError
-from .topology import cpulist
 
 __all__ = ["ThreadBudget", "thread_budget", "set_default", "bind_share"]
 
@@ -126,6 +125,8 @@ def bind_share(local: int, local_rank: int, cpu_map: str = "") -> list[int] | No
         cores.setdefault(_core_of(cpu), []).append(cpu)
     per = len(cores) // local
     if cpu_map:
+        from .topology import cpulist  # here: `python -m torchhpc.runtime.topology` imports torchhpc first
+
         sets = cpu_map.split(":")
         try:
             mine = cpulist(sets[local_rank % len(sets)])
