@@ -3,12 +3,17 @@ rank beside its GPU and NIC, on whole cores of their NUMA node, and told where t
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from torchhpc.runtime import topology
+from torchhpc.runtime.mpirun import local_job_env, mpi_flavor, mpiexec_argv, side_mpich, side_mpich_env
 
+ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).with_name("data") / "hwloc"
 
 
@@ -118,3 +123,41 @@ def test_the_command_prints_the_maps_the_source_and_the_words(capsys: pytest.Cap
     with pytest.raises(SystemExit):
         topology.main(["--ranks", "0"])
     assert "--ranks must be at least 1, not 0" in capsys.readouterr().err
+
+
+def _reversed_plan() -> list[topology.Slot]:
+    """Two local ranks placed against the order any block rule gives (rank 0 on the last CPU): what a GPU node's
+    plan looks like where GPU 0 sits beside the last cores."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [topology.Slot(0, (cpus[-1],), 0, None, None, ()), topology.Slot(1, (cpus[0],), 0, None, None, ())]
+
+
+CODE = ("import os, torchhpc; r = next(os.environ[v] for v in ('OMPI_COMM_WORLD_RANK', 'PMI_RANK') "
+        "if v in os.environ); print(r, sorted(os.sched_getaffinity(0)))")
+
+
+def _placed(argv: list[str], env: dict[str, str]) -> list[str]:
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return sorted(res.stdout.strip().splitlines())
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_the_words_place_ranks_under_the_real_launchers() -> None:
+    """The launchers here run the plan as written: MPICH's Hydra binds by its -bind-to user: words; Open MPI, which
+    gets --bind-to none and the map (-x, as to other nodes), leaves the ranks to bind themselves from it."""
+    slots = _reversed_plan()
+    cpus, _ = topology.maps(slots)
+    want = [f"0 [{slots[0].cores[0]}]", f"1 [{slots[1].cores[0]}]"]
+    env = {**local_job_env(), "PYTHONPATH": str(ROOT / "src"), "TORCHHPC_CPU_MAP": cpus,
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    words = topology.launch_words(slots, "openmpi")
+    assert words == ["--map-by", "ppr:2:node", "--bind-to", "none"]
+    command = [sys.executable, "-c", CODE]
+    if mpi_flavor() == "openmpi":
+        assert _placed(mpiexec_argv(2, command, extra=[*words, "-x", "TORCHHPC_CPU_MAP"]), env) == want
+    mpich = side_mpich() if mpi_flavor() == "openmpi" else None
+    if mpich is None:
+        pytest.skip("no MPICH beside Open MPI: make env puts it in $VENV/mpich")
+    hydra = [str(mpich / "bin" / "mpiexec"), "-n", "2", *topology.launch_words(slots, "hydra"), *command]
+    assert _placed(hydra, {**side_mpich_env(mpich, env), "TORCHHPC_CPU_MAP": ""}) == want
