@@ -3,6 +3,7 @@ rank beside its GPU and NIC, on whole cores of their NUMA node, and told where t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -161,3 +162,26 @@ def test_the_words_place_ranks_under_the_real_launchers() -> None:
         pytest.skip("no MPICH beside Open MPI: make env puts it in $VENV/mpich")
     hydra = [str(mpich / "bin" / "mpiexec"), "-n", "2", *topology.launch_words(slots, "hydra"), *command]
     assert _placed(hydra, {**side_mpich_env(mpich, env), "TORCHHPC_CPU_MAP": ""}) == want
+
+
+def _layout(entry: dict) -> topology.Node:
+    """A node from docs/data/node_layouts.json: NUMA nodes of cores, hardware thread c + cores beside core c."""
+    cores = entry["cores"]
+    numa = {n: tuple(sorted(c + t * cores for c in topology.cpulist(text) for t in (0, 1)))
+            for n, text in enumerate(entry["numa"])}
+    gpus = tuple(topology.Device("gpu", (f"cuda{i}",), f"gpu{i}", n, ()) for i, n in enumerate(entry["gpu_numa"]))
+    return topology.Node(numa, tuple((c, c + cores) for c in range(cores)), gpus)
+
+
+def test_the_binding_docs_show_for_polaris_perlmutter_and_derecho_is_the_planners() -> None:
+    """docs/cluster.md's table of the three machines' GPU nodes, 4 ranks each: each rank on its GPU's NUMA node,
+    in the site launcher's words, as the planner makes them from the layouts in docs/data."""
+    layouts = json.loads((ROOT / "docs/data/node_layouts.json").read_text())["nodes"]
+    doc = (ROOT / "docs/cluster.md").read_text()
+    for site, entry in layouts.items():
+        slots = topology.plan(_layout(entry), 4)
+        assert all(s.gpu and s.numa == s.gpu.numa and not s.notes[1:] for s in slots), slots
+        cpus, gpus = topology.maps(slots)
+        words = " ".join(topology.launch_words(slots, entry["launcher"]))
+        row = f"| {site} | `{cpus.replace(':', ' / ')}` | `{gpus}` | `{words}` |"
+        assert row in doc, f"docs/cluster.md lacks {site}'s row:\n{row}"
