@@ -242,11 +242,13 @@ def _submit_restartable(cluster: Cluster, how: str, work: Path) -> tuple[str, Pa
     return job, log
 
 
-def restart_trial(cluster: Cluster, how: str, name: str, revive: bool = True) -> dict:
-    """One of the job's nodes (not the batch script's) torn down (link cut, every process killed) after the second
-    checkpoint of the 2-node training; the job restarts ``how`` (``in-place`` or ``requeue``).  Returns the
-    victim, the seconds from the fault to the resumed step's first line, the step resumed at, the final digest,
-    the job's end state and its log.  The node is revived afterwards unless ``revive`` is false."""
+def restart_trial(cluster: Cluster, how: str, name: str, revive: bool = True, fault: str = "kill-node") -> dict:
+    """One of the job's nodes (not the batch script's) lost after the second checkpoint of the 2-node training:
+    ``fault`` ``kill-node`` tears it down (link cut, every process killed), ``cut-link`` cuts its link with its
+    processes alive; the job restarts ``how`` (``in-place`` or ``requeue``).  Returns the victim, the seconds from
+    the fault to the resumed step's first line, the step resumed at and the newest finished checkpoint's at the
+    fault, the final digest, the job's end state and its log.  The node is revived (its link restored) afterwards
+    unless ``revive`` is false."""
     work = cluster.shared / name
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
@@ -262,9 +264,10 @@ def restart_trial(cluster: Cluster, how: str, name: str, revive: bool = True) ->
     step_nodes = list(steps[-1]) if steps else re.findall(r"node\d", nodes)
     victim = next(n for n in step_nodes if n != batch_host)
     offset = len(log.read_text())
-    killed = subprocess.run(["bash", str(VCLUSTER), "kill-node", victim], capture_output=True, text=True)
+    killed = subprocess.run(["bash", str(VCLUSTER), fault, victim], capture_output=True, text=True)
     assert killed.returncode == 0, killed.stderr
-    fault = time.monotonic()
+    fault_at = time.monotonic()
+    newest = max(int(d.name[5:]) for d in (work / "ckpt").glob("step-*") if d.name[5:].isdigit())
     try:
         resumed, seen = wait_for_line(log, r"RESUMED at step (\d+) of \d+ on 2 ranks", 300, offset)
         state, deadline = "", time.monotonic() + 240
@@ -275,9 +278,10 @@ def restart_trial(cluster: Cluster, how: str, name: str, revive: bool = True) ->
             time.sleep(1)
         text = log.read_text()
         digests = DIGEST.findall(text)
-        return {"how": how, "victim": victim, "recovery_s": seen - fault, "resumed_at": int(resumed.group(1)),
+        return {"how": how, "fault": fault, "victim": victim, "recovery_s": seen - fault_at,
+                "resumed_at": int(resumed.group(1)), "newest_at_fault": newest,
                 "digest": digests[-1] if len(digests) == 1 else None, "state": state, "log": text}
     finally:
         if revive:
-            subprocess.run(["bash", str(VCLUSTER), "revive-node", victim], capture_output=True, text=True,
-                           timeout=120)
+            undo = "revive-node" if fault == "kill-node" else "restore-link"
+            subprocess.run(["bash", str(VCLUSTER), undo, victim], capture_output=True, text=True, timeout=120)

@@ -14,6 +14,11 @@ checkpoint finished before the fault, ending bitwise equal to an uninterrupted r
 
 (``make fault-soak`` does both.)  It prints a table per fault kind; the exit status is 1 on any hang, lost
 checkpoint, unfinished job or differing parameters.
+
+Then ``--spare-trials`` trials of a job with a spare node (``torchhpc jobscript --nodes 2 --spare-nodes 1``, the
+2-node training): a step node killed or its link cut after the second checkpoint; the job's supervisor must
+restart the step on the spare at once (no requeue), resume from the newest finished checkpoint and end bitwise
+equal to an uninterrupted run; its own table.
 """
 
 from __future__ import annotations
@@ -32,7 +37,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _vcluster import RANK_ENV, ROOT, VCLUSTER, Cluster, state_dir  # noqa: E402
+from _vcluster import (  # noqa: E402
+    RANK_ENV,
+    ROOT,
+    VCLUSTER,
+    Cluster,
+    restart_trial,
+    state_dir,
+    uninterrupted_digest,
+)
 
 FAULTS = ("kill-rank", "kill-node", "stop-node", "cut-link")
 WORKLOADS = ("allreduce", "checkpoint", "rehearsal", "chunkstore")
@@ -283,6 +296,46 @@ def table(trials: list[Trial]) -> str:
     return "\n".join(rows)
 
 
+SPARE_FAULTS = ("kill-node", "cut-link")
+
+
+def spare_trials(cluster: Cluster, n: int) -> list[dict]:
+    """``n`` spare-node trials, the faults in turn: each restart_trial's figures, or its failure as a note."""
+    reference = uninterrupted_digest(cluster)
+    out = []
+    for i in range(n):
+        fault = SPARE_FAULTS[i % len(SPARE_FAULTS)]
+        try:
+            t = restart_trial(cluster, "in-place", f"soak-spare-{i}", fault=fault)
+        except AssertionError as exc:  # no resumed step within its bound: a hang or a failed restart
+            out.append({"fault": fault, "failed": str(exc)[:2000]})
+            continue
+        t.update(bitwise=t["digest"] == reference, in_place="restarting in place without them" in t["log"], log=None)
+        out.append(t)
+        print(f"spare trial {i}: {fault} on {t['victim']}: resumed at step {t['resumed_at']} (newest "
+              f"{t['newest_at_fault']}) after {t['recovery_s']:.1f} s, {t['state']}, bitwise {t['bitwise']}",
+              flush=True)
+        time.sleep(5)  # the revived node back in service
+    return out
+
+
+def spare_table(trials: list[dict]) -> str:
+    """The spare-node trials per fault kind, as a markdown table."""
+    rows = ["| fault (spare node) | trials | resumed in place after (median, max s) | hangs or failed restarts | "
+            "completed without requeue | bitwise equal | checkpoints lost |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for fault in (*SPARE_FAULTS, "all"):
+        ts = [t for t in trials if fault in ("all", t["fault"])]
+        done = [t for t in ts if "failed" not in t]
+        secs = sorted(t["recovery_s"] for t in done)
+        spread = f"{secs[len(secs) // 2]:.1f}, {secs[-1]:.1f}" if secs else "-"
+        completed = sum(t["state"] == "COMPLETED" and t["in_place"] for t in done)
+        rows.append(f"| {fault} | {len(ts)} | {spread} | {len(ts) - len(done)} | {completed} of {len(ts)} | "
+                    f"{sum(t['bitwise'] for t in done)} of {len(ts)} | "
+                    f"{sum(t['resumed_at'] < t['newest_at_fault'] for t in done)} |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=9.0, help="start no trial after this (the run stays bounded)")
@@ -291,6 +344,7 @@ def main() -> int:
     p.add_argument("--json", type=Path, help="write every trial and the table here")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="a comma-separated subset of the default")
     p.add_argument("--faults", default=",".join(FAULTS), help="a comma-separated subset of the default")
+    p.add_argument("--spare-trials", type=int, default=4, help="then this many spare-node trials (0: none)")
     args = p.parse_args()
     workloads, faults = tuple(args.workloads.split(",")), tuple(args.faults.split(","))
     for name, given, known in (("--workloads", workloads, WORKLOADS), ("--faults", faults, FAULTS)):
@@ -321,10 +375,16 @@ def main() -> int:
     text = table(trials)
     soak.say(f"\n{len(trials)} trials in {(time.monotonic() - began) / 60:.1f} min (seed {args.seed}, deadline "
              f"{DEADLINE_S:.0f} s)\n\n{text}")
+    spare = spare_trials(cluster, args.spare_trials)
+    spare_text = spare_table(spare)
+    soak.say(f"\n{len(spare)} spare-node trials\n\n{spare_text}")
     if args.json:
         args.json.write_text(json.dumps({"seed": args.seed, "deadline_s": DEADLINE_S, "table": text,
-                                         "trials": [asdict(t) for t in trials]}, indent=1) + "\n")
-    return 0 if all(t.ok for t in trials) else 1
+                                         "trials": [asdict(t) for t in trials], "spare_table": spare_text,
+                                         "spare_trials": spare}, indent=1) + "\n")
+    spare_ok = all("failed" not in t and t["bitwise"] and t["state"] == "COMPLETED" and t["in_place"] and
+                   t["resumed_at"] >= t["newest_at_fault"] for t in spare)
+    return 0 if all(t.ok for t in trials) and spare_ok else 1
 
 
 if __name__ == "__main__":
