@@ -142,10 +142,11 @@ cluster-link: ## Shape every virtual node's link to RATE=10gbit|1gbit|... with t
 
 SOAK_MINUTES ?= 9
 SOAK_SEED    ?= 0
-fault-soak: $(PY) ## Random faults on a 4-node virtual cluster for SOAK_MINUTES=9 (kills, stops, cut links; jobs requeued); its table; then cluster-down (KEEP_CLUSTER=1 keeps it up)
+SOAK_SPARE   ?= 4
+fault-soak: $(PY) ## Random faults on a 4-node virtual cluster for SOAK_MINUTES=9 (kills, stops, cut links; jobs requeued), then SOAK_SPARE=4 spare-node trials (restart in place); their tables; then cluster-down (KEEP_CLUSTER=1 keeps it up)
 	@$(VCLUSTER) up 4 slurm
 	@status=0; $(PY) tests/vcluster/soak.py --minutes "$(SOAK_MINUTES)" --seed "$(SOAK_SEED)" \
-	  --json "$(TORCHHPC_PREFIX)/fault-soak.json" || status=$$?; \
+	  --spare-trials "$(SOAK_SPARE)" --json "$(TORCHHPC_PREFIX)/fault-soak.json" || status=$$?; \
 	if [ "$(KEEP_CLUSTER)" = 1 ]; then echo "fault-soak: the 4-node cluster is still up (make cluster-down stops it)"; \
 	else $(VCLUSTER) down >/dev/null && echo "fault-soak: took its 4-node cluster down (KEEP_CLUSTER=1 keeps it)"; fi; \
 	exit $$status

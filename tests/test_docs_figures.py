@@ -163,3 +163,16 @@ def test_the_virtual_clusters_all_reduce_table_is_its_data() -> None:
         size = int(count) * units[unit]
         want = [t["allreduce", size, impl] * 1e6 for impl in ("accl", "mpi4py", "gloo")]
         assert shown == [f"{x:.1f}" if x < 100 else f"{x:.0f}" for x in want], (link, count, unit, shown, want)
+
+
+def test_the_spare_node_soak_table_is_its_data() -> None:
+    """restart.md's spare-node soak table is the soak's own table of the trials recorded beside it."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests" / "vcluster"))
+    sys.path.insert(0, str(ROOT / "tests"))
+    from soak import spare_table
+
+    data = json.loads((DATA / "fault-soak-spare.json").read_text())
+    assert spare_table(data["trials"]) == data["table"]
+    assert data["table"] in (ROOT / "docs" / "restart.md").read_text()

@@ -30,6 +30,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -327,8 +328,8 @@ def spare_table(trials: list[dict]) -> str:
     for fault in (*SPARE_FAULTS, "all"):
         ts = [t for t in trials if fault in ("all", t["fault"])]
         done = [t for t in ts if "failed" not in t]
-        secs = sorted(t["recovery_s"] for t in done)
-        spread = f"{secs[len(secs) // 2]:.1f}, {secs[-1]:.1f}" if secs else "-"
+        secs = [t["recovery_s"] for t in done]
+        spread = f"{statistics.median(secs):.1f}, {max(secs):.1f}" if secs else "-"
         completed = sum(t["state"] == "COMPLETED" and t["in_place"] for t in done)
         rows.append(f"| {fault} | {len(ts)} | {spread} | {len(ts) - len(done)} | {completed} of {len(ts)} | "
                     f"{sum(t['bitwise'] for t in done)} of {len(ts)} | "
