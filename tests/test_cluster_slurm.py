@@ -242,6 +242,9 @@ def job_log(proc: subprocess.CompletedProcess[str]) -> str:
     return Path(path).read_text()
 
 
+WHOLE_NODE = (os.cpu_count() or 1) == 2  # the test's 2 ranks of a core each hold every CPU of the host
+
+
 def _all_reduce(slurm: Slurm, tmp_path: Path, backends: str, **extra: str) -> subprocess.CompletedProcess[str]:
     return run(slurm, tmp_path, ["make", "--no-print-directory", "test-slurm", f"BACKENDS={backends}"],
                SLURM_NODES_TEST="1", GPUS_PER_NODE="2", SLURM_CPUS_TEST="1", SLURM_GPUS_TEST="0",
@@ -254,14 +257,17 @@ def test_test_slurm_runs_the_all_reduce_table_with_mpiexec(slurm: Slurm, tmp_pat
     log = job_log(proc)
     assert log.count("# Out of bounds values : 0 OK") == 1
     assert "# torchhpc all_reduce_test: backend accl, 2 ranks, device cpu, launcher openmpi" in log
-    assert "+ mpiexec -n 2 --map-by ppr:2:node:PE=1 --bind-to core python" in log  # a core each
+    # a core each: from the node's topology where the job holds the node whole (2 ranks of a core on 2 cores)
+    maps = " -x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP" if WHOLE_NODE else ""
+    assert f"+ mpiexec -n 2 --map-by ppr:2:node:PE=1 --bind-to core{maps} python" in log
 
 
 def test_test_slurm_with_srun_pmix(slurm: Slurm, tmp_path: Path) -> None:
     proc = _all_reduce(slurm, tmp_path, "accl", LAUNCHER="srun", SRUN_MPI="pmix")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = job_log(proc)
-    assert "+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 --cpus-per-task 1 --cpu-bind=cores python" in log
+    bind = "--cpu-bind=mask_cpu:0x1,0x2" if WHOLE_NODE else "--cpu-bind=cores"
+    assert f"+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 --cpus-per-task 1 {bind} python" in log
     assert log.count("# Out of bounds values : 0 OK") == 1
 
 

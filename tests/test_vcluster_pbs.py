@@ -265,7 +265,9 @@ def test_make_test_pbs_prints_the_table_with_ranks_on_both_nodes(pbs: Cluster, p
     placed = re.findall(r"#  Rank +(\d) Pid +\d+ on +(node\d) device cpu", log)
     assert sorted(placed) == [("0", "node1"), ("1", "node1"), ("2", "node2"), ("3", "node2")], log
     assert "# Out of bounds values : 0 OK" in log, log
-    assert "+ mpiexec -n 4 --map-by ppr:2:node:PE=1 --bind-to core python" in log, log  # a core each
+    # a core each; from the node's topology where ncpus=2 is every CPU of the (shared) host
+    maps = " -x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP" if os.cpu_count() == 2 else ""
+    assert f"+ mpiexec -n 4 --map-by ppr:2:node:PE=1 --bind-to core{maps} python" in log, log
     assert "# Out of bounds values : 0 OK" in out, "the table is shown"
     script = (prefix / "jobs" / USER / "torchhpc-test-all-reduce.pbs").read_text()
     assert "#PBS -l place=scatter:excl" in script, script

@@ -62,8 +62,7 @@ launch_resolve() {
     # Open MPI forwards only the variables named by -x to other nodes: the placement's maps among them.
     openmpi)
       LAUNCH=(mpiexec -n "$n")
-      if ((${#LAUNCH_WORDS[@]})); then LAUNCH+=(-x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP)
-      elif ((per >= 1)); then words=(--map-by "ppr:$LAUNCH_PPN:node:PE=$per" --bind-to core)
+      if ((per >= 1)); then words=(--map-by "ppr:$LAUNCH_PPN:node:PE=$per" --bind-to core)
       else words=(--map-by "ppr:$LAUNCH_PPN:node" --bind-to none); fi ;;
     hydra)
       LAUNCH=(mpiexec -n "$n" -ppn "$LAUNCH_PPN")
@@ -73,6 +72,7 @@ launch_resolve() {
       ((per < 1)) || words=(--cpu-bind depth -d "$per") ;;
   esac
   if ((${#LAUNCH_WORDS[@]})); then LAUNCH+=("${LAUNCH_WORDS[@]}"); else LAUNCH+=("${words[@]}"); fi
+  [[ "$LAUNCH_FLAVOR" != openmpi ]] || ((${#LAUNCH_WORDS[@]} == 0)) || LAUNCH+=(-x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP)
   if [[ -n "${LAUNCH_HOSTS:-}" ]]; then
     local flags
     # shellcheck disable=SC2086  # the host list, one word per host
