@@ -266,7 +266,7 @@ def test_test_slurm_with_srun_pmix(slurm: Slurm, tmp_path: Path) -> None:
     proc = _all_reduce(slurm, tmp_path, "accl", LAUNCHER="srun", SRUN_MPI="pmix")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = job_log(proc)
-    bind = "--cpu-bind=mask_cpu:0x1,0x2" if WHOLE_NODE else "--cpu-bind=cores"
+    bind = "--cpu-bind=mask_cpu:0x1\\,0x2" if WHOLE_NODE else "--cpu-bind=cores"  # the log quotes as bash does
     assert f"+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 --cpus-per-task 1 {bind} python" in log
     assert log.count("# Out of bounds values : 0 OK") == 1
 
