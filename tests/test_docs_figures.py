@@ -176,3 +176,28 @@ def test_the_spare_node_soak_table_is_its_data() -> None:
     data = json.loads((DATA / "fault-soak-spare.json").read_text())
     assert spare_table(data["trials"]) == data["table"]
     assert data["table"] in (ROOT / "docs" / "restart.md").read_text()
+
+
+def test_the_side_by_side_figures_are_their_data() -> None:
+    """accl.md's comparison with the tree before the speed work: the counts, the median ratio, the ratios around
+    the carried limit, the points above the earlier tree's range and their rerun, from the two JSON files."""
+    import statistics
+
+    rows = json.loads((DATA / "accl-side-by-side.json").read_text())["summary"]
+    rerun = {(r["collective"], r["size"]): r for r in
+             json.loads((DATA / "accl-side-by-side-rerun.json").read_text())["summary"]}
+    at = {(r["collective"], r["size"]): r["ratio"] for r in rows}
+    text = " ".join((ROOT / "docs" / "accl.md").read_text().split())
+    assert (f"lower now at {sum(r['ratio'] < 1 for r in rows)} of {len(rows)} points, median ratio now/then "
+            f"{statistics.median(r['ratio'] for r in rows):.2f}") in text
+    r = {k: f"{v:.2f}x" for k, v in at.items()}
+    assert (f"all_reduce 16 KiB {r['all_reduce', 16384]}, 64 KiB {r['all_reduce', 65536]}, 128 KiB "
+            f"{r['all_reduce', 131072]}; broadcast 16 KiB {r['broadcast', 16384]}, 64 KiB {r['broadcast', 65536]}, "
+            f"128 KiB {r['broadcast', 131072]}") in text
+    above = [x for x in rows if x["new_us"] > x["old_range_us"][1]]
+    assert [(x["collective"], x["size"]) for x in above] == [("broadcast", 4 << 20), ("all_gather", 64)]
+    assert (f"broadcast at 4 MiB ({at['broadcast', 4 << 20]:.2f}x) and all_gather at 64 B "
+            f"({at['all_gather', 64]:.2f}x)") in text
+    again = [rerun[x["collective"], x["size"]] for x in above]
+    assert f"): {again[0]['ratio']:.2f}x and {again[1]['ratio']:.2f}x, each inside the earlier tree's range" in text
+    assert all(a["old_range_us"][0] <= a["new_us"] <= a["old_range_us"][1] for a in again)
