@@ -388,3 +388,47 @@ def test_polaris_and_perlmutter_jobs_ask_what_their_guides_say(tmp_path: Path) -
     for site in ("polaris", "perlmutter"):
         refused = jobscript(tmp_path, "--site", site, "--submit", "--", "python", "t.py", TORCHHPC_NO_MODULES="1")
         assert refused.returncode != 0 and "--account" in refused.stderr, refused.stderr
+
+
+def _launch_line(**env: str) -> tuple[list[str], str]:
+    """utils/lib/launch.sh's launch_resolve inside a made-up job: the launcher's argv and the binding said."""
+    script = ("set -euo pipefail; source utils/lib/common.sh; source utils/lib/launch.sh; launch_resolve; "
+              'printf "%s\\n" "${LAUNCH[@]}"; echo "BOUND $LAUNCH_BIND"')
+    base = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DRY_RUN": "0", "TORCHHPC_SRUN_MPI": "pmix",
+            "TORCHHPC_GPUS_PER_NODE": "2", "PYTHONPATH": str(ROOT / "src"),
+            "HWLOC_XMLFILE": str(ROOT / "tests/data/hwloc/32em64t-2n8c2t-pci-normalio.xml")}
+    res = subprocess.run(["bash", "-c", script], cwd=ROOT, env={**base, **env}, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    return lines[:-1], lines[-1]
+
+
+def test_a_job_holding_its_nodes_is_bound_from_their_topology_in_each_launchers_words(tmp_path: Path) -> None:
+    """launch_resolve in a Slurm job of 2 nodes x 2 ranks on the two-socket machine of hwloc's XML (GPU and
+    InfiniBand on NUMA node 1): srun's masks (and GPU words only where the job has GPUs), PALS' and Hydra's lists,
+    Open MPI's self-binding with the maps passed on; a job given part of a node keeps the equal share."""
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_TASKS_PER_NODE": "2(x2)",
+             "SLURM_CPUS_ON_NODE": str(max(32, os.cpu_count() or 1))}  # every CPU of this host: the node whole
+    argv, bound = _launch_line(**slurm, TORCHHPC_LAUNCHER="srun", SLURM_GPUS_ON_NODE="2")
+    assert argv[-2:] == ["--cpu-bind=mask_cpu:0xf000f00,0xf000f000", "--gpu-bind=map_gpu:0,0"], argv
+    assert bound == "BOUND from the node's topology (hwloc XML " + str(
+        ROOT / "tests/data/hwloc/32em64t-2n8c2t-pci-normalio.xml") + "): cores 8-11,24-27 | 12-15,28-31; GPUs 0,0"
+    argv, _ = _launch_line(**slurm, TORCHHPC_LAUNCHER="srun")
+    assert argv[-1] == "--cpu-bind=mask_cpu:0xf000f00,0xf000f000", argv
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for flavor, version in (("pals", "mpiexec (PALS) 1.2"), ("hydra", "HYDRA build details:"),
+                            ("openmpi", "mpiexec (Open MPI) 5.0.8")):
+        (fake / "mpiexec").write_text(f"#!/bin/sh\necho '{version}'\n")
+        (fake / "mpiexec").chmod(0o755)
+        argv, _ = _launch_line(**slurm, TORCHHPC_LAUNCHER="mpiexec",
+                               PATH=f"{fake}:{Path(sys.executable).parent}:/usr/bin:/bin")
+        want = {"pals": ["-ppn", "2", "--cpu-bind", "list:8-11,24-27:12-15,28-31"],
+                "hydra": ["-ppn", "2", "-bind-to", "user:8+9+10+11+24+25+26+27,12+13+14+15+28+29+30+31"],
+                "openmpi": ["--map-by", "ppr:2:node", "--bind-to", "none", "-x", "TORCHHPC_CPU_MAP", "-x",
+                            "TORCHHPC_GPU_MAP"]}[flavor]
+        assert argv[3:] == want, (flavor, argv)
+    shared = {**slurm, "SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_CPUS_ON_NODE": "1"}  # a core of a node others share
+    argv, bound = _launch_line(**shared, TORCHHPC_LAUNCHER="srun")
+    assert argv[-2:] == ["1", "--cpu-bind=cores"] and bound == "BOUND 1 core(s) per rank", (argv, bound)

@@ -98,6 +98,11 @@ launch_topology() {
   mapfile -t lines <<<"$plan"
   export "${lines[0]}" "${lines[1]}"
   LAUNCH_WORDS=("${lines[@]:3}")
+  if [[ "$LAUNCH_FLAVOR" == srun && "${SLURM_GPUS_ON_NODE:-0}" == 0 ]]; then  # no GPUs allocated: no GPU words
+    local word kept=()
+    for word in "${LAUNCH_WORDS[@]}"; do [[ "$word" == --gpu-bind=* ]] || kept+=("$word"); done
+    LAUNCH_WORDS=("${kept[@]}")
+  fi
   local cpus=${lines[0]#*=}
   LAUNCH_BIND="from the node's topology (${lines[2]}): cores ${cpus//:/ | }"
   [[ -z "$TORCHHPC_GPU_MAP" ]] || LAUNCH_BIND+="; GPUs $TORCHHPC_GPU_MAP"
