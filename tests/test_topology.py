@@ -111,6 +111,8 @@ def test_a_node_read_from_sysfs_is_planned_as_from_hwloc(tmp_path: Path) -> None
     assert (nic.names, nic.numa) == (("ib0", "mlx5_0"), 1) and topology._shared(gpu, nic) == 2
     (slot,) = topology.plan(node, 1)
     assert (slot.cores, slot.numa, slot.gpu, slot.nic, slot.notes) == ((2, 3, 6, 7), 1, gpu, nic, ())
+    (tmp_path / "devices/system/cpu/online").write_text("0-2\n")  # core 3 (CPUs 3 and 7) taken offline
+    assert topology.from_sysfs(tmp_path).cores == ((0, 4), (1, 5), (2, 6))
 
 
 def test_the_command_prints_the_maps_the_source_and_the_words(capsys: pytest.CaptureFixture[str]) -> None:

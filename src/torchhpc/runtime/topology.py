@@ -157,7 +157,9 @@ def from_sysfs(root: Path = Path("/sys")) -> Node:
     InfiniBand devices with a PCI device behind them), each with its NUMA node and PCI path."""
     numa = {int(d.name[4:]): tuple(cpulist((d / "cpulist").read_text()))
             for d in root.glob("devices/system/node/node[0-9]*")}
-    cpus = sorted(int(c.name[3:]) for c in root.glob("devices/system/cpu/cpu[0-9]*"))
+    online = root / "devices/system/cpu/online"  # offline CPUs are no one's to bind to
+    cpus = (cpulist(online.read_text()) if online.exists() else
+            sorted(int(c.name[3:]) for c in root.glob("devices/system/cpu/cpu[0-9]*")))
     cores: dict[tuple[int, ...], None] = {}
     for cpu in cpus:
         siblings = root / f"devices/system/cpu/cpu{cpu}/topology/thread_siblings_list"
