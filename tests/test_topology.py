@@ -135,8 +135,9 @@ def _reversed_plan() -> list[topology.Slot]:
     return [topology.Slot(0, (cpus[-1],), 0, None, None, ()), topology.Slot(1, (cpus[0],), 0, None, None, ())]
 
 
+# one write per line: the ranks share the pipe, and print() under PYTHONUNBUFFERED writes piece by piece
 CODE = ("import os, torchhpc; r = next(os.environ[v] for v in ('OMPI_COMM_WORLD_RANK', 'PMI_RANK') "
-        "if v in os.environ); print(r, sorted(os.sched_getaffinity(0)))")
+        "if v in os.environ); os.write(1, f'{r} {sorted(os.sched_getaffinity(0))}\\n'.encode())")
 
 
 def _placed(argv: list[str], env: dict[str, str]) -> list[str]:
