@@ -120,23 +120,9 @@ def bind_share(local: int, local_rank: int, cpu_map: str = "") -> list[int] | No
         return None
     if local <= 1 or len(mask) < (os.cpu_count() or 1):
         return None
-    cores: dict[tuple[str, str], list[int]] = {}
-    for cpu in sorted(mask):
-        cores.setdefault(_core_of(cpu), []).append(cpu)
-    per = len(cores) // local
-    if cpu_map:
-        from .topology import cpulist  # here: `python -m torchhpc.runtime.topology` imports torchhpc first
-
-        sets = cpu_map.split(":")
-        try:
-            mine = cpulist(sets[local_rank % len(sets)])
-        except ValueError:
-            raise SettingError(f"TORCHHPC_CPU_MAP={cpu_map!r}: each local rank's cpulist (0-3,8), ranks apart "
-                               "by ':' (the job layer writes it from the node's topology)") from None
-    elif per < 1:
+    mine = _mapped(cpu_map, local_rank) if cpu_map else _block(mask, local, local_rank)
+    if not mine:
         return None
-    else:
-        mine = [cpu for block in list(cores.values())[local_rank * per:(local_rank + 1) * per] for cpu in block]
     try:  # every thread the process has so far (an MPI library's, torch's pools): later ones inherit
         tasks = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
@@ -145,6 +131,28 @@ def bind_share(local: int, local_rank: int, cpu_map: str = "") -> list[int] | No
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(task, mine)
     return mine
+
+
+def _mapped(cpu_map: str, local_rank: int) -> list[int]:
+    """This local rank's CPUs in ``TORCHHPC_CPU_MAP``."""
+    from .topology import cpulist  # here: `python -m torchhpc.runtime.topology` imports torchhpc first
+
+    sets = cpu_map.split(":")
+    try:
+        return cpulist(sets[local_rank % len(sets)])
+    except ValueError:
+        raise SettingError(f"TORCHHPC_CPU_MAP={cpu_map!r}: each local rank's cpulist (0-3,8), ranks apart by ':' "
+                           "(the job layer writes it from the node's topology)") from None
+
+
+def _block(mask: set[int], local: int, local_rank: int) -> list[int]:
+    """The ``local_rank``-th of ``local`` equal blocks of the physical cores in ``mask`` (each core with its
+    hyperthreads); none where the cores are fewer than the ranks."""
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in sorted(mask):
+        cores.setdefault(_core_of(cpu), []).append(cpu)
+    per = len(cores) // local
+    return [cpu for block in list(cores.values())[local_rank * per:(local_rank + 1) * per] for cpu in block]
 
 
 def _budget(env: Mapping[str, str], local: int, launcher: str) -> ThreadBudget:
