@@ -29,13 +29,13 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
         monkeypatch.delenv(var, raising=False)
     o = accl.AcclOptions()
     assert (o.engine, o.max_segment_bytes, o.check) == ("mpi", None, True)  # None: accl's choice per collective
-    assert o.sidestep == set(accl.core.load_backend().COLLECTIVES) and "alltoall" in o.sidestep
+    assert o.sidestep == set(accl.core.load_backend().COLLECTIVES) and "all_to_all" in o.sidestep
     assert o.blocking_min_bytes == 64 << 10
     monkeypatch.setenv("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "1024")
-    monkeypatch.setenv("TORCHHPC_ACCL_SIDESTEP", "allreduce, barrier")
+    monkeypatch.setenv("TORCHHPC_ACCL_SIDESTEP", "all_reduce, barrier")
     monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "off")
     o = accl.AcclOptions()
-    assert o.max_segment_bytes == 1024 and o.sidestep == {"allreduce", "barrier"} and not o.check
+    assert o.max_segment_bytes == 1024 and o.sidestep == {"all_reduce", "barrier"} and not o.check
     with pytest.raises(ValueError, match="max_segment_bytes"):
         accl.AcclOptions(max_segment_bytes=4)
     assert o.ring_min_bytes is None
@@ -43,7 +43,7 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
         accl.AcclOptions(ring_min_bytes=-1)
     with pytest.raises(ValueError, match="unknown collectives"):
         accl.AcclOptions(sidestep=frozenset({"allreduse"}))
-    with pytest.raises(ValueError, match=r"unknown collectives \['alltoallv'\]; known: allreduce, .*alltoall"):
+    with pytest.raises(ValueError, match=r"unknown collectives \['alltoallv'\]; known: all_reduce, .*all_to_all"):
         accl.AcclOptions(sidestep=frozenset({"alltoallv"}))  # one name per collective: torch's all_to_all
     monkeypatch.setenv("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "4096")
     assert accl.AcclOptions().blocking_min_bytes == 4096

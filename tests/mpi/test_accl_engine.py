@@ -254,7 +254,7 @@ def test_sidestep_can_be_disabled_per_collective() -> None:
     opts = accl.AcclOptions(engine="accl", accl_sim_sock="tcp://localhost:{port}",
                             sidestep=frozenset({"broadcast"}))
     g = dist.new_group(backend="accl", pg_options=opts)
-    with pytest.raises(NotImplementedError, match="sidestep to MPI is disabled for 'allreduce'"):
+    with pytest.raises(NotImplementedError, match="sidestep to MPI is disabled for 'all_reduce'"):
         dist.all_reduce(torch.ones(3), op=R.MIN, group=g)
     t = torch.ones(3, dtype=torch.int8)
     dist.broadcast(t, src=0, group=g)  # int8: not in ACCL, but broadcast may sidestep

@@ -111,9 +111,9 @@ at::Tensor host(const at::Tensor& t, bool copy) {
   return h;
 }
 
-at::Tensor flatHost(const std::vector<at::Tensor>& ts) {
+at::Tensor flatHost(const Tensors& ts) {
   if (ts.size() == 1) return host(ts[0], true);
-  std::vector<at::Tensor> flat;
+  Tensors flat;
   for (const auto& x : ts) flat.push_back(x.reshape({-1}).cpu());
   return at::cat(flat);
 }
@@ -123,7 +123,7 @@ void deliver(const at::Tensor& buf, const at::Tensor& t) {
   at::Tensor(t).copy_(buf.view(t.sizes()));
 }
 
-void deliverEach(const at::Tensor& buf, const std::vector<at::Tensor>& ts) {
+void deliverEach(const at::Tensor& buf, const Tensors& ts) {
   if (ts.size() == 1) return deliver(buf, ts[0]);
   int64_t off = 0;
   for (const auto& t : ts) {
@@ -133,7 +133,7 @@ void deliverEach(const at::Tensor& buf, const std::vector<at::Tensor>& ts) {
 }
 
 // c10's device-generic guard: no CUDA header is needed, and a module built on a CPU-only torch works on a CUDA one
-std::optional<c10::Stream> callerStream(const std::vector<at::Tensor>& ts) {
+std::optional<c10::Stream> callerStream(const Tensors& ts) {
   for (const auto& t : ts)
     if (t.defined() && !t.is_cpu()) return c10::impl::VirtualGuardImpl(t.device().type()).getStream(t.device());
   return std::nullopt;
@@ -157,7 +157,7 @@ std::string seconds(std::chrono::milliseconds ms) {
 
 // ============================================================================================== Work
 
-WorkACCL::WorkACCL(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
+WorkACCL::WorkACCL(int rank, OpType type, std::string what, Tensors outputs,
                    ProcessGroupACCL* p2pOwner)
     : c10d::Work(rank, type),
       what_(std::move(what)),
@@ -193,7 +193,7 @@ int WorkACCL::sourceRank() const {
   return s;
 }
 
-std::vector<at::Tensor> WorkACCL::result() {
+Tensors WorkACCL::result() {
   wait();
   return outputs_;
 }
@@ -317,7 +317,7 @@ std::shared_ptr<const std::string> ProcessGroupACCL::groupNameShared() {
 
 // ---------------------------------------------------------------------------------------- argument checks
 
-const at::Tensor& ProcessGroupACCL::one(const std::vector<at::Tensor>& ts, const char* what) const {
+const at::Tensor& ProcessGroupACCL::one(const Tensors& ts, const char* what) const {
   if (ts.size() != 1)
     valueError(std::string("accl: ") + what + " takes exactly one tensor per call, got " + std::to_string(ts.size()));
   if (ts[0].is_sparse()) typeError(std::string("accl: ") + what + " does not support sparse tensors");
@@ -347,7 +347,7 @@ void ProcessGroupACCL::checkSameDtype(const at::Tensor& out, const at::Tensor& i
               ", input " + wire::torchName(in.scalar_type()));
 }
 
-void ProcessGroupACCL::checkList(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* what,
+void ProcessGroupACCL::checkList(const Tensors& list, const at::Tensor& ref, const char* what,
                                  const char* name) const {
   std::string w = std::string("accl: ") + what + " " + name;
   if (static_cast<int>(list.size()) != size_)
@@ -386,7 +386,7 @@ void ProcessGroupACCL::throwAborted() const {
                      "); create a new one (or restart) to communicate again");
 }
 
-std::vector<at::Tensor> ProcessGroupACCL::rootList(const std::vector<std::vector<at::Tensor>>& lists,
+Tensors ProcessGroupACCL::rootList(const std::vector<Tensors>& lists,
                                                    const at::Tensor& ref, int64_t root, const char* what,
                                                    const char* name) const {
   if (rank_ == root) {
@@ -399,10 +399,10 @@ std::vector<at::Tensor> ProcessGroupACCL::rootList(const std::vector<std::vector
   return {};
 }
 
-Engine* ProcessGroupACCL::engineFor(Coll coll, std::optional<at::ScalarType> dtype, std::optional<RedOpType> op) {
+Engine* ProcessGroupACCL::engineFor(OpType coll, std::optional<at::ScalarType> dtype, std::optional<RedOpType> op) {
   if (!engine_) return mpi_.get();
   if (dtype && engine_->supports(coll, *dtype, op)) return engine_.get();
-  const std::string name = kCollNames[static_cast<int>(coll)];
+  const std::string name = collName(coll);
   if (std::find(opts_.sidestep.begin(), opts_.sidestep.end(), name) != opts_.sidestep.end()) {
     stats_.sidestepCalls.fetch_add(1);
     return mpi_.get();
@@ -417,19 +417,19 @@ Engine* ProcessGroupACCL::engineFor(Coll coll, std::optional<at::ScalarType> dty
 
 // ---------------------------------------------------------------------------------------- running calls
 
-int64_t ProcessGroupACCL::segmentFor(Coll coll) const {
+int64_t ProcessGroupACCL::segmentFor(OpType coll) const {
   if (opts_.maxSegmentBytes) return *opts_.maxSegmentBytes;
-  const bool reduces = coll == Coll::kAllreduce || coll == Coll::kReduce || coll == Coll::kReduceScatter;
+  const bool reduces = coll == OpType::ALLREDUCE || coll == OpType::REDUCE || coll == OpType::REDUCE_SCATTER;
   return reduces && !engine_ ? int64_t{4} << 20 : int64_t{1} << 30;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::enqueue(std::unique_ptr<Call> call, bool asyncOp) {
+WorkPtr ProcessGroupACCL::enqueue(std::unique_ptr<Call> call, bool asyncOp) {
   auto work = call->work;
   std::unique_lock<std::mutex> lock(mu_);
   if (!aborted_.empty()) throwAborted();
   call->head.seq = seq_++;
   work->name(call->head, groupNameShared());
-  record(call->fr, frOpName(work->retrieveOpType()), call->inputs, call->outputs, call->head.seq, false);
+  record(call->fr, collName(work->retrieveOpType()), call->inputs, call->outputs, call->head.seq, false);
   if (!asyncOp && queue_.empty() && !running_) {  // idle group, synchronous call: the caller's thread runs it
     runNow(lock, std::move(call));
     return work;

@@ -42,6 +42,9 @@ namespace torchhpc::accl {
 
 using Clock = std::chrono::steady_clock;
 using RedOpType = c10d::ReduceOp::RedOpType;
+using OpType = c10d::OpType;
+using Tensors = std::vector<at::Tensor>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 // ------------------------------------------------------------------------------------------ errors
 // Each becomes the torchhpc.runtime.errors class of the same name in Python (module.cpp's translator).
@@ -104,11 +107,7 @@ constexpr int64_t kEagerBytes = (4 << 10) - 128;
 constexpr int64_t kInlineBytes = kEagerBytes - kHeaderBytes;  // carried data that shares the prefix's message
 constexpr int kCompareAll = 8;   // every field but `extra`
 constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes checked on its byte matrix)
-enum Kind : int64_t {
-  kAllReduce = 1, kBroadcast, kReduce, kAllGather, kGather, kScatter, kReduceScatter, kAllToAll, kBarrier,
-  kAllReduceCoalesced
-};
-struct Header {
+struct Header {  // kind: the c10d::OpType (its name: collName)
   int64_t magic = kMagic, kind = 0, seq = 0, dtype = 0, op = 0, root = 0, nbytes = 0, numel = 0, extra = 0;
 };
 // One message of the header exchange starts with it (kHeaderBytes); `bytes` of data follow, in the same message
@@ -122,9 +121,6 @@ struct Prefix {
 struct Envelope {
   int64_t magic = kMagic, dtype = 0, nbytes = 0, numel = 0;
 };
-constexpr int kFields = 9;
-extern const char* const kFieldNames[kFields];
-extern const char* const kKindNames[10];
 extern const char* const kDtypeNames[15];
 extern const char* const kOpNames[8];
 #ifdef ACCL_TEST_HOOKS  // a test build (corebuild --test-hooks, as make env builds): never in an install's module
@@ -161,11 +157,15 @@ const Reduction& reductionFor(at::ScalarType dtype, RedOpType op, const char* wh
 std::string opName(RedOpType op);
 
 // ------------------------------------------------------------------------------------------ engines
-// The collectives an engine may do, by the names AcclOptions.sidestep uses (module.cpp exports the list).
-enum class Coll { kAllreduce, kBroadcast, kReduce, kAllgather, kGather, kScatter, kReduceScatter, kAlltoall, kSend,
-                  kRecv, kBarrier };
-extern const char* const kCollNames[11];
-
+// Every collective by torch's name for it (the flight-record analyzer's; the header's kind, a c10d::OpType, in
+// words): "unknown" outside accl's.  The first kEngineOps are what an engine may do (AcclOptions.sidestep's names).
+struct Named {
+  OpType type;
+  const char* name;
+};
+constexpr int kNamed = 16, kEngineOps = 11;
+extern const Named kCollectives[kNamed];
+const char* collName(OpType type);
 struct Stats {
   std::atomic<int64_t> engineCalls{0}, sidestepCalls{0}, maxCallBytes{0};
   std::atomic<int64_t> queuedCalls{0};  // collectives that went to the queue (not run inline by their caller)
@@ -191,7 +191,7 @@ class Engine {
   virtual ~Engine() = default;
   const std::string& name() const { return name_; }
   // whether it does `coll` for this dtype and op (none: a data move)
-  virtual bool supports(Coll coll, at::ScalarType dtype, std::optional<RedOpType> op) const = 0;
+  virtual bool supports(OpType coll, at::ScalarType dtype, std::optional<RedOpType> op) const = 0;
   virtual void allreduce(const Seg& buf, const Reduction& r) = 0;
   virtual void reduce(const Seg& buf, const Reduction& r, int root) = 0;
   virtual void broadcast(const Seg& buf, int root) = 0;
@@ -216,7 +216,7 @@ class MpiEngine final : public Engine {
   using Wait = std::function<void(MPI_Request&)>;
   MpiEngine(MPI_Comm comm, Wait wait);
   Mode mode = Mode::kBlocking;  // set by the group for each call
-  bool supports(Coll, at::ScalarType, std::optional<RedOpType>) const override { return true; }
+  bool supports(OpType, at::ScalarType, std::optional<RedOpType>) const override { return true; }
   void allreduce(const Seg& buf, const Reduction& r) override;
   void reduce(const Seg& buf, const Reduction& r, int root) override;
   void broadcast(const Seg& buf, int root) override;
@@ -260,10 +260,10 @@ void armAbortGrace();
 // blocking copy back is ordered before the caller's later kernels.
 bool direct(const at::Tensor& t);                        // a contiguous CPU tensor: engines use its own memory
 at::Tensor host(const at::Tensor& t, bool copy);  // t itself when direct, else a 1-D host buffer (copy: filled)
-at::Tensor flatHost(const std::vector<at::Tensor>& ts);  // every tensor of ts end to end in one host buffer
+at::Tensor flatHost(const Tensors& ts);  // every tensor of ts end to end in one host buffer
 void deliver(const at::Tensor& buf, const at::Tensor& t);                    // buf into t unless it is t's memory
-void deliverEach(const at::Tensor& buf, const std::vector<at::Tensor>& ts);  // buf's elements in order into each
-std::optional<c10::Stream> callerStream(const std::vector<at::Tensor>& ts);  // of the first device tensor
+void deliverEach(const at::Tensor& buf, const Tensors& ts);  // buf's elements in order into each
+std::optional<c10::Stream> callerStream(const Tensors& ts);  // of the first device tensor
 char* ptr(const at::Tensor& t);                                             // (nullptr when undefined)
 // elements [off, off + cnt) of a 1-D host buffer; of each of `rows` rows of `n` elements (rows > 1)
 Seg seg(const at::Tensor& t, int64_t off, int64_t cnt, int64_t rows = 1, int64_t n = 0);
@@ -277,13 +277,13 @@ struct RingRun;  // one ring's state (ring.cpp)
 class WorkACCL : public c10d::Work {
  public:
   // `p2pOwner`: the group whose point-to-point ops a waiter progresses (null: a collective)
-  WorkACCL(int rank, c10d::OpType type, std::string what, std::vector<at::Tensor> outputs,
+  WorkACCL(int rank, OpType type, std::string what, Tensors outputs,
            ProcessGroupACCL* p2pOwner = nullptr);
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   int sourceRank() const override;
-  std::vector<at::Tensor> result() override;
+  Tensors result() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
@@ -305,7 +305,7 @@ class WorkACCL : public c10d::Work {
   wire::Header head_;
   bool hasHead_ = false;
   std::shared_ptr<const std::string> group_;
-  std::vector<at::Tensor> outputs_;
+  Tensors outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool settling_ = false;  // the outcome is known (the future is being settled)
   std::exception_ptr outcome_;
@@ -331,9 +331,8 @@ struct FrRecord {  // one call's entry, retired when the call is destroyed (the 
   void completed();
   ~FrRecord();
 };
-bool frBuilt();                         // whether accl was built with torch's recorder
-std::string frWrite(int globalRank);    // the whole record through torch's DebugInfoWriter; its file
-const char* frOpName(c10d::OpType type);  // the analyzer's name of a collective
+bool frBuilt();                       // whether accl was built with torch's recorder
+std::string frWrite(int globalRank);  // the whole record through torch's DebugInfoWriter; its file
 
 // ------------------------------------------------------------------------------------------ calls
 // How a call moves its data: chosen once per call by plan() (collectives.cpp), the rows of docs/accl.md's plan.
@@ -364,7 +363,7 @@ struct Call {
   int compare = wire::kCompareAll;         // the header fields every rank must agree on
   Path path = Path::kMpi;
   void (ProcessGroupACCL::*body)(Call&) = nullptr;
-  std::vector<at::Tensor> inputs, outputs;  // the caller's tensors (in place: inputs are the outputs)
+  Tensors inputs, outputs;  // the caller's tensors (in place: inputs are the outputs)
   const Reduction* red = nullptr;
   Engine* eng = nullptr;                    // what moves the data (MPI's engine, or the group's)
   std::vector<int64_t> sendBytes, recvBytes;  // all_to_all: bytes to and from each rank
@@ -411,7 +410,7 @@ struct Config {
 
 // The one choice: the path of a `type` call moving `bytes` in all (every rank's block for the gathers, scatters
 // and reduce_scatter) on `ranks` ranks, `spansNodes` or not, on MPI or another engine, under options `o`.
-Path plan(c10d::OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, const Config& o);
+Path plan(OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, const Config& o);
 
 class ProcessGroupACCL : public c10d::Backend {
  public:
@@ -422,51 +421,51 @@ class ProcessGroupACCL : public c10d::Backend {
   const std::string getBackendName() const override { return "accl"; }
   std::string engineName() const { return engine_ ? engine_->name() : mpi_->name(); }
 
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+  WorkPtr allreduce(Tensors& tensors,
                                            const c10d::AllreduceOptions& opts) override;
   // sparse COO tensors (torch routes SparseCPU all_reduce to allreduce, SparseCUDA to allreduce_sparse)
-  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+  WorkPtr allreduce_sparse(Tensors& tensors,
                                                   const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+  WorkPtr allreduce_coalesced(Tensors& tensors,
                                                      const c10d::AllreduceCoalescedOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+  WorkPtr broadcast(Tensors& tensors,
                                            const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                           std::vector<at::Tensor>& inputs,
+  WorkPtr allgather(std::vector<Tensors>& outputs,
+                                           Tensors& inputs,
                                            const c10d::AllgatherOptions& opts) override;
   // the coalesced variants: one call per (output, input) pair, in order; the last one's Work covers them all
   // (collectives complete in issue order)
-  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
-                                                     std::vector<at::Tensor>& inputs,
+  WorkPtr allgather_coalesced(std::vector<Tensors>& outputLists,
+                                                     Tensors& inputs,
                                                      const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
+  WorkPtr allgather_into_tensor_coalesced(Tensors& outputs,
+                                                                 Tensors& inputs,
                                                                  const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
+  WorkPtr reduce_scatter_tensor_coalesced(Tensors& outputs,
+                                                                 Tensors& inputs,
                                                                  const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                std::vector<std::vector<at::Tensor>>& inputs,
+  WorkPtr reduce_scatter(Tensors& outputs,
+                                                std::vector<Tensors>& inputs,
                                                 const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input,
                                                std::vector<int64_t>& outputSplits,
                                                std::vector<int64_t>& inputSplits,
                                                const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+  WorkPtr reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override;
+  WorkPtr gather(std::vector<Tensors>& outputs, Tensors& inputs,
                                         const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+  WorkPtr scatter(Tensors& outputs, std::vector<Tensors>& inputs,
                                          const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+  WorkPtr alltoall(Tensors& outputs, Tensors& inputs,
                                           const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override;
+  WorkPtr send(Tensors& tensors, int dst, int tag) override;
+  WorkPtr recv(Tensors& tensors, int src, int tag) override;
+  WorkPtr recvAnysource(Tensors& tensors, int tag) override;
 
   // gloo's protocol and reports (ProcessGroupGloo::monitoredBarrier): rank 0 names the ranks that did not arrive
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
@@ -486,12 +485,12 @@ class ProcessGroupACCL : public c10d::Backend {
 
  private:
   // ---- argument checks, written once
-  const at::Tensor& one(const std::vector<at::Tensor>& ts, const char* what) const;
+  const at::Tensor& one(const Tensors& ts, const char* what) const;
   void checkRoot(int64_t root, const char* what) const;
   void checkPeer(int peer, const char* what, const char* name) const;
   void checkTag(int tag) const;
   void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* what) const;
-  void checkList(const std::vector<at::Tensor>& list, const at::Tensor& ref, const char* what,
+  void checkList(const Tensors& list, const at::Tensor& ref, const char* what,
                  const char* name) const;
   // `whole` has world_size times `part`'s elements (all_gather_into_tensor's output, reduce_scatter_tensor's input)
   void checkWhole(const at::Tensor& whole, const at::Tensor& part, const char* what, const char* wholeName,
@@ -500,31 +499,31 @@ class ProcessGroupACCL : public c10d::Backend {
   void checkOpen() const;
   [[noreturn]] void throwAborted() const;  // (caller holds mu_)
   // gather/scatter's list: the root's one list, checked against `ref`; {} on the others, which must pass none
-  std::vector<at::Tensor> rootList(const std::vector<std::vector<at::Tensor>>& lists, const at::Tensor& ref,
+  Tensors rootList(const std::vector<Tensors>& lists, const at::Tensor& ref,
                                    int64_t root, const char* what, const char* name) const;
   // all_to_all_single's split sizes: checked against `t` (ours names the values; c10d's computes the lengths)
   void checkSplits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
 
   // the engine for `coll`: the group's engine where it does it, else MPI where AcclOptions.sidestep allows,
   // else NotImplementedError.  Collectives no engine has (all_to_all, barrier, sparse) ask with no dtype.
-  Engine* engineFor(Coll coll, std::optional<at::ScalarType> dtype = std::nullopt,
+  Engine* engineFor(OpType coll, std::optional<at::ScalarType> dtype = std::nullopt,
                     std::optional<RedOpType> op = std::nullopt);
   bool onMpi(const Engine* eng) const { return eng == mpi_.get(); }
 
   // the largest buffer one engine call of `coll` touches: max_segment_bytes where the user set it; else 4 MiB for
   // the reductions on MPI (Open MPI's own reduction algorithms are slower on one larger call, measured:
   // docs/accl.md), one call up to 1 GiB for data movement (segmenting it only adds calls)
-  int64_t segmentFor(Coll coll) const;
+  int64_t segmentFor(OpType coll) const;
   // the one segment loop: `step(offset, count)` over [0, n) in pieces whose largest buffer (`unitBytes` per
   // element) stays within segmentFor(coll); each piece is one engine call, counted in stats_
   template <typename F>
-  void forSegments(Coll coll, int64_t n, int64_t unitBytes, F step);
+  void forSegments(OpType coll, int64_t n, int64_t unitBytes, F step);
 
   // ---- running calls
   // `made` (a new Call: its header words, body and tensors) with its engine, the path plan() chooses for `bytes`
   // moved in all, the caller's stream and its Work, enqueued
-  c10::intrusive_ptr<c10d::Work> start(Call* made, c10d::OpType type, Engine* eng, int64_t bytes, bool asyncOp);
-  c10::intrusive_ptr<c10d::Work> enqueue(std::unique_ptr<Call> call, bool asyncOp);
+  WorkPtr start(Call* made, OpType type, Engine* eng, int64_t bytes, bool asyncOp);
+  WorkPtr enqueue(std::unique_ptr<Call> call, bool asyncOp);
   void workerLoop();
   void runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);  // marks the group busy meanwhile
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
@@ -537,8 +536,8 @@ class ProcessGroupACCL : public c10d::Backend {
   void blocking(const Call& c, F phase);
   char* carryBuffer();  // the group's kept buffer for carried data the call does not hold (calls run one at a time)
   // ---- the flight recorder (flight.cpp): `op` in the analyzer's words ("all_reduce", "send 0->1")
-  void record(FrRecord& r, std::string_view op, const std::vector<at::Tensor>& in,
-              const std::vector<at::Tensor>& out, int64_t collSeq, bool p2p);
+  void record(FrRecord& r, std::string_view op, const Tensors& in,
+              const Tensors& out, int64_t collSeq, bool p2p);
   // ---- the header exchange (exchange.cpp)
   void exchange(const Call& c, const Carry& carry);  // raises the MismatchError when the ranks' headers differ
   void doubling(Xchg& x);                    // recursive doubling, the ranks past a power of two folded in
@@ -580,25 +579,25 @@ class ProcessGroupACCL : public c10d::Backend {
   void rootedBody(Call& c);  // gather (rows to the root) and scatter (rows from the root)
   void alltoallBody(Call& c);
   void barrierBody(Call& c);
-  c10::intrusive_ptr<c10d::Work> allgatherStart(const at::Tensor& input, std::vector<at::Tensor> outputs,
-                                                c10d::OpType type, bool asyncOp);
-  c10::intrusive_ptr<c10d::Work> reduceScatterStart(std::vector<at::Tensor> inputs, const at::Tensor& output,
-                                                    c10d::ReduceOp op, c10d::OpType type, bool asyncOp);
+  WorkPtr allgatherStart(const at::Tensor& input, Tensors outputs,
+                                                OpType type, bool asyncOp);
+  WorkPtr reduceScatterStart(Tensors inputs, const at::Tensor& output,
+                                                    c10d::ReduceOp op, OpType type, bool asyncOp);
   // `mineList`: every rank's one tensor; `lists`: the root's list of rows (none elsewhere)
-  c10::intrusive_ptr<c10d::Work> rootedStart(wire::Kind kind, const std::vector<at::Tensor>& mineList,
-                                             const std::vector<std::vector<at::Tensor>>& lists, int64_t root,
+  WorkPtr rootedStart(OpType kind, const Tensors& mineList,
+                                             const std::vector<Tensors>& lists, int64_t root,
                                              bool asyncOp);
-  c10::intrusive_ptr<c10d::Work> alltoallStart(std::vector<at::Tensor> inputs, std::vector<at::Tensor> outputs,
+  WorkPtr alltoallStart(Tensors inputs, Tensors outputs,
                                                std::vector<int64_t> sendBytes, std::vector<int64_t> recvBytes,
-                                               c10d::OpType type, bool asyncOp);
+                                               OpType type, bool asyncOp);
   template <typename F>
-  c10::intrusive_ptr<c10d::Work> inOrder(size_t n, F one);
+  WorkPtr inOrder(size_t n, F one);
 
   // ---- point-to-point
-  std::unique_ptr<P2P> newP2P(const at::Tensor& t, int peer, int tag, c10d::OpType type, std::string what);
+  std::unique_ptr<P2P> newP2P(const at::Tensor& t, int peer, int tag, OpType type, std::string what);
   // posts the op's first requests (`post`), then hands it to progress
-  c10::intrusive_ptr<c10d::Work> startP2P(std::unique_ptr<P2P> op, const std::function<void(P2P&)>& post);
-  c10::intrusive_ptr<c10d::Work> recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
+  WorkPtr startP2P(std::unique_ptr<P2P> op, const std::function<void(P2P&)>& post);
+  WorkPtr recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
   bool advanceP2P(P2P& op);                              // true when done
   bool openEnvelope(P2P& op);                            // the envelope arrived: true when the op is done
   void postPayload(P2P& op, char* into, const wire::Envelope& env);  // the payload's segments, as the sender's
@@ -650,7 +649,7 @@ class ProcessGroupACCL : public c10d::Backend {
 };
 
 template <typename F>
-void ProcessGroupACCL::forSegments(Coll coll, int64_t n, int64_t unitBytes, F step) {
+void ProcessGroupACCL::forSegments(OpType coll, int64_t n, int64_t unitBytes, F step) {
   const int64_t per = std::max<int64_t>(1, segmentFor(coll) / std::max<int64_t>(unitBytes, 1));
   for (int64_t off = 0; off < n; off += per) {
     const int64_t cnt = std::min(per, n - off);

@@ -18,13 +18,12 @@ std::string shape(const at::Tensor& t) {
   return s + ")";
 }
 
-wire::Header callHeader(wire::Kind kind, at::ScalarType dtype, int64_t root, int64_t nbytes, int64_t numel,
+wire::Header callHeader(OpType kind, at::ScalarType dtype, int64_t root, int64_t nbytes, int64_t numel,
                         const Reduction* red = nullptr) {
-  return {wire::kMagic, kind, 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes, numel, 0};
+  return {wire::kMagic, static_cast<int64_t>(kind), 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes, numel, 0};
 }
 
-using T = c10d::OpType;
-
+using T = OpType;
 bool isReduceScatter(T t) { return t == T::REDUCE_SCATTER || t == T::_REDUCE_SCATTER_BASE; }
 bool isAllreduce(T t) { return t == T::ALLREDUCE || t == T::ALLREDUCE_COALESCED; }
 
@@ -51,7 +50,7 @@ bool rings(T t, int64_t bytes, int ranks, bool spansNodes, const Config& o) {
 
 const char* const kPathNames[4] = {"carried", "mpi", "ring", "nonblocking"};
 
-Path plan(c10d::OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, const Config& o) {
+Path plan(OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, const Config& o) {
   if (type == T::BARRIER) return o.check ? Path::kCarried : Path::kNonblocking;  // the checked exchange is one
   // all_to_all's byte matrix and a sparse tensor's sizes are always exchanged before the data
   if (type == T::ALLTOALL || type == T::ALLTOALL_BASE || type == T::_ALLREDUCE_SPARSE) return Path::kMpi;
@@ -64,7 +63,7 @@ Path plan(c10d::OpType type, int64_t bytes, int ranks, bool spansNodes, bool onM
   return rings(type, bytes, ranks, spansNodes, o) ? Path::kRing : Path::kMpi;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::start(Call* made, c10d::OpType type, Engine* eng, int64_t bytes,
+WorkPtr ProcessGroupACCL::start(Call* made, OpType type, Engine* eng, int64_t bytes,
                                                        bool asyncOp) {
   std::unique_ptr<Call> c(made);
   c->eng = eng;
@@ -83,8 +82,8 @@ bool ProcessGroupACCL::header(Call& c, const Carry& carry) {
 }
 
 template <typename F>
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::inOrder(size_t n, F one) {
-  c10::intrusive_ptr<c10d::Work> last;
+WorkPtr ProcessGroupACCL::inOrder(size_t n, F one) {
+  WorkPtr last;
   for (size_t i = 0; i < n; ++i) last = one(i);
   return last;
 }
@@ -100,7 +99,7 @@ void ProcessGroupACCL::allreduceBody(Call& c) {
   if (!header(c, {Ride::kReduce, ptr(c.src), c.head.nbytes, &red})) {
     blocking(c, [&] {
       if (c.path == Path::kRing) return ring(red, n, ptr(c.src), nullptr, nullptr);
-      forSegments(Coll::kAllreduce, n, red.esz,
+      forSegments(OpType::ALLREDUCE, n, red.esz,
                   [&](int64_t off, int64_t cnt) { c.eng->allreduce(seg(c.src, off, cnt), red); });
     });
   }
@@ -108,19 +107,19 @@ void ProcessGroupACCL::allreduceBody(Call& c) {
   deliverEach(c.src, c.outputs);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce(std::vector<at::Tensor>& tensors,
+WorkPtr ProcessGroupACCL::allreduce(Tensors& tensors,
                                                            const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
   const at::Tensor& t = one(tensors, "all_reduce");
   const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "all_reduce");
   checkOpen();
   const int64_t bytes = t.numel() * static_cast<int64_t>(red.esz);
-  return start(new Call{.head = callHeader(wire::kAllReduce, red.dtype, 0, bytes, t.numel(), &red),
+  return start(new Call{.head = callHeader(OpType::ALLREDUCE, red.dtype, 0, bytes, t.numel(), &red),
                         .body = &ProcessGroupACCL::allreduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
-               c10d::OpType::ALLREDUCE, engineFor(Coll::kAllreduce, red.dtype, red.op), bytes, opts.asyncOp);
+               OpType::ALLREDUCE, engineFor(OpType::ALLREDUCE, red.dtype, red.op), bytes, opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+WorkPtr ProcessGroupACCL::allreduce_coalesced(Tensors& tensors,
                                                                      const c10d::AllreduceCoalescedOptions& opts) {
   if (tensors.empty()) valueError("accl: all_reduce_coalesced needs at least one tensor");
   int64_t numel = 0;
@@ -134,13 +133,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_coalesced(std::vector
   const Reduction& red = reductionFor(tensors[0].scalar_type(), opts.reduceOp.op_, "all_reduce_coalesced");
   checkOpen();
   const int64_t bytes = numel * static_cast<int64_t>(red.esz);
-  return start(new Call{.head = callHeader(wire::kAllReduceCoalesced, red.dtype, 0, bytes, numel, &red),
+  return start(new Call{.head = callHeader(OpType::ALLREDUCE_COALESCED, red.dtype, 0, bytes, numel, &red),
                         .body = &ProcessGroupACCL::allreduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
-               c10d::OpType::ALLREDUCE_COALESCED, engineFor(Coll::kAllreduce, red.dtype, red.op), bytes,
+               OpType::ALLREDUCE_COALESCED, engineFor(OpType::ALLREDUCE, red.dtype, red.op), bytes,
                opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_sparse(std::vector<at::Tensor>& tensors,
+WorkPtr ProcessGroupACCL::allreduce_sparse(Tensors& tensors,
                                                                   const c10d::AllreduceOptions& opts) {
   if (tensors.size() != 1)
     valueError("accl: all_reduce takes exactly one tensor per call, got " + std::to_string(tensors.size()));
@@ -150,11 +149,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allreduce_sparse(std::vector<at
     valueError("accl: sparse all_reduce supports ReduceOp.SUM only (as gloo), got ReduceOp." +
                opName(opts.reduceOp.op_));
   checkOpen();
-  Call* c = new Call{.head = callHeader(wire::kAllReduce, t.scalar_type(), 0, 0, t.numel()),
+  Call* c = new Call{.head = callHeader(OpType::ALLREDUCE, t.scalar_type(), 0, 0, t.numel()),
                      .body = &ProcessGroupACCL::sparseBody, .inputs = tensors, .outputs = tensors};
   c->head.op = wire::opCode(opts.reduceOp.op_);
   c->head.extra = t.sparse_dim();
-  return start(c, c10d::OpType::_ALLREDUCE_SPARSE, engineFor(Coll::kAllreduce), 0, opts.asyncOp);
+  return start(c, OpType::_ALLREDUCE_SPARSE, engineFor(OpType::ALLREDUCE), 0, opts.asyncOp);
 }
 
 // Every rank's (indices, values) all-gathered, then summed by coalescing (gloo's algorithm): the header checks dtype
@@ -198,23 +197,23 @@ void ProcessGroupACCL::broadcastBody(Call& c) {
   c.src = host(c.outputs[0], rank_ == root);
   if (!header(c, {Ride::kBroadcast, ptr(c.src), c.head.nbytes, nullptr, root})) {
     blocking(c, [&] {
-      forSegments(Coll::kBroadcast, c.src.numel(), c.src.element_size(),
+      forSegments(OpType::BROADCAST, c.src.numel(), c.src.element_size(),
                   [&](int64_t off, int64_t cnt) { c.eng->broadcast(seg(c.src, off, cnt), root); });
     });
   }
   if (rank_ != root) deliver(c.src, c.outputs[0]);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::broadcast(std::vector<at::Tensor>& tensors,
+WorkPtr ProcessGroupACCL::broadcast(Tensors& tensors,
                                                            const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = one(tensors, "broadcast");
   if (opts.rootTensor != 0) valueError("accl: broadcast rootTensor must be 0, got " + std::to_string(opts.rootTensor));
   checkRoot(opts.rootRank, "broadcast");
   checkOpen();
   const int64_t bytes = t.nbytes();
-  return start(new Call{.head = callHeader(wire::kBroadcast, t.scalar_type(), opts.rootRank, bytes, t.numel()),
+  return start(new Call{.head = callHeader(OpType::BROADCAST, t.scalar_type(), opts.rootRank, bytes, t.numel()),
                         .body = &ProcessGroupACCL::broadcastBody, .inputs = tensors, .outputs = tensors},
-               c10d::OpType::BROADCAST, engineFor(Coll::kBroadcast, t.scalar_type()), bytes, opts.asyncOp);
+               OpType::BROADCAST, engineFor(OpType::BROADCAST, t.scalar_type()), bytes, opts.asyncOp);
 }
 
 // Every rank's tensor reduced into the root's by the engine, segment by segment; the others' are left as they were.
@@ -224,7 +223,7 @@ void ProcessGroupACCL::reduceBody(Call& c) {
   c.src = host(c.outputs[0], true);
   header(c);
   blocking(c, [&] {
-    forSegments(Coll::kReduce, c.src.numel(), red.esz,
+    forSegments(OpType::REDUCE, c.src.numel(), red.esz,
                 [&](int64_t off, int64_t cnt) { c.eng->reduce(seg(c.src, off, cnt), red, root); });
   });
   if (rank_ != root) return;
@@ -232,16 +231,16 @@ void ProcessGroupACCL::reduceBody(Call& c) {
   deliver(c.src, c.outputs[0]);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce(std::vector<at::Tensor>& tensors,
+WorkPtr ProcessGroupACCL::reduce(Tensors& tensors,
                                                         const c10d::ReduceOptions& opts) {
   const at::Tensor& t = one(tensors, "reduce");
   checkRoot(opts.rootRank, "reduce");
   const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "reduce");
   checkOpen();
   const int64_t bytes = t.numel() * static_cast<int64_t>(red.esz);
-  return start(new Call{.head = callHeader(wire::kReduce, red.dtype, opts.rootRank, bytes, t.numel(), &red),
+  return start(new Call{.head = callHeader(OpType::REDUCE, red.dtype, opts.rootRank, bytes, t.numel(), &red),
                         .body = &ProcessGroupACCL::reduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
-               c10d::OpType::REDUCE, engineFor(Coll::kReduce, red.dtype, red.op), bytes, opts.asyncOp);
+               OpType::REDUCE, engineFor(OpType::REDUCE, red.dtype, red.op), bytes, opts.asyncOp);
 }
 
 // ============================================================================================== all_gather
@@ -258,7 +257,7 @@ void ProcessGroupACCL::allgatherBody(Call& c) {
   if (c.path == Path::kCarried && ptr(c.src) != mine) std::memcpy(mine, ptr(c.src), n * esz);
   if (!header(c, {Ride::kGather, ptr(c.dst), n * esz})) {
     blocking(c, [&] {
-      forSegments(Coll::kAllgather, n, esz * p, [&](int64_t off, int64_t cnt) {
+      forSegments(OpType::ALLGATHER, n, esz * p, [&](int64_t off, int64_t cnt) {
         c.eng->allgather(seg(c.src, off, cnt), seg(c.dst, off, cnt, p, n));
       });
     });
@@ -266,42 +265,42 @@ void ProcessGroupACCL::allgatherBody(Call& c) {
   deliverEach(c.dst, c.outputs);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgatherStart(const at::Tensor& input,
-                                                                std::vector<at::Tensor> outputs, c10d::OpType type,
+WorkPtr ProcessGroupACCL::allgatherStart(const at::Tensor& input,
+                                                                Tensors outputs, OpType type,
                                                                 bool asyncOp) {
   checkOpen();
   const int64_t n = input.numel(), esz = input.element_size();
-  return start(new Call{.head = callHeader(wire::kAllGather, input.scalar_type(), 0, n * esz, n),
+  return start(new Call{.head = callHeader(OpType::ALLGATHER, input.scalar_type(), 0, n * esz, n),
                         .body = &ProcessGroupACCL::allgatherBody, .inputs = {input}, .outputs = std::move(outputs)},
-               type, engineFor(Coll::kAllgather, input.scalar_type()), n * esz * size_, asyncOp);
+               type, engineFor(OpType::ALLGATHER, input.scalar_type()), n * esz * size_, asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input,
+WorkPtr ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                                  const c10d::AllgatherOptions& opts) {
   checkSameDtype(output, input, "all_gather_into_tensor");
   checkWhole(output, input, "all_gather_into_tensor", "output", "input");
-  return allgatherStart(input, {output}, c10d::OpType::_ALLGATHER_BASE, opts.asyncOp);
+  return allgatherStart(input, {output}, OpType::_ALLGATHER_BASE, opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                           std::vector<at::Tensor>& inputs,
+WorkPtr ProcessGroupACCL::allgather(std::vector<Tensors>& outputs,
+                                                           Tensors& inputs,
                                                            const c10d::AllgatherOptions& opts) {
   const at::Tensor& input = one(inputs, "all_gather");
   if (outputs.size() != 1)
     valueError("accl: all_gather takes one output list, got " + std::to_string(outputs.size()));
   checkList(outputs[0], input, "all_gather", "output_tensor_list");
-  return allgatherStart(input, outputs[0], c10d::OpType::ALLGATHER, opts.asyncOp);
+  return allgatherStart(input, outputs[0], OpType::ALLGATHER, opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                                 std::vector<at::Tensor>& inputs,
+WorkPtr ProcessGroupACCL::allgather_into_tensor_coalesced(Tensors& outputs,
+                                                                                 Tensors& inputs,
                                                                                  const c10d::AllgatherOptions& opts) {
   checkPairs(outputs.size(), inputs.size(), "all_gather_into_tensor");
   return inOrder(inputs.size(), [&](size_t i) { return _allgather_base(outputs[i], inputs[i], opts); });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputLists,
-                                                                     std::vector<at::Tensor>& inputs,
+WorkPtr ProcessGroupACCL::allgather_coalesced(std::vector<Tensors>& outputLists,
+                                                                     Tensors& inputs,
                                                                      const c10d::AllgatherOptions& opts) {
   // outputLists[r][j] receives rank r's inputs[j] (torch's layout: one list per rank)
   bool shaped = !inputs.empty() && static_cast<int>(outputLists.size()) == size_;
@@ -311,9 +310,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::allgather_coalesced(std::vector
                " output lists (one per rank), each with one tensor per input tensor (" +
                std::to_string(inputs.size()) + ")");
   return inOrder(inputs.size(), [&](size_t j) {
-    std::vector<std::vector<at::Tensor>> outs(1);
+    std::vector<Tensors> outs(1);
     for (const auto& l : outputLists) outs[0].push_back(l[j]);
-    std::vector<at::Tensor> in{inputs[j]};
+    Tensors in{inputs[j]};
     return allgather(outs, in, opts);
   });
 }
@@ -338,7 +337,7 @@ void ProcessGroupACCL::reduceScatterBody(Call& c) {
     header(c);
     blocking(c, [&] {
       if (c.path == Path::kRing) return ring(red, n * p, nullptr, ptr(c.src), ptr(c.dst));
-      forSegments(Coll::kReduceScatter, n, red.esz * p, [&](int64_t off, int64_t cnt) {
+      forSegments(OpType::REDUCE_SCATTER, n, red.esz * p, [&](int64_t off, int64_t cnt) {
         c.eng->reduceScatter(seg(c.src, off, cnt, p, n), seg(c.dst, off, cnt), red);
       });
     });
@@ -347,36 +346,36 @@ void ProcessGroupACCL::reduceScatterBody(Call& c) {
   deliver(c.dst, c.outputs[0]);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduceScatterStart(std::vector<at::Tensor> inputs,
+WorkPtr ProcessGroupACCL::reduceScatterStart(Tensors inputs,
                                                                     const at::Tensor& output, c10d::ReduceOp op,
-                                                                    c10d::OpType type, bool asyncOp) {
+                                                                    OpType type, bool asyncOp) {
   const Reduction& red = reductionFor(output.scalar_type(), op.op_, "reduce_scatter");
   checkOpen();
   const int64_t n = output.numel(), bytes = n * static_cast<int64_t>(red.esz);
-  return start(new Call{.head = callHeader(wire::kReduceScatter, red.dtype, 0, bytes, n, &red),
+  return start(new Call{.head = callHeader(OpType::REDUCE_SCATTER, red.dtype, 0, bytes, n, &red),
                         .body = &ProcessGroupACCL::reduceScatterBody, .inputs = std::move(inputs),
                         .outputs = {output}, .red = &red},
-               type, engineFor(Coll::kReduceScatter, red.dtype, red.op), bytes * size_, asyncOp);
+               type, engineFor(OpType::REDUCE_SCATTER, red.dtype, red.op), bytes * size_, asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+WorkPtr ProcessGroupACCL::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                                       const c10d::ReduceScatterOptions& opts) {
   checkSameDtype(output, input, "reduce_scatter_tensor");
   checkWhole(input, output, "reduce_scatter_tensor", "input", "output");
-  return reduceScatterStart({input}, output, opts.reduceOp, c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp);
+  return reduceScatterStart({input}, output, opts.reduceOp, OpType::_REDUCE_SCATTER_BASE, opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                                std::vector<std::vector<at::Tensor>>& inputs,
+WorkPtr ProcessGroupACCL::reduce_scatter(Tensors& outputs,
+                                                                std::vector<Tensors>& inputs,
                                                                 const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& output = one(outputs, "reduce_scatter");
   if (inputs.size() != 1) valueError("accl: reduce_scatter takes one input list");
   checkList(inputs[0], output, "reduce_scatter", "input_list");
-  return reduceScatterStart(inputs[0], output, opts.reduceOp, c10d::OpType::REDUCE_SCATTER, opts.asyncOp);
+  return reduceScatterStart(inputs[0], output, opts.reduceOp, OpType::REDUCE_SCATTER, opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter_tensor_coalesced(
-    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs, const c10d::ReduceScatterOptions& opts) {
+WorkPtr ProcessGroupACCL::reduce_scatter_tensor_coalesced(
+    Tensors& outputs, Tensors& inputs, const c10d::ReduceScatterOptions& opts) {
   checkPairs(outputs.size(), inputs.size(), "reduce_scatter_tensor");
   return inOrder(inputs.size(), [&](size_t i) { return _reduce_scatter_base(outputs[i], inputs[i], opts); });
 }
@@ -386,16 +385,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::reduce_scatter_tensor_coalesced
 // Rows to the root (gather) or from it (scatter): every rank's one tensor, and on the root p rows in one host buffer;
 // the engine's call segment by segment (every row's segment at once).
 void ProcessGroupACCL::rootedBody(Call& c) {
-  const bool toRoot = c.head.kind == wire::kGather, isRoot = rank_ == c.head.root;
+  const bool toRoot = c.head.kind == static_cast<int64_t>(T::GATHER), isRoot = rank_ == c.head.root;
   const int root = static_cast<int>(c.head.root), p = size_;
   const at::Tensor& mine = toRoot ? c.inputs[0] : c.outputs[0];
-  const std::vector<at::Tensor>& rows = toRoot ? c.outputs : c.inputs;  // the root's list
+  const Tensors& rows = toRoot ? c.outputs : c.inputs;  // the root's list
   const int64_t n = mine.numel(), esz = mine.element_size();
   c.src = host(mine, toRoot);
   if (isRoot) c.dst = toRoot ? at::empty({p * n}, c.src.options()) : flatHost(rows);
   header(c);
   blocking(c, [&] {
-    forSegments(toRoot ? Coll::kGather : Coll::kScatter, n, esz * p, [&](int64_t off, int64_t cnt) {
+    forSegments(toRoot ? OpType::GATHER : OpType::SCATTER, n, esz * p, [&](int64_t off, int64_t cnt) {
       const Seg part = seg(c.src, off, cnt), block = seg(c.dst, off, cnt, p, n);
       if (toRoot) c.eng->gather(part, block, root);
       else c.eng->scatter(block, part, root);
@@ -405,34 +404,33 @@ void ProcessGroupACCL::rootedBody(Call& c) {
   else if (isRoot) deliverEach(c.dst, rows);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::rootedStart(wire::Kind kind, const std::vector<at::Tensor>& mineList,
-                                                             const std::vector<std::vector<at::Tensor>>& lists,
+WorkPtr ProcessGroupACCL::rootedStart(OpType kind, const Tensors& mineList,
+                                                             const std::vector<Tensors>& lists,
                                                              int64_t root, bool asyncOp) {
-  const bool toRoot = kind == wire::kGather;
+  const bool toRoot = kind == OpType::GATHER;
   const char* what = toRoot ? "gather" : "scatter";
   const at::Tensor& mine = one(mineList, what);
   checkRoot(root, what);
-  std::vector<at::Tensor> rows = rootList(lists, mine, root, what, toRoot ? "gather_list" : "scatter_list");
+  Tensors rows = rootList(lists, mine, root, what, toRoot ? "gather_list" : "scatter_list");
   checkOpen();
   const int64_t n = mine.numel(), esz = mine.element_size();
-  std::vector<at::Tensor> one{mine};
+  Tensors one{mine};
   return start(new Call{.head = callHeader(kind, mine.scalar_type(), root, n * esz, n),
                         .body = &ProcessGroupACCL::rootedBody, .inputs = toRoot ? one : rows,
                         .outputs = toRoot ? rows : one},
-               toRoot ? c10d::OpType::GATHER : c10d::OpType::SCATTER,
-               engineFor(toRoot ? Coll::kGather : Coll::kScatter, mine.scalar_type()), n * esz * size_, asyncOp);
+               kind, engineFor(kind, mine.scalar_type()), n * esz * size_, asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                        std::vector<at::Tensor>& inputs,
+WorkPtr ProcessGroupACCL::gather(std::vector<Tensors>& outputs,
+                                                        Tensors& inputs,
                                                         const c10d::GatherOptions& opts) {
-  return rootedStart(wire::kGather, inputs, outputs, opts.rootRank, opts.asyncOp);
+  return rootedStart(OpType::GATHER, inputs, outputs, opts.rootRank, opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::scatter(std::vector<at::Tensor>& outputs,
-                                                         std::vector<std::vector<at::Tensor>>& inputs,
+WorkPtr ProcessGroupACCL::scatter(Tensors& outputs,
+                                                         std::vector<Tensors>& inputs,
                                                          const c10d::ScatterOptions& opts) {
-  return rootedStart(wire::kScatter, outputs, inputs, opts.rootRank, opts.asyncOp);
+  return rootedStart(OpType::SCATTER, outputs, inputs, opts.rootRank, opts.asyncOp);
 }
 
 // ============================================================================================== all_to_all
@@ -514,7 +512,7 @@ void ProcessGroupACCL::alltoallBody(Call& c) {
   bool even = false;
   const int64_t most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(all), 2 * p, p, &even);
   blocking(c, [&] {
-    forSegments(Coll::kAlltoall, most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
+    forSegments(OpType::ALLTOALL, most, p, [&](int64_t done, int64_t per) {  // up to `per` bytes to/from each rank
       if (even && per >= most) return mpi_->alltoall(ptr(c.src), static_cast<int>(most), ptr(c.dst));
       std::vector<int> sc(p), sd(p), rc(p), rd(p);
       alltoallSegment(c.sendBytes, done, per, sc, sd);
@@ -525,21 +523,21 @@ void ProcessGroupACCL::alltoallBody(Call& c) {
   if (c.outputs.size() > 1 || c.outputs[0].numel()) deliverEach(c.dst, c.outputs);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoallStart(std::vector<at::Tensor> inputs,
-                                                               std::vector<at::Tensor> outputs,
+WorkPtr ProcessGroupACCL::alltoallStart(Tensors inputs,
+                                                               Tensors outputs,
                                                                std::vector<int64_t> sendBytes,
-                                                               std::vector<int64_t> recvBytes, c10d::OpType type,
+                                                               std::vector<int64_t> recvBytes, OpType type,
                                                                bool asyncOp) {
-  Call* c = new Call{.head = callHeader(wire::kAllToAll, inputs[0].scalar_type(), 0, 0, 0),
+  Call* c = new Call{.head = callHeader(OpType::ALLTOALL, inputs[0].scalar_type(), 0, 0, 0),
                      .compare = wire::kCompareCall,  // sizes are checked on the byte matrix
                      .body = &ProcessGroupACCL::alltoallBody, .inputs = std::move(inputs),
                      .outputs = std::move(outputs), .sendBytes = std::move(sendBytes),
                      .recvBytes = std::move(recvBytes)};
   c->head.extra = size_;
-  return start(c, type, engineFor(Coll::kAlltoall), 0, asyncOp);
+  return start(c, type, engineFor(OpType::ALLTOALL), 0, asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
+WorkPtr ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                                std::vector<int64_t>& outputSplits,
                                                                std::vector<int64_t>& inputSplits,
                                                                const c10d::AllToAllOptions& opts) {
@@ -552,11 +550,11 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall_base(at::Tensor& outpu
   c10d::computeLengthsAndOffsets(outputSplits, output, &rb, &offsets);
   for (auto* v : {&sb, &rb})
     for (auto& x : *v) x *= input.element_size();
-  return alltoallStart({input}, {output}, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL_BASE, opts.asyncOp);
+  return alltoallStart({input}, {output}, std::move(sb), std::move(rb), OpType::ALLTOALL_BASE, opts.asyncOp);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor>& outputs,
-                                                          std::vector<at::Tensor>& inputs,
+WorkPtr ProcessGroupACCL::alltoall(Tensors& outputs,
+                                                          Tensors& inputs,
                                                           const c10d::AllToAllOptions& opts) {
   const size_t p = static_cast<size_t>(size_);
   if (outputs.size() != p || inputs.size() != p)
@@ -569,7 +567,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::alltoall(std::vector<at::Tensor
   std::vector<int64_t> sb, rb;
   for (const auto& t : inputs) sb.push_back(static_cast<int64_t>(t.nbytes()));
   for (const auto& t : outputs) rb.push_back(static_cast<int64_t>(t.nbytes()));
-  return alltoallStart(inputs, outputs, std::move(sb), std::move(rb), c10d::OpType::ALLTOALL, opts.asyncOp);
+  return alltoallStart(inputs, outputs, std::move(sb), std::move(rb), OpType::ALLTOALL, opts.asyncOp);
 }
 
 // ============================================================================================== barrier
@@ -579,11 +577,11 @@ void ProcessGroupACCL::barrierBody(Call& c) {
   if (!header(c)) mpi_->barrier();
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::barrier(const c10d::BarrierOptions& opts) {
+WorkPtr ProcessGroupACCL::barrier(const c10d::BarrierOptions& opts) {
   checkOpen();
-  Call* c = new Call{.head = callHeader(wire::kBarrier, at::kByte, 0, 0, 0), .body = &ProcessGroupACCL::barrierBody};
+  Call* c = new Call{.head = callHeader(OpType::BARRIER, at::kByte, 0, 0, 0), .body = &ProcessGroupACCL::barrierBody};
   c->head.dtype = 0;
-  return start(c, c10d::OpType::BARRIER, engineFor(Coll::kBarrier), 0, opts.asyncOp);
+  return start(c, OpType::BARRIER, engineFor(OpType::BARRIER), 0, opts.asyncOp);
 }
 
 }  // namespace torchhpc::accl

@@ -7,9 +7,6 @@
 
 namespace torchhpc::accl {
 
-const char* const kCollNames[11] = {"allreduce", "broadcast", "reduce", "allgather", "gather", "scatter",
-                                    "reduce_scatter", "alltoall", "send", "recv", "barrier"};
-
 std::string mpiErrorText(int rc) {
   char text[MPI_MAX_ERROR_STRING] = {};
   int len = 0;

@@ -63,7 +63,7 @@ const std::shared_ptr<torch::CapturedTraceback>& noStack() {
   return empty;
 }
 
-void describe(const std::vector<at::Tensor>& ts, c10::SmallVector<int64_t, 4>& dims,
+void describe(const Tensors& ts, c10::SmallVector<int64_t, 4>& dims,
               std::vector<c10::ScalarType>& dtypes, c10::SmallVector<int64_t, 8>& sizes) {
   for (const auto& t : ts) {
     dtypes.push_back(t.scalar_type());
@@ -73,8 +73,8 @@ void describe(const std::vector<at::Tensor>& ts, c10::SmallVector<int64_t, 4>& d
 }
 }  // namespace
 
-void ProcessGroupACCL::record(FrRecord& r, std::string_view op, const std::vector<at::Tensor>& in,
-                              const std::vector<at::Tensor>& out, int64_t collSeq, bool p2p) {
+void ProcessGroupACCL::record(FrRecord& r, std::string_view op, const Tensors& in,
+                              const Tensors& out, int64_t collSeq, bool p2p) {
   auto& fr = recorder();
   if (!fr.enabled_) return;
   std::lock_guard<std::mutex> lock(frMu_);
@@ -131,8 +131,8 @@ bool frBuilt() { return false; }
 void FrRecord::started() { start.mark(); }
 void FrRecord::completed() { end.mark(); }
 FrRecord::~FrRecord() = default;
-void ProcessGroupACCL::record(FrRecord&, std::string_view, const std::vector<at::Tensor>&,
-                              const std::vector<at::Tensor>&, int64_t, bool) {}
+void ProcessGroupACCL::record(FrRecord&, std::string_view, const Tensors&,
+                              const Tensors&, int64_t, bool) {}
 std::string frWrite(int) {
   throw std::runtime_error("accl was built without torch's flight recorder: its header needs nlohmann/json.hpp "
                            "(apt install nlohmann-json3-dev, or spack's nlohmann-json), then rebuild accl");
@@ -151,25 +151,6 @@ void ProcessGroupACCL::dumpFlightRecord() {
     frWrite(static_cast<int>(globalRanks_[rank_]));
   } catch (const std::exception& e) {  // a failed dump must not hide the error that asked for it
     TORCH_WARN("accl: could not write the flight record: ", e.what());
-  }
-}
-
-const char* frOpName(c10d::OpType type) {
-  switch (type) {
-    case c10d::OpType::BROADCAST: return "broadcast";
-    case c10d::OpType::ALLREDUCE: case c10d::OpType::_ALLREDUCE_SPARSE: return "all_reduce";
-    case c10d::OpType::ALLREDUCE_COALESCED: return "allreduce_coalesced";
-    case c10d::OpType::REDUCE: return "reduce";
-    case c10d::OpType::ALLGATHER: return "all_gather";
-    case c10d::OpType::_ALLGATHER_BASE: return "_all_gather_base";
-    case c10d::OpType::GATHER: return "gather";
-    case c10d::OpType::SCATTER: return "scatter";
-    case c10d::OpType::REDUCE_SCATTER: return "reduce_scatter";
-    case c10d::OpType::_REDUCE_SCATTER_BASE: return "_reduce_scatter_base";
-    case c10d::OpType::ALLTOALL_BASE: return "all_to_all_single";
-    case c10d::OpType::ALLTOALL: return "all_to_all";
-    case c10d::OpType::BARRIER: return "barrier";
-    default: return "unknown";
   }
 }
 

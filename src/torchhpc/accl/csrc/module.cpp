@@ -38,9 +38,9 @@ H handleOf(uintptr_t v) {
 class PyEngine : public accl::Engine {
  public:
   using Engine::Engine;
-  bool supports(accl::Coll coll, at::ScalarType dtype, std::optional<accl::RedOpType> op) const override {
+  bool supports(accl::OpType coll, at::ScalarType dtype, std::optional<accl::RedOpType> op) const override {
     const std::optional<std::string> opName = op ? std::optional(accl::opName(*op)) : std::nullopt;
-    PYBIND11_OVERRIDE_PURE(bool, Engine, supports, accl::kCollNames[static_cast<int>(coll)], dtype, opName);
+    PYBIND11_OVERRIDE_PURE(bool, Engine, supports, accl::collName(coll), dtype, opName);
   }
   void allreduce(const accl::Seg& b, const accl::Reduction& r) override {
     PYBIND11_OVERRIDE_PURE(void, Engine, allreduce, tensorOf(b), accl::opName(r.op));
@@ -108,7 +108,7 @@ py::tuple names(const char* const (&table)[N]) {
 }
 
 #ifdef ACCL_TEST_HOOKS  // a test build: the protocol's tables and texts, and the garbling hook, for tests
-accl::wire::Header headerOf(const std::array<int64_t, accl::wire::kFields>& f) {
+accl::wire::Header headerOf(const std::array<int64_t, 9>& f) {
   return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]};
 }
 
@@ -118,14 +118,7 @@ void defineWire(py::module_ m) {
   auto w = m.def_submodule("wire", "accl's wire protocol: the collective header and the p2p envelope");
   w.attr("MAGIC") = wire::kMagic;
   w.attr("HEADER_BYTES") = wire::kHeaderBytes;
-  w.attr("PAYLOAD_BYTES") = wire::kPayloadBytes;
-  w.attr("SLOT_BYTES") = wire::kSlotBytes;
-  w.attr("HEADER_SIZE") = sizeof(wire::Header);
-  w.attr("ENVELOPE_SIZE") = sizeof(wire::Envelope);
-  w.attr("COMPARE_ALL") = wire::kCompareAll;
   w.attr("COMPARE_CALL") = wire::kCompareCall;
-  w.attr("FIELDS") = names(wire::kFieldNames);
-  w.attr("KINDS") = names(wire::kKindNames);
   w.def("garble_next", [](int64_t delta) { wire::garble = delta; }, "test hook: next prefix's size off by delta");
   w.attr("DTYPES") = names(wire::kDtypeNames);
   w.attr("OPS") = names(wire::kOpNames);
@@ -135,9 +128,9 @@ void defineWire(py::module_ m) {
       if (op == wire::kOpNames[i]) return wire::opCode(static_cast<accl::RedOpType>(i));
     return int64_t{0};
   }, "a reduce op's code by name (0: none)");
-  w.def("describe", [](const std::array<int64_t, wire::kFields>& f) { return wire::describe(headerOf(f)); },
+  w.def("describe", [](const std::array<int64_t, 9>& f) { return wire::describe(headerOf(f)); },
         "one rank's call in words, from its header's nine fields");
-  w.def("describe_mismatch", [](const std::vector<std::array<int64_t, wire::kFields>>& rows, int compare,
+  w.def("describe_mismatch", [](const std::vector<std::array<int64_t, 9>>& rows, int compare,
                                 const std::string& group) {
     std::vector<wire::Header> heads;
     for (const auto& f : rows) heads.push_back(headerOf(f));
@@ -166,11 +159,8 @@ void defineOptions(py::module_ m) {
       .def_readwrite("spin", &accl::Config::spin);
   m.def("plan", [](const std::string& collective, int64_t bytes, int ranks, bool spansNodes, const accl::Config& o,
                    bool onMpi) {
-    using T = c10d::OpType;
-    for (T t : {T::ALLREDUCE, T::ALLREDUCE_COALESCED, T::BROADCAST, T::REDUCE, T::ALLGATHER, T::_ALLGATHER_BASE,
-                T::GATHER, T::SCATTER, T::REDUCE_SCATTER, T::_REDUCE_SCATTER_BASE, T::ALLTOALL_BASE, T::ALLTOALL,
-                T::BARRIER})
-      if (collective == accl::frOpName(t))
+    for (const auto& [t, name] : accl::kCollectives)
+      if (collective == name && t != accl::OpType::SEND && t != accl::OpType::RECV)
         return std::string(accl::kPathNames[static_cast<int>(accl::plan(t, bytes, ranks, spansNodes, onMpi, o))]);
     throw py::value_error("accl: no collective named '" + collective + "'");
   }, py::arg("collective"), py::arg("bytes"), py::arg("ranks"), py::arg("spans_nodes"), py::arg("options"),
@@ -244,7 +234,9 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
 #ifdef ACCL_TEST_HOOKS
   defineWire(m);
 #endif
-  m.attr("COLLECTIVES") = names(accl::kCollNames);
+  py::tuple collectives(accl::kEngineOps);
+  for (int i = 0; i < accl::kEngineOps; ++i) collectives[i] = accl::kCollectives[i].name;
+  m.attr("COLLECTIVES") = collectives;
   m.def("library_version", &libraryVersion, "MPI_Get_library_version");
   m.def("peers_lost", [] { return py::make_tuple(accl::peersDied(), accl::peersSilentTimeout()); },
         "(whether a group of this process saw peers die, the longest timeout of its groups aborted because peers "

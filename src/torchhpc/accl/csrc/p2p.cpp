@@ -43,12 +43,12 @@ std::string monitoredText(const std::vector<int>& missing, std::chrono::millisec
 
 // ============================================================================================== starting ops
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+WorkPtr ProcessGroupACCL::send(Tensors& tensors, int dst, int tag) {
   const at::Tensor& t = one(tensors, "send");
   checkPeer(dst, "send", "dst");
   checkTag(tag);
   checkOpen();
-  auto op = newP2P(t, dst, tag, c10d::OpType::SEND, "send(to rank " + std::to_string(dst) + ", tag " +
+  auto op = newP2P(t, dst, tag, OpType::SEND, "send(to rank " + std::to_string(dst) + ", tag " +
                    std::to_string(tag) + ")");
   op->send = true;
   op->host = host(t, true);
@@ -63,7 +63,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
     ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(wire::kHeaderBytes + (small ? env.nbytes : 0)), MPI_BYTE,
              op.peer, op.tag, p2pHead_, &op.reqs.back());
     if (small) return;
-    forSegments(Coll::kSend, env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
+    forSegments(OpType::SEND, env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
       const Seg part = seg(op.host, off, cnt);
       if (!onMpi(op.eng)) return op.eng->send(part, op.peer, op.tag);  // the engine's calls block: made in order
       op.reqs.push_back(MPI_REQUEST_NULL);
@@ -73,20 +73,20 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::send(std::vector<at::Tensor>& t
   });
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+WorkPtr ProcessGroupACCL::recv(Tensors& tensors, int src, int tag) {
   const at::Tensor& t = one(tensors, "recv");
   checkPeer(src, "recv", "src");
   return recvFrom(t, src, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+WorkPtr ProcessGroupACCL::recvAnysource(Tensors& tensors, int tag) {
   return recvFrom(one(tensors, "recv"), -1, tag);
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvFrom(const at::Tensor& t, int src, int tag) {
+WorkPtr ProcessGroupACCL::recvFrom(const at::Tensor& t, int src, int tag) {
   checkTag(tag);
   checkOpen();
-  auto op = newP2P(t, src, tag, src < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV,
+  auto op = newP2P(t, src, tag, src < 0 ? OpType::RECVANYSOURCE : OpType::RECV,
                    "recv(" + fromText(src) + ", tag " + std::to_string(tag) + ")");
   op->stream = callerStream({t});
   return startP2P(std::move(op), [this](P2P& op) {
@@ -97,21 +97,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::recvFrom(const at::Tensor& t, i
   });
 }
 
-std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int tag, c10d::OpType type,
+std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int tag, OpType type,
                                               std::string what) {
   auto op = std::make_unique<P2P>();
   op->peer = peer;
   op->tag = tag;
   op->tensor = t;
-  op->eng = engineFor(type == c10d::OpType::SEND ? Coll::kSend : Coll::kRecv, t.scalar_type());
-  op->work = c10::make_intrusive<WorkACCL>(rank_, type, std::move(what), std::vector<at::Tensor>{t}, this);
-  const bool send = type == c10d::OpType::SEND;
+  op->eng = engineFor(type == OpType::SEND ? OpType::SEND : OpType::RECV, t.scalar_type());
+  op->work = c10::make_intrusive<WorkACCL>(rank_, type, std::move(what), Tensors{t}, this);
+  const bool send = type == OpType::SEND;
   const std::string me = std::to_string(rank_), them = std::to_string(peer);
   record(op->fr, send ? "send " + me + "->" + them : "recv " + me + "<-" + them, {t}, {t}, -1, true);
   return op;
 }
 
-c10::intrusive_ptr<c10d::Work> ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op,
+WorkPtr ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op,
                                                           const std::function<void(P2P&)>& post) {
   op->deadline = Clock::now() + opts_.timeout;
   op->fr.started();
@@ -220,7 +220,7 @@ bool ProcessGroupACCL::openEnvelope(P2P& op) {
 void ProcessGroupACCL::postPayload(P2P& op, char* into, const wire::Envelope& env) {
   op.reqs.clear();
   const int64_t unit = unitOf(env);
-  forSegments(Coll::kSend, env.numel, unit, [&](int64_t off, int64_t cnt) {  // the sender's segments
+  forSegments(OpType::SEND, env.numel, unit, [&](int64_t off, int64_t cnt) {  // the sender's segments
     op.reqs.push_back(MPI_REQUEST_NULL);
     ACCL_MPI(MPI_Irecv, into + off * unit, static_cast<int>(cnt * unit), MPI_BYTE, op.source, op.tag, p2pData_,
              &op.reqs.back());
@@ -231,7 +231,7 @@ void ProcessGroupACCL::recvOnEngine(P2P& op, const wire::Envelope& env, const st
   // the engine's calls block; a mismatched payload is received into a buffer of what was sent, then dropped
   const auto sent = op.tensor.options().device(at::kCPU).dtype(wire::scalarTypeOf(env.dtype));
   at::Tensor buf = bad.empty() ? (op.host = host(op.tensor, false)) : at::empty({env.numel}, sent);
-  forSegments(Coll::kSend, env.numel, unitOf(env),
+  forSegments(OpType::SEND, env.numel, unitOf(env),
               [&](int64_t off, int64_t cnt) { op.eng->recv(seg(buf, off, cnt), op.source, op.tag); });
   if (bad.empty()) deliver(op.host, op.tensor);
 }

@@ -58,7 +58,7 @@ void ProcessGroupACCL::ring(const Reduction& red, int64_t n, char* data, const c
   }
   const int64_t esz = static_cast<int64_t>(red.esz);
   RingRun x{&red, size_, rank_, own ? size_ - 1 : 2 * (size_ - 1), n, esz,
-            std::max<int64_t>(1, std::min(kRingChunk, segmentFor(Coll::kAllreduce)) / esz), n / size_ + 1, data,
+            std::max<int64_t>(1, std::min(kRingChunk, segmentFor(OpType::ALLREDUCE)) / esz), n / size_ + 1, data,
             own, out};
   ringScratch_.resize(std::max<size_t>(ringScratch_.size(), kWindow * x.per * esz));
   if (own) ringPartial_.resize(std::max<size_t>(ringPartial_.size(), 2 * x.biggest * esz));  // kept: no faults

@@ -14,11 +14,22 @@ namespace torchhpc::accl {
   throw c10::TypeError(msg);
 }
 
-namespace wire {
+// torch's names (its analyzer's): the engine's collectives first (kEngineOps), then the variants of the first rows
+const Named kCollectives[kNamed] = {
+    {OpType::ALLREDUCE, "all_reduce"}, {OpType::BROADCAST, "broadcast"}, {OpType::REDUCE, "reduce"},
+    {OpType::ALLGATHER, "all_gather"}, {OpType::GATHER, "gather"}, {OpType::SCATTER, "scatter"},
+    {OpType::REDUCE_SCATTER, "reduce_scatter"}, {OpType::ALLTOALL, "all_to_all"}, {OpType::SEND, "send"},
+    {OpType::RECV, "recv"}, {OpType::BARRIER, "barrier"}, {OpType::ALLREDUCE_COALESCED, "allreduce_coalesced"},
+    {OpType::_ALLREDUCE_SPARSE, "all_reduce"}, {OpType::_ALLGATHER_BASE, "_all_gather_base"},
+    {OpType::_REDUCE_SCATTER_BASE, "_reduce_scatter_base"}, {OpType::ALLTOALL_BASE, "all_to_all_single"}};
 
-const char* const kFieldNames[kFields] = {"magic", "kind", "seq", "dtype", "op", "root", "nbytes", "numel", "extra"};
-const char* const kKindNames[10] = {"all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter",
-                                    "reduce_scatter", "all_to_all", "barrier", "all_reduce_coalesced"};
+const char* collName(OpType type) {
+  for (const auto& [t, name] : kCollectives)
+    if (t == type) return name;
+  return "unknown";
+}
+
+namespace wire {
 const char* const kDtypeNames[15] = {"float32", "float64", "float16", "bfloat16", "int8", "int16", "int32",
                                      "int64", "uint8", "bool", "complex64", "complex128", "uint16", "uint32",
                                      "uint64"};
@@ -26,13 +37,15 @@ const char* const kOpNames[8] = {"SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", 
 
 namespace {
 
+const char* const kFieldNames[] = {"magic", "kind", "seq", "dtype", "op", "root", "nbytes", "numel", "extra"};
 // numbered from 1 in this order (kDtypeNames names them)
 const at::ScalarType kDtypes[] = {
     at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kShort, at::kInt, at::kLong, at::kByte,
     at::kBool, at::kComplexFloat, at::kComplexDouble, at::kUInt16, at::kUInt32, at::kUInt64};
 
 std::string kindName(int64_t code) {
-  if (code > 0 && code <= 10) return kKindNames[code - 1];
+  for (const auto& [t, name] : kCollectives)
+    if (static_cast<int64_t>(t) == code) return name;
   return "kind#" + std::to_string(code);
 }
 
