@@ -25,17 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_options_defaults_and_validation(monkeypatch) -> None:
     for var in ("TORCHHPC_ACCL_ENGINE", "TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "TORCHHPC_ACCL_SIDESTEP",
-                "TORCHHPC_ACCL_CHECK", "TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "TORCHHPC_ACCL_RING_MIN_BYTES"):
+                "TORCHHPC_ACCL_FLIGHT_STACKS", "TORCHHPC_ACCL_RING_MIN_BYTES"):
         monkeypatch.delenv(var, raising=False)
     o = accl.AcclOptions()
-    assert (o.engine, o.max_segment_bytes, o.check) == ("mpi", None, True)  # None: accl's choice per collective
+    assert (o.engine, o.max_segment_bytes, o.flight_stacks) == ("mpi", None, False)  # None: accl's choice
     assert o.sidestep == set(accl.core.load_backend().COLLECTIVES) and "all_to_all" in o.sidestep
-    assert o.blocking_min_bytes == 64 << 10
     monkeypatch.setenv("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "1024")
     monkeypatch.setenv("TORCHHPC_ACCL_SIDESTEP", "all_reduce, barrier")
-    monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "off")
+    monkeypatch.setenv("TORCHHPC_ACCL_FLIGHT_STACKS", "on")
     o = accl.AcclOptions()
-    assert o.max_segment_bytes == 1024 and o.sidestep == {"all_reduce", "barrier"} and not o.check
+    assert o.max_segment_bytes == 1024 and o.sidestep == {"all_reduce", "barrier"} and o.flight_stacks
     with pytest.raises(ValueError, match="max_segment_bytes"):
         accl.AcclOptions(max_segment_bytes=4)
     assert o.ring_min_bytes is None
@@ -45,10 +44,10 @@ def test_options_defaults_and_validation(monkeypatch) -> None:
         accl.AcclOptions(sidestep=frozenset({"allreduse"}))
     with pytest.raises(ValueError, match=r"unknown collectives \['alltoallv'\]; known: all_reduce, .*all_to_all"):
         accl.AcclOptions(sidestep=frozenset({"alltoallv"}))  # one name per collective: torch's all_to_all
-    monkeypatch.setenv("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "4096")
-    assert accl.AcclOptions().blocking_min_bytes == 4096
-    monkeypatch.setenv("TORCHHPC_ACCL_CHECK", "maybe")
-    with pytest.raises(ValueError, match="TORCHHPC_ACCL_CHECK"):
+    monkeypatch.setenv("TORCHHPC_ACCL_RING_MIN_BYTES", "4096")
+    assert accl.AcclOptions().ring_min_bytes == 4096
+    monkeypatch.setenv("TORCHHPC_ACCL_FLIGHT_STACKS", "maybe")
+    with pytest.raises(ValueError, match="TORCHHPC_ACCL_FLIGHT_STACKS"):
         accl.AcclOptions()
 
 
@@ -254,7 +253,7 @@ def test_a_peer_stopped_inside_a_blocking_collective_ends_the_job() -> None:
 def test_the_plan_gives_each_call_the_documented_path() -> None:
     """docs/accl.md's plan table, at its boundaries: carried up to 16 KiB on a node and 64 KiB less the prefix
     across nodes (reduce_scatter across nodes up to 3,840 bytes), the ring for larger reduce_scatters and for larger
-    all_reduces across nodes, nonblocking for small unchecked calls, MPI otherwise and on another engine."""
+    all_reduces across nodes, MPI otherwise and on another engine."""
     from torchhpc.accl.options import AcclOptions, plan
 
     node, net = 16 << 10, (64 << 10) - 256
@@ -264,9 +263,6 @@ def test_the_plan_gives_each_call_the_documented_path() -> None:
     assert plan("_reduce_scatter_base", node + 8, 2, False) == "ring"
     assert plan("broadcast", 1 << 20, 4, True) == plan("reduce", 8, 2, False) == "mpi"
     assert plan("all_to_all_single", 8, 2, False) == "mpi" and plan("barrier", 0, 2, False) == "carried"
-    unchecked = AcclOptions(check=False)
-    assert plan("all_reduce", 8, 2, False, unchecked) == plan("barrier", 0, 2, False, unchecked) == "nonblocking"
-    assert plan("all_reduce", 64 << 10, 2, False, unchecked) == "mpi"  # blocking_min_bytes: the header again
     assert plan("all_reduce", 1 << 20, 2, False, AcclOptions(ring_min_bytes=1 << 20)) == "ring"
     assert plan("all_gather", 64, 2, False, AcclOptions(max_segment_bytes=32)) == "mpi"
     with pytest.raises(ValueError, match="no collective named 'allreduce'"):

@@ -16,12 +16,12 @@ from torchhpc.runtime.settings import SettingError
 @pytest.mark.parametrize(("name", "raw", "says"), [
     ("TORCHHPC_RANKS_PER_NODE", "abc", "a whole number >= 1"),
     ("TORCHHPC_RANKS_PER_NODE", "0", "a whole number >= 1"),
-    ("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "-5", "a whole number >= 0"),
+    ("TORCHHPC_ACCL_RING_MIN_BYTES", "-5", "a whole number >= 0"),
     ("TORCHHPC_ACCL_START_PORT", "-1", "a whole number >= 1 and <= 65535"),
     ("TORCHHPC_ACCL_START_PORT", "70000", "a whole number >= 1 and <= 65535"),
     ("TORCHHPC_ACCL_BUFSIZE", "-7", "a whole number >= 1"),
     ("TORCHHPC_ACCL_SPIN_US", "abc", "a whole number >= 0"),
-    ("TORCHHPC_ACCL_CHECK", "maybe", "1/0, true/false"),
+    ("TORCHHPC_ACCL_FLIGHT_STACKS", "maybe", "1/0, true/false"),
     ("TORCHHPC_ACCL_ENGINE", "fpga", "one of mpi, accl"),
     ("TORCHHPC_BRAID_TIMEOUT", "nan", "a number >= 0.001"),
     ("TORCHHPC_MPI_FAMILY", "lam", "one of openmpi, mpich"),
@@ -51,7 +51,7 @@ def test_every_reader_goes_through_the_one_parser(monkeypatch: pytest.MonkeyPatc
     assert cuda_aware_query().supported is True
 
 
-@pytest.mark.parametrize(("var", "raw"), [("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "-5"),
+@pytest.mark.parametrize(("var", "raw"), [("TORCHHPC_ACCL_RING_MIN_BYTES", "-5"),
                                           ("TORCHHPC_ACCL_START_PORT", "-1"), ("TORCHHPC_ACCL_BUFSIZE", "-7"),
                                           ("TORCHHPC_ACCL_SPIN_US", "abc")])
 def test_accl_options_refuse_what_their_variables_refuse(monkeypatch: pytest.MonkeyPatch, var: str, raw: str) -> None:

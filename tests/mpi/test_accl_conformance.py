@@ -80,9 +80,8 @@ def groups():
     world = dist.group.WORLD
     gloo = dist.new_group(backend="gloo")
     tiny = dist.new_group(backend="accl", pg_options=accl.AcclOptions(max_segment_bytes=64))
-    unchecked = dist.new_group(backend="accl",
-                               pg_options=accl.AcclOptions(check=False, max_segment_bytes=256))
-    yield {"world": world, "gloo": gloo, "tiny": tiny, "unchecked": unchecked}
+    ring = dist.new_group(backend="accl", pg_options=accl.AcclOptions(ring_min_bytes=0, max_segment_bytes=256))
+    yield {"world": world, "gloo": gloo, "tiny": tiny, "ring": ring}
     dist.destroy_process_group()
 
 
@@ -97,7 +96,7 @@ def test_init_without_master_addr(groups) -> None:
     assert isinstance(groups["world"], accl.ProcessGroupACCL)
 
 
-@pytest.mark.parametrize("group_name", ["world", "tiny", "unchecked"])
+@pytest.mark.parametrize("group_name", ["world", "tiny", "ring"])
 @pytest.mark.parametrize("n", [3, 129])
 def test_all_reduce_every_dtype_and_op(groups, group_name: str, n: int) -> None:
     g = groups[group_name]
@@ -169,7 +168,7 @@ def test_reduce_every_root(groups, group_name: str) -> None:
             assert torch.equal(t, mine), "non-root input must be left untouched"
 
 
-@pytest.mark.parametrize("group_name", ["world", "tiny", "unchecked"])
+@pytest.mark.parametrize("group_name", ["world", "tiny", "ring"])
 def test_broadcast_every_dtype_and_root(groups, group_name: str) -> None:
     g = groups[group_name]
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -224,7 +223,7 @@ def test_gather_and_scatter(groups, group_name: str) -> None:
         assert torch.equal(out, rank_data(100 + rank, 40, dtype, root))
 
 
-@pytest.mark.parametrize("group_name", ["world", "tiny", "unchecked"])
+@pytest.mark.parametrize("group_name", ["world", "tiny", "ring"])
 def test_reduce_scatter_list_and_tensor(groups, group_name: str) -> None:
     g = groups[group_name]
     rank, p = dist.get_rank(), dist.get_world_size()
@@ -349,7 +348,7 @@ def test_recv_any_source(groups) -> None:
 def test_barrier_and_subgroups(groups) -> None:
     rank, p = dist.get_rank(), dist.get_world_size()
     dist.barrier()
-    dist.barrier(group=groups["unchecked"])
+    dist.barrier(group=groups["ring"])
     evens = dist.new_group(ranks=list(range(0, p, 2)), backend="accl")
     odds = dist.new_group(ranks=list(range(1, p, 2)), backend="accl")
     mine = evens if rank % 2 == 0 else odds
@@ -466,19 +465,18 @@ def _run_five(g, dtype: torch.dtype, n: int, seed: int, contiguous: bool = True)
     assert torch.equal(got, torch.cat([f.view(p, n)[rank] for f in full])), ("all_to_all", dtype, n)
 
 
-@pytest.mark.parametrize("group_name", ["world", "tiny", "unchecked"])
+@pytest.mark.parametrize("group_name", ["world", "tiny", "ring"])
 def test_sync_fast_paths_every_dtype(groups, group_name: str, monkeypatch) -> None:
-    """Synchronous calls on contiguous CPU tensors skip the queue (checked groups; unchecked ones
-    too above one nonblocking call) and give the independently computed values for every dtype,
-    in one slot (fused), above it (header + blocking MPI) and, on "tiny", in many segments."""
+    """Synchronous calls on contiguous CPU tensors skip the queue and give the independently computed values for
+    every dtype, carried, above that (header + blocking MPI or, on "ring", accl's ring for every reduction) and, on
+    "tiny", in many segments."""
     g = groups[group_name]
     g.stats["max_call_bytes"] = 0
     for n in (3, 300):
         spy = _Submits(g, monkeypatch)
         for seed, dtype in enumerate(DTYPES):
             _run_five(g, dtype, n, seed)
-        if group_name != "unchecked":
-            assert spy.n == 0, f"{spy.n} synchronous calls were queued on an idle group"
+        assert spy.n == 0, f"{spy.n} synchronous calls were queued on an idle group"
         monkeypatch.undo()
     if group_name == "tiny":
         assert 0 < g.stats["max_call_bytes"] <= 64
@@ -562,9 +560,9 @@ def test_sync_call_behind_async_work_keeps_issue_order(groups, monkeypatch) -> N
 @pytest.mark.parametrize("n", [4, 600, 20_000])
 def test_sync_and_async_ranks_make_matching_calls(groups, n: int) -> None:
     """Rank 0 issues every call async (queued path), the others synchronously (fast path): both
-    paths must make the same MPI calls, in the slot, above it, and above blocking_min_bytes."""
+    paths must make the same MPI calls, carried, above that, and on accl's ring."""
     rank, p = dist.get_rank(), dist.get_world_size()
-    for name in ("world", "tiny", "unchecked"):
+    for name in ("world", "tiny", "ring"):
         g = groups[name]
         if name != "world" and n > 600:
             continue  # hundreds of 64/256 B segments per call: the small groups are covered at 600

@@ -66,16 +66,6 @@ class AcclOptions:
       call from 16 MiB), one call for data movement.
     - ``sidestep``: collectives that may fall back to MPI when the ACCL engine lacks them
       (for the dtype/op at hand); the others raise instead.
-    - ``check``: exchange a small header before each collective so that mismatched sizes,
-      dtypes, ops, roots or call order across ranks raise a clear error instead of hanging
-      or corrupting memory (one message each way per round of a recursive doubling; a small all_reduce,
-      broadcast, all_gather or reduce_scatter rides in it whole: up to 16 KiB on one node, 64 KiB across nodes,
-      ``torchhpc bench --plan``). Every other checked call then runs MPI's blocking (tuned) algorithms or accl's
-      ring: the header proved that every rank entered it.
-    - ``blocking_min_bytes``: with ``check`` off, a collective moving fewer bytes (and fitting one
-      segment) skips the header and runs as one nonblocking MPI call waited on against the group
-      timeout (the lowest latency); one moving at least this many exchanges the header anyway, as the
-      proof that every rank arrived, then runs MPI's blocking algorithms (faster on Open MPI).
     - ``ring_min_bytes``: all_reduce and reduce_scatter moving at least this many bytes run accl's own
       pipelined ring over point-to-point instead of MPI's algorithm. None (the default): accl's choice,
       reduce_scatter always (Open MPI's faults in a buffer of the whole input on every call), all_reduce
@@ -97,8 +87,6 @@ class AcclOptions:
     engine: str = field(default_factory=lambda: _env("TORCHHPC_ACCL_ENGINE"))
     max_segment_bytes: int | None = field(default_factory=lambda: _env("TORCHHPC_ACCL_MAX_SEGMENT_BYTES"))
     sidestep: frozenset[str] = field(default_factory=_env_sidestep)
-    check: bool = field(default_factory=lambda: _env("TORCHHPC_ACCL_CHECK"))
-    blocking_min_bytes: int = field(default_factory=lambda: _env("TORCHHPC_ACCL_BLOCKING_MIN_BYTES"))
     ring_min_bytes: int | None = field(default_factory=lambda: _env("TORCHHPC_ACCL_RING_MIN_BYTES"))
     spin_us: int | None = field(default_factory=lambda: _env("TORCHHPC_ACCL_SPIN_US"))
     flight_stacks: bool = field(default_factory=lambda: _env("TORCHHPC_ACCL_FLIGHT_STACKS"))
@@ -112,8 +100,7 @@ class AcclOptions:
         self.engine = str(self.engine).lower()
         if self.engine not in ("mpi", "accl"):
             raise ValueError(f"AcclOptions.engine must be 'mpi' or 'accl', got {self.engine!r}")
-        for name in ("max_segment_bytes", "ring_min_bytes", "spin_us", "blocking_min_bytes", "accl_start_port",
-                     "accl_bufsize"):  # the same ranges as their variables
+        for name in ("max_segment_bytes", "ring_min_bytes", "spin_us", "accl_start_port", "accl_bufsize"):  # the same ranges as their variables
             setting = settings.SETTINGS["TORCHHPC_ACCL_" + name.upper().removeprefix("ACCL_")]
             value = getattr(self, name)
             if (value is None and setting.default is None) or (isinstance(value, int) and setting.in_range(value)):
@@ -133,8 +120,7 @@ class AcclOptions:
         from . import core
 
         o = core.load_backend().Options()
-        o.max_segment_bytes, o.check = self.max_segment_bytes, self.check
-        o.blocking_min_bytes, o.ring_min_bytes = self.blocking_min_bytes, self.ring_min_bytes
+        o.max_segment_bytes, o.ring_min_bytes = self.max_segment_bytes, self.ring_min_bytes
         o.timeout, o.group_name = timeout, group_name
         o.sidestep, o.flight_stacks = sorted(self.sidestep), self.flight_stacks
         o.spin = timedelta(microseconds=default_spin_us() if self.spin_us is None else self.spin_us)
@@ -143,7 +129,7 @@ class AcclOptions:
 
 def plan(collective: str, nbytes: int, ranks: int, spans_nodes: bool, options: AcclOptions | None = None) -> str:
     """The path accl takes for one call (``carried``: whole in the header exchange; ``mpi``: the header, then
-    MPI's algorithm; ``ring``: the header, then accl's ring; ``nonblocking``: one nonblocking MPI call, no header),
+    MPI's algorithm; ``ring``: the header, then accl's ring),
     from the C++ backend's one choice point.  ``collective`` by the flight recorder's names (``all_reduce``,
     ``_all_gather_base``, ``all_to_all_single``...); ``nbytes`` what the call moves in all (all_gather's output,
     reduce_scatter's input)."""

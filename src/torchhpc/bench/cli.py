@@ -77,7 +77,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                     help="a title above the plot: what the run was (the machine, the link's rate)")
     ap.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
                     help="no run: print the tables (and --plot) of these --json files")
-    ap.add_argument("--no-check", action="store_true", help="accl without the cross-rank header check")
     ap.add_argument("--plan", action="store_true", help="no run: the path accl takes for each collective and size "
                     "at --np ranks, on one node and across nodes (TORCHHPC_ACCL_* apply)")
     return ap.parse_args(argv)
@@ -197,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD.Dup()
     rank, n = comm.Get_rank(), comm.Get_size()
     say = print if rank == 0 else (lambda *a, **k: None)
-    dist.init_process_group("accl", pg_options=accl.AcclOptions(check=not args.no_check))
+    dist.init_process_group("accl", pg_options=accl.AcclOptions())
     impls = [i for i in dict.fromkeys(args.impls.split(",")) if i in IMPLS]
     groups, skipped = runners.setup_groups(comm, impls, say)
     if not impls:
@@ -255,7 +254,7 @@ def _print_plan(args: argparse.Namespace) -> int:
     """accl's path for each collective and size at ``--np`` ranks: one node / across nodes."""
     from torchhpc.accl.options import AcclOptions, plan
 
-    opts = AcclOptions(check=not args.no_check)
+    opts = AcclOptions()
     colls = COLLECTIVES if args.collective in (None, "all") else (args.collective,)
     print(f"# accl's path per call at {args.np} ranks, one node / across nodes (docs/accl.md, 'How accl chooses')")
     print("#     size | " + " | ".join(f"{c:>25}" for c in colls))

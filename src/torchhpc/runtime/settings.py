@@ -75,8 +75,6 @@ class Setting:
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("TORCHHPC_ACCL_ENGINE", "choice", "mpi", "accl's engine", choices=("mpi", "accl")),
     Setting("TORCHHPC_ACCL_MAX_SEGMENT_BYTES", "int", None, "accl's largest engine call", low=8),
-    Setting("TORCHHPC_ACCL_CHECK", "bool", True, "accl's header check"),
-    Setting("TORCHHPC_ACCL_BLOCKING_MIN_BYTES", "int", 64 << 10, "accl's blocking threshold", low=0),
     Setting("TORCHHPC_ACCL_RING_MIN_BYTES", "int", None, "accl's ring threshold", low=0),
     Setting("TORCHHPC_ACCL_SPIN_US", "int", None, "accl's spin before yielding", low=0, high=10_000_000),
     Setting("TORCHHPC_ACCL_FLIGHT_STACKS", "bool", False, "accl's Python stacks in flight records"),

@@ -261,7 +261,7 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   ctl_ = dup(comm);
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
-  mpi_ = std::make_unique<MpiEngine>(coll_, [this](MPI_Request& req) { waitRequest(&req); });
+  mpi_ = std::make_unique<MpiEngine>(coll_);
   // whether the ranks span nodes: plan() then carries more per call and runs large all_reduces on accl's ring
   MPI_Comm node = MPI_COMM_NULL;
   ACCL_MPI(MPI_Comm_split_type, coll_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
@@ -501,13 +501,11 @@ void ProcessGroupACCL::run(Call& c) {
   c.fr.started();
   deadline_ = Clock::now() + opts_.timeout;
   c10::OptionalStreamGuard onCallerStream(c.stream);  // staging copies of device tensors (host())
-  mpi_->mode = c.path == Path::kNonblocking ? Mode::kNonblocking : Mode::kBlocking;
   (this->*c.body)(c);
 }
 
 template <typename F>
 void ProcessGroupACCL::blocking(const Call& c, F phase) {
-  if (c.path == Path::kNonblocking) return phase();
   blockedHead_ = c.head;
   blockedUntil_.store((deadline_ + std::chrono::seconds(1)).time_since_epoch().count());
   struct Unblock {

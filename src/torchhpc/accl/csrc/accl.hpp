@@ -101,9 +101,14 @@ constexpr int64_t kSlotBytes = kHeaderBytes + kPayloadBytes;
 constexpr int64_t kCarryBytes = (64 << 10) - 256;
 constexpr int64_t kNodeCarryBytes = 16 << 10;
 inline int64_t carryBytes(bool spansNodes) { return spansNodes ? kCarryBytes : kNodeCarryBytes; }
-// the largest message Open MPI's shared-memory transport sends eagerly (4 KiB fragments less its own headers; one
-// byte more and it is sent by rendezvous, a handshake that costs more than a second message)
+// the largest message this MPI's shared-memory transport sends eagerly (one byte more and it is sent by rendezvous, a
+// handshake that costs more than a second message): Open MPI's 4 KiB fragments less its own headers; MPICH's
+// cells (MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE, 68 KiB since 4.1) hold any carried call whole
+#if defined(OPEN_MPI)
 constexpr int64_t kEagerBytes = (4 << 10) - 128;
+#else
+constexpr int64_t kEagerBytes = 64 << 10;
+#endif
 constexpr int64_t kInlineBytes = kEagerBytes - kHeaderBytes;  // carried data that shares the prefix's message
 constexpr int kCompareAll = 8;   // every field but `extra`
 constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes checked on its byte matrix)
@@ -207,15 +212,11 @@ class Engine {
   std::string name_;
 };
 
-// How MPI is called: blocking (after the header exchange proved that every rank entered this call) or
-// nonblocking, the request waited on against the group deadline (small unchecked calls, which skip the header).
-enum class Mode { kBlocking, kNonblocking };
-
+// MPI's blocking calls, made once the header exchange proved that every rank entered the call (the group's
+// watchdog ends the job if a peer is lost inside one).
 class MpiEngine final : public Engine {
  public:
-  using Wait = std::function<void(MPI_Request&)>;
-  MpiEngine(MPI_Comm comm, Wait wait);
-  Mode mode = Mode::kBlocking;  // set by the group for each call
+  explicit MpiEngine(MPI_Comm comm);
   bool supports(OpType, at::ScalarType, std::optional<RedOpType>) const override { return true; }
   void allreduce(const Seg& buf, const Reduction& r) override;
   void reduce(const Seg& buf, const Reduction& r, int root) override;
@@ -228,18 +229,13 @@ class MpiEngine final : public Engine {
   void alltoall(const void* src, int bytes, void* dst);  // `bytes` to and from every rank
   void alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd);
   void allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs);
-  void barrier();
 
  private:
-  // one MPI call in the engine's mode: `blocking()` or `nonblocking(&req)`, then the wait
-  template <typename B, typename N>
-  void call(const char* fn, B blocking, N nonblocking);
   // rank r's row of `rows` as byte counts and displacements for the v-variant calls (not a resized datatype:
   // Open MPI 5.0's hierarchical all_gather across nodes mis-delivered the last blocks of one)
   void blocks(const Seg& rows, int bytes);
   MPI_Comm comm_;
   int rank_ = 0, size_ = 1;
-  Wait wait_;
   std::vector<int> counts_, displs_;
   at::Tensor scratch_;  // reduce_scatter's rows, copied together (one segment, kept)
 };
@@ -340,9 +336,8 @@ enum class Path {
   kCarried,      // whole in the header exchange: the exchange is the call (small calls on MPI)
   kMpi,          // the header exchange, then the engine's blocking calls segment by segment
   kRing,         // the header exchange, then accl's pipelined ring (large reductions, ring.cpp)
-  kNonblocking,  // no header (unchecked and small): one nonblocking MPI call waited on against the deadline
 };
-extern const char* const kPathNames[4];
+extern const char* const kPathNames[3];
 
 // How a small call's data rides in the header exchange (exchange.cpp): reduced (all_reduce, reduce_scatter), sent
 // from the root (broadcast), or every rank's block gathered (all_gather, all_to_all's byte matrix).
@@ -398,8 +393,6 @@ struct P2P {
 // defaults, ranges and reasons live there and in torchhpc.settings, none here.
 struct Config {
   std::optional<int64_t> maxSegmentBytes;  // the user's cap on one engine call's buffer (none: segmentFor)
-  bool check = true;                       // exchange the header before every collective
-  int64_t blockingMinBytes = 0;            // unchecked calls from this size exchange the header, then block
   std::optional<int64_t> ringMinBytes;     // reductions from this size run accl's ring (none: plan()'s choice)
   std::chrono::milliseconds timeout{0};    // the group's deadline for every wait on peers
   std::string groupName;
@@ -528,8 +521,8 @@ class ProcessGroupACCL : public c10d::Backend {
   void runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);  // marks the group busy meanwhile
   void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
   void run(Call& call);                      // the call's body on the caller's stream, against its deadline; throws
-  // the call's header exchange, carrying `carry` on the carried path (none on the nonblocking path); true when the
-  // data rode with it (the exchange was the call)
+  // the call's header exchange, carrying `carry` on the carried path; true when the data rode with it (the
+  // exchange was the call)
   bool header(Call& c, const Carry& carry = {});
   // the data phase after a header: MPI's blocking calls, watched against the deadline, without the caller's GIL
   template <typename F>

@@ -48,16 +48,12 @@ bool rings(T t, int64_t bytes, int ranks, bool spansNodes, const Config& o) {
 
 // ============================================================================================== the plan
 
-const char* const kPathNames[4] = {"carried", "mpi", "ring", "nonblocking"};
+const char* const kPathNames[3] = {"carried", "mpi", "ring"};
 
 Path plan(OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, const Config& o) {
-  if (type == T::BARRIER) return o.check ? Path::kCarried : Path::kNonblocking;  // the checked exchange is one
+  if (type == T::BARRIER) return Path::kCarried;  // the header exchange is a barrier
   // all_to_all's byte matrix and a sparse tensor's sizes are always exchanged before the data
   if (type == T::ALLTOALL || type == T::ALLTOALL_BASE || type == T::_ALLREDUCE_SPARSE) return Path::kMpi;
-  // unchecked, a call that fits one nonblocking call below blocking_min_bytes skips the header; a larger one
-  // exchanges it anyway, the proof that every rank entered before MPI's blocking algorithms run
-  const bool oneCall = !o.maxSegmentBytes || bytes <= *o.maxSegmentBytes;
-  if (!o.check && oneCall && bytes < o.blockingMinBytes) return Path::kNonblocking;
   if (!onMpi) return Path::kMpi;  // another engine: its own calls after the header
   if (rides(type, bytes, spansNodes, o)) return Path::kCarried;
   return rings(type, bytes, ranks, spansNodes, o) ? Path::kRing : Path::kMpi;
@@ -76,7 +72,6 @@ WorkPtr ProcessGroupACCL::start(Call* made, OpType type, Engine* eng, int64_t by
 }
 
 bool ProcessGroupACCL::header(Call& c, const Carry& carry) {
-  if (c.path == Path::kNonblocking) return false;
   exchange(c, c.path == Path::kCarried ? carry : Carry{});
   return c.path == Path::kCarried;
 }
@@ -507,7 +502,7 @@ void ProcessGroupACCL::alltoallBody(Call& c) {
   } else {
     exchange(c, {});
     stats_.count(p * row);
-    mpi_->allgather({reinterpret_cast<char*>(mine.data()), row}, {all, row, at::kByte, p, row});
+    blocking(c, [&] { mpi_->allgather({reinterpret_cast<char*>(mine.data()), row}, {all, row, at::kByte, p, row}); });
   }
   bool even = false;
   const int64_t most = checkAlltoallMatrix(reinterpret_cast<const int64_t*>(all), 2 * p, p, &even);
@@ -572,9 +567,9 @@ WorkPtr ProcessGroupACCL::alltoall(Tensors& outputs,
 
 // ============================================================================================== barrier
 
-// Checked: the header exchange is itself a full synchronisation.  Unchecked: MPI's (nonblocking) barrier.
+// The header exchange is itself a full synchronisation.
 void ProcessGroupACCL::barrierBody(Call& c) {
-  if (!header(c)) mpi_->barrier();
+  header(c);
 }
 
 WorkPtr ProcessGroupACCL::barrier(const c10d::BarrierOptions& opts) {

@@ -1,5 +1,5 @@
-// The MPI engine: one MPI call per segment on host tensors, blocking after a header exchange, nonblocking and
-// waited on against the group deadline without one; and the one MPI error path (MpiCallError).
+// The MPI engine: one blocking MPI call per segment on host tensors, after the header exchange; and the one MPI
+// error path (MpiCallError).
 #include "accl.hpp"
 
 #include <climits>
@@ -32,36 +32,24 @@ void Engine::recv(const Seg&, int, int) {
   throw c10::NotImplementedError("accl: the " + name() + " engine has no recv");
 }
 
-MpiEngine::MpiEngine(MPI_Comm comm, Wait wait) : Engine("mpi"), comm_(comm), wait_(std::move(wait)) {
+MpiEngine::MpiEngine(MPI_Comm comm) : Engine("mpi"), comm_(comm) {
   ACCL_MPI(MPI_Comm_rank, comm, &rank_);
   ACCL_MPI(MPI_Comm_size, comm, &size_);
 }
 
-template <typename B, typename N>
-void MpiEngine::call(const char* fn, B blocking, N nonblocking) {
-  if (mode == Mode::kBlocking) return mpiCheck(blocking(), fn);
-  MPI_Request req = MPI_REQUEST_NULL;
-  mpiCheck(nonblocking(&req), fn);
-  wait_(req);
-}
-
-// both forms of one MPI collective, e.g. ACCL_BOTH(MPI_Allreduce, MPI_Iallreduce, args...)
-#define ACCL_BOTH(fn, ifn, ...) \
-  call(#fn, [&] { return fn(__VA_ARGS__); }, [&](MPI_Request* q) { return ifn(__VA_ARGS__, q); })
-
 void MpiEngine::allreduce(const Seg& b, const Reduction& r) {
-  ACCL_BOTH(MPI_Allreduce, MPI_Iallreduce, MPI_IN_PLACE, b.data, static_cast<int>(b.count), r.type, r.mpiOp, comm_);
+  ACCL_MPI(MPI_Allreduce, MPI_IN_PLACE, b.data, static_cast<int>(b.count), r.type, r.mpiOp, comm_);
 }
 
 void MpiEngine::reduce(const Seg& b, const Reduction& r, int root) {
   // the root reduces in place; the others' buffers are only read
   const void* s = rank_ == root ? MPI_IN_PLACE : b.data;
   void* d = rank_ == root ? b.data : nullptr;
-  ACCL_BOTH(MPI_Reduce, MPI_Ireduce, s, d, static_cast<int>(b.count), r.type, r.mpiOp, root, comm_);
+  ACCL_MPI(MPI_Reduce, s, d, static_cast<int>(b.count), r.type, r.mpiOp, root, comm_);
 }
 
 void MpiEngine::broadcast(const Seg& b, int root) {
-  ACCL_BOTH(MPI_Bcast, MPI_Ibcast, b.data, static_cast<int>(b.bytes()), MPI_BYTE, root, comm_);
+  ACCL_MPI(MPI_Bcast, b.data, static_cast<int>(b.bytes()), MPI_BYTE, root, comm_);
 }
 
 void MpiEngine::blocks(const Seg& rows, int bytes) {
@@ -77,26 +65,23 @@ void MpiEngine::allgather(const Seg& send, const Seg& rows) {
   // the input already in place (all_gather_into_tensor of a shard of the output, as FSDP calls it)
   const void* s = send.data == rows.row(rank_) ? MPI_IN_PLACE : send.data;
   if (rows.stride == bytes) {
-    ACCL_BOTH(MPI_Allgather, MPI_Iallgather, s, bytes, MPI_BYTE, rows.data, bytes, MPI_BYTE, comm_);
+    ACCL_MPI(MPI_Allgather, s, bytes, MPI_BYTE, rows.data, bytes, MPI_BYTE, comm_);
     return;
   }
   blocks(rows, bytes);  // rank r's block at rows.row(r)
-  ACCL_BOTH(MPI_Allgatherv, MPI_Iallgatherv, s, bytes, MPI_BYTE, rows.data, counts_.data(), displs_.data(), MPI_BYTE,
-            comm_);
+  ACCL_MPI(MPI_Allgatherv, s, bytes, MPI_BYTE, rows.data, counts_.data(), displs_.data(), MPI_BYTE, comm_);
 }
 
 void MpiEngine::gather(const Seg& send, const Seg& rows, int root) {
   const int bytes = static_cast<int>(send.bytes());
   blocks(rows, bytes);
-  ACCL_BOTH(MPI_Gatherv, MPI_Igatherv, send.data, bytes, MPI_BYTE, rows.data, counts_.data(), displs_.data(),
-            MPI_BYTE, root, comm_);
+  ACCL_MPI(MPI_Gatherv, send.data, bytes, MPI_BYTE, rows.data, counts_.data(), displs_.data(), MPI_BYTE, root, comm_);
 }
 
 void MpiEngine::scatter(const Seg& rows, const Seg& recv, int root) {
   const int bytes = static_cast<int>(recv.bytes());
   blocks(rows, bytes);
-  ACCL_BOTH(MPI_Scatterv, MPI_Iscatterv, rows.data, counts_.data(), displs_.data(), MPI_BYTE, recv.data, bytes,
-            MPI_BYTE, root, comm_);
+  ACCL_MPI(MPI_Scatterv, rows.data, counts_.data(), displs_.data(), MPI_BYTE, recv.data, bytes, MPI_BYTE, root, comm_);
 }
 
 void MpiEngine::reduceScatter(const Seg& rows, const Seg& recv, const Reduction& r) {
@@ -108,24 +93,19 @@ void MpiEngine::reduceScatter(const Seg& rows, const Seg& recv, const Reduction&
     src = ptr(scratch_);
     for (int k = 0; k < size_; ++k) std::memcpy(src + k * bytes, rows.row(k), bytes);
   }
-  ACCL_BOTH(MPI_Reduce_scatter_block, MPI_Ireduce_scatter_block, src, recv.data, static_cast<int>(recv.count), r.type,
-            r.mpiOp, comm_);
+  ACCL_MPI(MPI_Reduce_scatter_block, src, recv.data, static_cast<int>(recv.count), r.type, r.mpiOp, comm_);
 }
 
 void MpiEngine::alltoall(const void* src, int bytes, void* dst) {
-  ACCL_BOTH(MPI_Alltoall, MPI_Ialltoall, src, bytes, MPI_BYTE, dst, bytes, MPI_BYTE, comm_);
+  ACCL_MPI(MPI_Alltoall, src, bytes, MPI_BYTE, dst, bytes, MPI_BYTE, comm_);
 }
 
 void MpiEngine::alltoallv(const void* src, const int* sc, const int* sd, void* dst, const int* rc, const int* rd) {
-  ACCL_BOTH(MPI_Alltoallv, MPI_Ialltoallv, src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_);
+  ACCL_MPI(MPI_Alltoallv, src, sc, sd, MPI_BYTE, dst, rc, rd, MPI_BYTE, comm_);
 }
 
 void MpiEngine::allgatherv(const void* src, int bytes, void* dst, const int* counts, const int* displs) {
-  ACCL_BOTH(MPI_Allgatherv, MPI_Iallgatherv, src, bytes, MPI_BYTE, dst, counts, displs, MPI_BYTE, comm_);
-}
-
-void MpiEngine::barrier() {
-  call("MPI_Barrier", [&] { return MPI_Barrier(comm_); }, [&](MPI_Request* q) { return MPI_Ibarrier(comm_, q); });
+  ACCL_MPI(MPI_Allgatherv, src, bytes, MPI_BYTE, dst, counts, displs, MPI_BYTE, comm_);
 }
 
 }  // namespace torchhpc::accl

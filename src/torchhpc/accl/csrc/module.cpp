@@ -149,8 +149,6 @@ void defineOptions(py::module_ m) {
   py::class_<accl::Config>(m, "Options")
       .def(py::init<>())
       .def_readwrite("max_segment_bytes", &accl::Config::maxSegmentBytes)
-      .def_readwrite("check", &accl::Config::check)
-      .def_readwrite("blocking_min_bytes", &accl::Config::blockingMinBytes)
       .def_readwrite("ring_min_bytes", &accl::Config::ringMinBytes)
       .def_readwrite("timeout", &accl::Config::timeout)
       .def_readwrite("group_name", &accl::Config::groupName)
