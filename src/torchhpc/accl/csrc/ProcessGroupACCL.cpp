@@ -267,9 +267,8 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
   ACCL_MPI(MPI_Comm_split_type, coll_, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   spansNodes_ = commInt(MPI_Comm_size, "MPI_Comm_size", node) < size_;
   ACCL_MPI(MPI_Comm_free, &node);
-  body_.assign(wire::carryBytes(spansNodes_), 0);  // a peer's size is checked against it before use
-  out_.assign(wire::kHeaderBytes + (spansNodes_ ? body_.size() : wire::kInlineBytes), 0);
-  in_.assign(out_.size(), 0);
+  out_.assign(wire::kHeaderBytes + wire::carryBytes(spansNodes_), 0);
+  in_.assign(out_.size(), 0);  // a peer's size is checked against it before use
   void* ub = nullptr;
   int flag = 0;
   ACCL_MPI(MPI_Comm_get_attr, MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
@@ -520,7 +519,7 @@ void ProcessGroupACCL::blocking(const Call& c, F phase) {
 }
 
 char* ProcessGroupACCL::carryBuffer() {
-  if (!carry_.defined()) carry_ = at::empty({static_cast<int64_t>(body_.size())}, at::kByte);
+  if (!carry_.defined()) carry_ = at::empty({wire::carryBytes(spansNodes_)}, at::kByte);
   return ptr(carry_);
 }
 

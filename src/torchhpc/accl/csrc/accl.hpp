@@ -101,22 +101,13 @@ constexpr int64_t kSlotBytes = kHeaderBytes + kPayloadBytes;
 constexpr int64_t kCarryBytes = (64 << 10) - 256;
 constexpr int64_t kNodeCarryBytes = 16 << 10;
 inline int64_t carryBytes(bool spansNodes) { return spansNodes ? kCarryBytes : kNodeCarryBytes; }
-// the largest message this MPI's shared-memory transport sends eagerly (one byte more and it is sent by rendezvous, a
-// handshake that costs more than a second message): Open MPI's 4 KiB fragments less its own headers; MPICH's
-// cells (MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_CELL_SIZE, 68 KiB since 4.1) hold any carried call whole
-#if defined(OPEN_MPI)
-constexpr int64_t kEagerBytes = (4 << 10) - 128;
-#else
-constexpr int64_t kEagerBytes = 64 << 10;
-#endif
-constexpr int64_t kInlineBytes = kEagerBytes - kHeaderBytes;  // carried data that shares the prefix's message
 constexpr int kCompareAll = 8;   // every field but `extra`
 constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes checked on its byte matrix)
 struct Header {  // kind: the c10d::OpType (its name: collName)
   int64_t magic = kMagic, kind = 0, seq = 0, dtype = 0, op = 0, root = 0, nbytes = 0, numel = 0, extra = 0;
 };
 // One message of the header exchange starts with it (kHeaderBytes); `bytes` of data follow, in the same message
-// up to kInlineBytes, else in one of their own.
+// in the same message.
 struct Prefix {
   Header head;        // the sender's header (every rank it has heard from agreed with it)
   int64_t bad = 0;    // 1: some rank's header differs from another's
@@ -536,10 +527,10 @@ class ProcessGroupACCL : public c10d::Backend {
   void doubling(Xchg& x);                    // recursive doubling, the ranks past a power of two folded in
   // one message each way with `peer` (or one way), merged into x (`result`: the data received is the result)
   void step(Xchg& x, int peer, bool send, bool recv, bool result = false);
-  void post(const Xchg& x, int peer, MPI_Request* out);         // this rank's message (and pieces) to `peer`
-  void take(Xchg& x, int peer, MPI_Request* reqs, bool result);  // the peer's, then every request of the step
+  void post(const Xchg& x, int peer, MPI_Request* out);  // this rank's message to `peer`
+  void take(Xchg& x, int peer, MPI_Request* in, MPI_Request* out, bool result);  // the peer's, then this rank's
   // a peer's size that is neither what this rank expects nor (a disagreeing peer's) drainable: raise, leave
-  void checkReadable(int peer, int64_t bytes, bool same, bool agreed, MPI_Request* reqs);
+  void checkReadable(int peer, int64_t bytes, bool same, bool agreed, MPI_Request* out);
   [[noreturn]] void refuse(const Call& call);         // every rank's header gathered, then the MismatchError
   // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
   bool testUntil(MPI_Request* reqs, int n, Clock::time_point deadline);
@@ -606,7 +597,7 @@ class ProcessGroupACCL : public c10d::Backend {
   MPI_Comm coll_ = MPI_COMM_NULL, ctl_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
   std::unique_ptr<MpiEngine> mpi_;
   std::shared_ptr<Engine> engine_;         // null: MPI
-  std::vector<char> out_, in_, body_;  // the exchange's messages: sent, received, received data
+  std::vector<char> out_, in_;  // the exchange's messages: sent, received (a header and up to carryBytes())
   std::vector<char> ringScratch_, ringPartial_;  // the ring's chunks in flight; reduce_scatter's partial sums
   at::Tensor carry_;                              // carryBuffer()'s memory
   bool spansNodes_ = false;                       // the group's ranks are on more than one node

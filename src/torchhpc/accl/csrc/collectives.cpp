@@ -29,10 +29,10 @@ bool isAllreduce(T t) { return t == T::ALLREDUCE || t == T::ALLREDUCE_COALESCED;
 
 // Small calls ride whole in the header exchange (on MPI, within wire::carryBytes and max_segment_bytes): all_reduce,
 // broadcast and all_gather, and reduce_scatter, which sends every rank's whole input there (p times what it needs),
-// so across nodes only while that fits a within-node prefix (else the ring sends its 1/p).
+// so across nodes only up to 3,840 bytes (else the ring sends its 1/p: docs/accl.md)
 bool rides(T t, int64_t bytes, bool spansNodes, const Config& o) {
   const bool kind = isAllreduce(t) || t == T::BROADCAST || t == T::ALLGATHER || t == T::_ALLGATHER_BASE ||
-                    (isReduceScatter(t) && (!spansNodes || bytes <= wire::kInlineBytes));
+                    (isReduceScatter(t) && (!spansNodes || bytes <= 3840));
   const int64_t most = wire::carryBytes(spansNodes);
   return kind && bytes <= std::min(most, o.maxSegmentBytes.value_or(most));
 }

@@ -32,26 +32,8 @@ struct Xchg {
 
 namespace {
 
-constexpr int kTagPrefix = 16, kTagData = 17;  // on the control communicator (the monitored barrier's: 1, 2)
-constexpr int64_t kInline = wire::kInlineBytes;
+constexpr int kTagPrefix = 16;  // on the control communicator (the monitored barrier's: 1, 2)
 static_assert(sizeof(wire::Prefix) <= wire::kHeaderBytes);
-// Within one node, data beyond the prefix's message travels in pieces that are each one eager message too (Open
-// MPI's shared-memory transport sends a larger message by rendezvous, whose handshake costs more than the extra
-// messages).  Across nodes the prefix's message carries all of it: Open MPI's TCP transport sends up to 64 KiB
-// eagerly, and a second message costs a second trip through the network.
-constexpr int kMaxPieces = (wire::kNodeCarryBytes - kInline + wire::kEagerBytes - 1) / wire::kEagerBytes;
-
-struct Split {
-  int64_t head = 0;  // in the prefix's message
-  int count = 0;     // pieces of kEagerBytes (the last may be shorter)
-  int64_t at(int k) const { return head + k * wire::kEagerBytes; }
-  int64_t len(int k, int64_t bytes) const { return std::min(wire::kEagerBytes, bytes - at(k)); }
-};
-
-Split piecesOf(int64_t bytes, bool acrossNodes) {
-  const int64_t head = acrossNodes ? bytes : std::min(bytes, kInline);
-  return {head, static_cast<int>((bytes - head + wire::kEagerBytes - 1) / wire::kEagerBytes)};
-}
 
 // the data this rank sends now (none once a mismatch is known: only the verdict matters then)
 std::pair<const char*, int64_t> outgoing(const Xchg& x) {
@@ -122,13 +104,11 @@ void ProcessGroupACCL::doubling(Xchg& x) {
 }
 
 void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result) {
-  MPI_Request reqs[2 + 2 * kMaxPieces];  // the prefix in, its pieces in; the prefix out, its pieces out
-  std::fill(std::begin(reqs), std::end(reqs), MPI_REQUEST_NULL);
-  MPI_Request* const out = reqs + 1 + kMaxPieces;
-  if (recv) ACCL_MPI(MPI_Irecv, in_.data(), static_cast<int>(in_.size()), MPI_BYTE, peer, kTagPrefix, ctl_, &reqs[0]);
-  if (send) post(x, peer, out);
-  if (recv) take(x, peer, reqs, result);
-  waitRequest(out, 1 + kMaxPieces, peer);
+  MPI_Request in = MPI_REQUEST_NULL, out = MPI_REQUEST_NULL;
+  if (recv) ACCL_MPI(MPI_Irecv, in_.data(), static_cast<int>(in_.size()), MPI_BYTE, peer, kTagPrefix, ctl_, &in);
+  if (send) post(x, peer, &out);
+  if (recv) take(x, peer, &in, &out, result);
+  waitRequest(&out, 1, peer);
 }
 
 void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
@@ -139,47 +119,32 @@ void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
   const int64_t garbled = 0;
 #endif
   const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes + garbled, x.lo, x.hi};
-  const Split sp = piecesOf(bytes, spansNodes_);
   std::memcpy(out_.data(), &pre, sizeof pre);
-  if (sp.head) std::memcpy(out_.data() + wire::kHeaderBytes, src, sp.head);
-  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(wire::kHeaderBytes + sp.head), MPI_BYTE, peer, kTagPrefix, ctl_,
-           &out[0]);
-  for (int k = 0; k < sp.count; ++k)
-    ACCL_MPI(MPI_Isend, src + sp.at(k), static_cast<int>(sp.len(k, bytes)), MPI_BYTE, peer, kTagData, ctl_,
-             &out[1 + k]);
+  if (bytes) std::memcpy(out_.data() + wire::kHeaderBytes, src, bytes);
+  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(wire::kHeaderBytes + bytes), MPI_BYTE, peer, kTagPrefix, ctl_,
+           out);
 }
 
-void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* reqs, bool result) {
-  waitRequest(&reqs[0], 1, peer);
+void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* in, MPI_Request* out, bool result) {
+  waitRequest(in, 1, peer);
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
   // a size from a peer is used only once checked: with the same header it must be exactly what this rank expects,
   // else (a disagreeing peer's, drained) fit the buffer; one that does neither is garbled, and nothing of it is read
   const bool same = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
   const bool agreed = same && layoutAgrees(x, pre, size_);
-  checkReadable(peer, pre.bytes, same, agreed, reqs);
-  const Split sp = piecesOf(pre.bytes, spansNodes_);
-  const char* src = in_.data() + wire::kHeaderBytes;  // all of it when it came in one message
-  if (sp.count) {  // the pieces: into place, or drained from a peer that disagreed
-    // an agreed peer's data lands in place, except a partial reduction (into body_, then reduced)
-    char* into = !agreed || x.carry.ride == Ride::kReduce ? body_.data()
-                 : x.data + (x.carry.ride == Ride::kGather ? pre.lo * x.carry.bytes : 0);
-    std::memcpy(into, src, sp.head);
-    for (int k = 0; k < sp.count; ++k)
-      ACCL_MPI(MPI_Irecv, into + sp.at(k), static_cast<int>(sp.len(k, pre.bytes)), MPI_BYTE, peer, kTagData, ctl_,
-               &reqs[1 + k]);
-    src = into;
-  }
-  waitRequest(reqs, 2 + 2 * kMaxPieces, peer);  // this rank's data is sent before it is reduced into
+  checkReadable(peer, pre.bytes, same, agreed, out);
+  waitRequest(out, 1, peer);  // this rank's data is sent before it is reduced into
   x.bad = !agreed;
-  if (agreed && pre.bytes) absorb(x, pre, src, result);
+  if (agreed && pre.bytes) absorb(x, pre, in_.data() + wire::kHeaderBytes, result);
 }
 
-void ProcessGroupACCL::checkReadable(int peer, int64_t bytes, bool same, bool agreed, MPI_Request* reqs) {
-  if (same == agreed && bytes >= 0 && (agreed || bytes <= static_cast<int64_t>(body_.size()))) return;
+void ProcessGroupACCL::checkReadable(int peer, int64_t bytes, bool same, bool agreed, MPI_Request* out) {
+  const int64_t room = static_cast<int64_t>(in_.size()) - wire::kHeaderBytes;
+  if (same == agreed && bytes >= 0 && bytes <= room) return;
   // garbled, not a disagreement: only this rank saw it, so it cannot be refused together; this rank's sends
   // complete, then it leaves the group (its peers meet their deadline, as with a rank that died)
-  waitRequest(reqs + 1 + kMaxPieces, 1 + kMaxPieces, peer);
+  waitRequest(out, 1, peer);
   const c10::DistBackendError e("accl: garbled header-exchange message from rank " + std::to_string(peer) + " (" +
                                 std::to_string(bytes) + " bytes); group '" + groupName() + "' aborted on this rank");
   abortWith(e.what(), std::make_exception_ptr(e));
