@@ -86,7 +86,7 @@ lint: $(PY) ## ruff; no Python function above radon grade C; no accl C++ functio
 	@out=$$($(VENV)/bin/radon cc --min D --show-complexity src/torchhpc); \
 	 if [[ -n "$$out" ]]; then printf 'functions above radon grade C (complexity > 20):\n%s\n' "$$out" >&2; \
 	 exit 1; fi
-	@$(VENV)/bin/lizard -C 15 -L 60 -w src/torchhpc/accl/csrc/*.cpp
+	@$(VENV)/bin/lizard -C 15 -L 60 -w src/torchhpc/accl/csrc/*.cpp src/torchhpc/accl/csrc/*.hpp
 	@if command -v shellcheck >/dev/null; then shellcheck -x $$(ls *.sh utils/*.sh utils/*/*.sh 2>/dev/null) utils/vcluster/ssh .ci/run; \
 	 else echo "shellcheck not installed; skipped"; fi
 

@@ -35,16 +35,11 @@ def test_complexity_at_most_grade_c() -> None:
     assert "radon cc --min D" in make.stdout, "make lint no longer runs the complexity bound"
 
 
-# accl's csrc/*.cpp in lizard's NLOC: 1,736 when the first bound (1,800) was set; 1,975 once small collectives ran
-# as accl's own recursive doubling with the header and large reductions as its own ring (PyTorch's
-# ProcessGroupMPI.cpp: 886; the breakdown is in docs/development.md); 2,107 with every call in torch's flight
-# recorder (flight.cpp, 94); 2,153 with the watchdog that ends a job whose blocking collective lost a peer (no
-# hang); 2,175 with MPI_Alltoall for even all_to_all splits (MPICH's Alltoallv is 2-3x slower at 1-4 MiB); 2,234
-# with flight entries written into torch's ring by accl (0.8 us less per call than torch's record()), the wait's
-# spin option and small calls in one message across nodes (broadcast at 4 KiB: raw + 15.5 -> + 6.7 us); 2,245 with
-# all_to_all's blocks sized by the group's previous call (4 KiB across nodes at 10 Gbit/s: 33 -> 19 us).
-# Growth past it should buy something a user can name.
-CSRC_NLOC_BOUND = 2250
+# accl's csrc counted whole (.cpp and .hpp) in lizard's NLOC.  The .cpp files alone grew from 1,736 to 2,245 under
+# a bound raised seven times to fit them; counted whole they were 2,710.  The bound below is fixed where the code
+# came back to, and only ever lowered: the goal is 2,000, and growth pays for itself by deletion (what the lines
+# beyond upstream's ProcessGroupMPI.cpp buy: docs/development.md).
+CSRC_NLOC_BOUND = 2600
 
 
 def test_accl_backend_shape() -> None:
@@ -53,7 +48,8 @@ def test_accl_backend_shape() -> None:
     lizard = Path(sys.executable).with_name("lizard")
     if not lizard.exists():
         pytest.skip("lizard not installed in this environment (make env installs it)")
-    files = sorted(str(p) for p in (ROOT / "src/torchhpc/accl/csrc").glob("*.cpp"))
+    csrc = ROOT / "src/torchhpc/accl/csrc"
+    files = sorted(str(p) for p in [*csrc.glob("*.cpp"), *csrc.glob("*.hpp")])
     res = subprocess.run([str(lizard), "--csv", *files], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     rows = [line.split(",") for line in res.stdout.splitlines() if line.strip()]

@@ -100,7 +100,8 @@ class AcclOptions:
         self.engine = str(self.engine).lower()
         if self.engine not in ("mpi", "accl"):
             raise ValueError(f"AcclOptions.engine must be 'mpi' or 'accl', got {self.engine!r}")
-        for name in ("max_segment_bytes", "ring_min_bytes", "spin_us", "accl_start_port", "accl_bufsize"):  # the same ranges as their variables
+        for name in ("max_segment_bytes", "ring_min_bytes", "spin_us", "accl_start_port", "accl_bufsize"):
+            # the same ranges as their variables
             setting = settings.SETTINGS["TORCHHPC_ACCL_" + name.upper().removeprefix("ACCL_")]
             value = getattr(self, name)
             if (value is None and setting.default is None) or (isinstance(value, int) and setting.in_range(value)):

@@ -323,15 +323,9 @@ const at::Tensor& ProcessGroupACCL::one(const Tensors& ts, const char* what) con
   return ts[0];
 }
 
-void ProcessGroupACCL::checkRoot(int64_t root, const char* what) const {
-  if (root < 0 || root >= size_)
-    valueError("accl: " + std::string(what) + " root " + std::to_string(root) + " is not a rank of this group (size " +
-               std::to_string(size_) + ")");
-}
-
-void ProcessGroupACCL::checkPeer(int peer, const char* what, const char* name) const {
-  if (peer < 0 || peer >= size_)
-    valueError("accl: " + std::string(what) + " " + name + "=" + std::to_string(peer) +
+void ProcessGroupACCL::checkRank(int64_t rank, const char* what, const char* name) const {
+  if (rank < 0 || rank >= size_)
+    valueError("accl: " + std::string(what) + " " + name + "=" + std::to_string(rank) +
                " is not a rank of this group (size " + std::to_string(size_) + ")");
 }
 

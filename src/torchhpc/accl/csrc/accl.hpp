@@ -470,8 +470,7 @@ class ProcessGroupACCL : public c10d::Backend {
  private:
   // ---- argument checks, written once
   const at::Tensor& one(const Tensors& ts, const char* what) const;
-  void checkRoot(int64_t root, const char* what) const;
-  void checkPeer(int peer, const char* what, const char* name) const;
+  void checkRank(int64_t rank, const char* what, const char* name) const;  // a root, src or dst of this group
   void checkTag(int tag) const;
   void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* what) const;
   void checkList(const Tensors& list, const at::Tensor& ref, const char* what,

@@ -203,7 +203,7 @@ WorkPtr ProcessGroupACCL::broadcast(Tensors& tensors,
                                                            const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = one(tensors, "broadcast");
   if (opts.rootTensor != 0) valueError("accl: broadcast rootTensor must be 0, got " + std::to_string(opts.rootTensor));
-  checkRoot(opts.rootRank, "broadcast");
+  checkRank(opts.rootRank, "broadcast", "root");
   checkOpen();
   const int64_t bytes = t.nbytes();
   return start(new Call{.head = callHeader(OpType::BROADCAST, t.scalar_type(), opts.rootRank, bytes, t.numel()),
@@ -229,7 +229,7 @@ void ProcessGroupACCL::reduceBody(Call& c) {
 WorkPtr ProcessGroupACCL::reduce(Tensors& tensors,
                                                         const c10d::ReduceOptions& opts) {
   const at::Tensor& t = one(tensors, "reduce");
-  checkRoot(opts.rootRank, "reduce");
+  checkRank(opts.rootRank, "reduce", "root");
   const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "reduce");
   checkOpen();
   const int64_t bytes = t.numel() * static_cast<int64_t>(red.esz);
@@ -405,7 +405,7 @@ WorkPtr ProcessGroupACCL::rootedStart(OpType kind, const Tensors& mineList,
   const bool toRoot = kind == OpType::GATHER;
   const char* what = toRoot ? "gather" : "scatter";
   const at::Tensor& mine = one(mineList, what);
-  checkRoot(root, what);
+  checkRank(root, what, "root");
   Tensors rows = rootList(lists, mine, root, what, toRoot ? "gather_list" : "scatter_list");
   checkOpen();
   const int64_t n = mine.numel(), esz = mine.element_size();

@@ -45,7 +45,7 @@ std::string monitoredText(const std::vector<int>& missing, std::chrono::millisec
 
 WorkPtr ProcessGroupACCL::send(Tensors& tensors, int dst, int tag) {
   const at::Tensor& t = one(tensors, "send");
-  checkPeer(dst, "send", "dst");
+  checkRank(dst, "send", "dst");
   checkTag(tag);
   checkOpen();
   auto op = newP2P(t, dst, tag, OpType::SEND, "send(to rank " + std::to_string(dst) + ", tag " +
@@ -75,7 +75,7 @@ WorkPtr ProcessGroupACCL::send(Tensors& tensors, int dst, int tag) {
 
 WorkPtr ProcessGroupACCL::recv(Tensors& tensors, int src, int tag) {
   const at::Tensor& t = one(tensors, "recv");
-  checkPeer(src, "recv", "src");
+  checkRank(src, "recv", "src");
   return recvFrom(t, src, tag);
 }
 

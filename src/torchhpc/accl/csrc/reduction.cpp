@@ -17,13 +17,8 @@ bool isFloat(at::ScalarType t) {
 }
 
 bool isReducible(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf: case at::kBFloat16: case at::kFloat: case at::kDouble: case at::kChar: case at::kShort:
-    case at::kInt: case at::kLong: case at::kByte: case at::kBool:
-      return true;
-    default:
-      return false;
-  }
+  return isFloat(t) || t == at::kChar || t == at::kShort || t == at::kInt || t == at::kLong || t == at::kByte ||
+         t == at::kBool;
 }
 
 template <typename T, RedOpType OP>
