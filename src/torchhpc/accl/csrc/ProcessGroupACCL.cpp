@@ -182,11 +182,6 @@ bool WorkACCL::isSuccess() const {
   return completed_ && !exception_;
 }
 
-std::exception_ptr WorkACCL::exception() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return exception_;
-}
-
 int WorkACCL::sourceRank() const {
   int s = source_.load();
   TORCH_CHECK_VALUE(s >= 0, "accl: source_rank() is only defined for a completed recv from any source");

@@ -268,11 +268,9 @@ class WorkACCL : public c10d::Work {
            ProcessGroupACCL* p2pOwner = nullptr);
   bool isCompleted() override;
   bool isSuccess() const override;
-  std::exception_ptr exception() const override;
   int sourceRank() const override;
   Tensors result() override;
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
-  void synchronize() override {}
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // completion, by whoever ran the call
   void complete(std::exception_ptr error, int source = -1);
@@ -548,7 +546,6 @@ class ProcessGroupACCL : public c10d::Backend {
   static constexpr int64_t kRingChunk = 512 << 10;  // bytes per message
   // all_reduce in place over `data` (own null), or reduce_scatter of `own` with block `rank` into `out`
   void ring(const Reduction& red, int64_t n, char* data, const char* own, char* out);
-  void ringSend(RingRun& x, int step, int64_t chunk);
   void ringRecv(RingRun& x, size_t g);  // the g-th chunk received, into a scratch chunk
   void ringLand(RingRun& x, size_t g);  // ... reduced or copied into place
 
