@@ -39,7 +39,7 @@ def test_complexity_at_most_grade_c() -> None:
 # a bound raised seven times to fit them; counted whole they were 2,710.  The bound below is fixed where the code
 # came back to, and only ever lowered: the goal is 2,000, and growth pays for itself by deletion (what the lines
 # beyond upstream's ProcessGroupMPI.cpp buy: docs/development.md).
-CSRC_NLOC_BOUND = 2600
+CSRC_NLOC_BOUND = 2596
 
 
 def test_accl_backend_shape() -> None:

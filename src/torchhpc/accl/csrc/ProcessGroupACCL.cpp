@@ -165,7 +165,7 @@ WorkACCL::WorkACCL(int rank, OpType type, std::string what, Tensors outputs,
       p2pOwner_(p2pOwner != nullptr ? c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(
                                           static_cast<c10d::Backend*>(p2pOwner))
                                     : c10::intrusive_ptr<c10d::Backend>()),
-      isP2P_(p2pOwner != nullptr) {}
+      isP2P_(p2pOwner != nullptr), spin_(p2pOwner ? p2pOwner->spin() : std::chrono::microseconds(0)) {}
 
 void WorkACCL::progressOwner() {
   if (auto owner = p2pOwner_.lock()) static_cast<ProcessGroupACCL*>(owner.get())->progressP2P();
@@ -195,7 +195,7 @@ Tensors WorkACCL::result() {
 
 bool WorkACCL::wait(std::chrono::milliseconds timeout) {
   auto limit = timeout.count() > 0 ? Clock::now() + timeout : Clock::time_point::max();
-  Backoff backoff(std::chrono::microseconds(100));  // a point-to-point waiter progresses its own ops
+  Backoff backoff(spin_);  // a point-to-point waiter progresses its own ops, as the group's waits poll
   std::unique_lock<std::mutex> lock(mutex_);
   while (!completed_) {
     if (Clock::now() > limit)

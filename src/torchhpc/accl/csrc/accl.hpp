@@ -297,6 +297,7 @@ class WorkACCL : public c10d::Work {
   // the group progressed while waiting; may be gone: a Work can outlive its group
   c10::weak_intrusive_ptr<c10d::Backend> p2pOwner_;
   bool isP2P_;
+  std::chrono::microseconds spin_;  // the group's AcclOptions.spin_us
   std::atomic<int> source_{-1};
 };
 
@@ -456,6 +457,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void abort() override { shutdown(); }
 
   Stats& stats() { return stats_; }
+  std::chrono::microseconds spin() const { return opts_.spin; }
   // torch's global rank of each group rank, for the flight record's group membership (default: the group ranks)
   void setGlobalRanks(std::vector<int64_t> ranks);
   // this process's flight record to TORCH_FR_DUMP_TEMP_FILE + global rank (on timeouts, deaths, mismatches)

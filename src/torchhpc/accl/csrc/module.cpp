@@ -100,13 +100,6 @@ py::list counterNames() {
   return keys;
 }
 
-template <size_t N>
-py::tuple names(const char* const (&table)[N]) {
-  py::tuple out(N);
-  for (size_t i = 0; i < N; ++i) out[i] = table[i];
-  return out;
-}
-
 #ifdef ACCL_TEST_HOOKS  // a test build: the protocol's tables and texts, and the garbling hook, for tests
 accl::wire::Header headerOf(const std::array<int64_t, 9>& f) {
   return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]};
@@ -120,8 +113,8 @@ void defineWire(py::module_ m) {
   w.attr("HEADER_BYTES") = wire::kHeaderBytes;
   w.attr("COMPARE_CALL") = wire::kCompareCall;
   w.def("garble_next", [](int64_t delta) { wire::garble = delta; }, "test hook: next prefix's size off by delta");
-  w.attr("DTYPES") = names(wire::kDtypeNames);
-  w.attr("OPS") = names(wire::kOpNames);
+  w.attr("DTYPES") = std::vector<std::string>(std::begin(wire::kDtypeNames), std::end(wire::kDtypeNames));
+  w.attr("OPS") = std::vector<std::string>(std::begin(wire::kOpNames), std::end(wire::kOpNames));
   w.def("dtype_code", &wire::dtypeCode, "a dtype's code (99: not in DTYPES)");
   w.def("op_code", [](const std::string& op) {
     for (int i = 0; i < 8; ++i)
