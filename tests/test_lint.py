@@ -35,11 +35,13 @@ def test_complexity_at_most_grade_c() -> None:
     assert "radon cc --min D" in make.stdout, "make lint no longer runs the complexity bound"
 
 
-# accl's csrc counted whole (.cpp and .hpp) in lizard's NLOC.  The .cpp files alone grew from 1,736 to 2,245 under
-# a bound raised seven times to fit them; counted whole they were 2,710.  The bound below is fixed where the code
-# came back to, and only ever lowered: the goal is 2,000, and growth pays for itself by deletion (what the lines
-# beyond upstream's ProcessGroupMPI.cpp buy: docs/development.md).
-CSRC_NLOC_BOUND = 2596
+# accl's csrc in lizard's NLOC.  The .cpp files alone grew from 1,736 to 2,245 under a bound raised seven times to
+# fit them (to 2,250); that bound stays, and the whole csrc (.cpp and .hpp: 2,710 when it was first counted) has a
+# bound of its own, fixed where the code came back to.  Both are only ever lowered: the goal for the whole is 2,000,
+# and growth pays for itself by deletion (what the lines beyond upstream's ProcessGroupMPI.cpp buy:
+# docs/development.md).
+CSRC_CPP_NLOC_BOUND = 2250
+CSRC_NLOC_BOUND = 2545
 
 
 def test_accl_backend_shape() -> None:
@@ -59,9 +61,10 @@ def test_accl_backend_shape() -> None:
     assert not too_big, "functions over 60 lines or CCN 15:\n" + "\n".join(too_big)
     total = sum(int(r[0]) for r in rows)
     assert total > 0, res.stdout
-    summary = subprocess.run([str(lizard), *files], capture_output=True, text=True, check=False).stdout
-    nloc = int(summary.strip().splitlines()[-1].split()[0])
-    assert nloc <= CSRC_NLOC_BOUND, f"accl's csrc is {nloc} NLOC, over its bound of {CSRC_NLOC_BOUND}"
+    for which, bound in ((files, CSRC_NLOC_BOUND), ([f for f in files if f.endswith(".cpp")], CSRC_CPP_NLOC_BOUND)):
+        summary = subprocess.run([str(lizard), *which], capture_output=True, text=True, check=False).stdout
+        nloc = int(summary.strip().splitlines()[-1].split()[0])
+        assert nloc <= bound, f"accl's csrc ({len(which)} files) is {nloc} NLOC, over its bound of {bound}"
 
 
 def test_shellcheck_clean() -> None:

@@ -335,8 +335,7 @@ void ProcessGroupACCL::checkSameDtype(const at::Tensor& out, const at::Tensor& i
               ", input " + wire::torchName(in.scalar_type()));
 }
 
-void ProcessGroupACCL::checkList(const Tensors& list, const at::Tensor& ref, const char* what,
-                                 const char* name) const {
+void ProcessGroupACCL::checkList(const Tensors& list, const at::Tensor& ref, const char* what, const char* name) const {
   std::string w = std::string("accl: ") + what + " " + name;
   if (static_cast<int>(list.size()) != size_)
     valueError(w + " has " + std::to_string(list.size()) + " tensors, world_size is " + std::to_string(size_));
@@ -374,9 +373,8 @@ void ProcessGroupACCL::throwAborted() const {
                      "); create a new one (or restart) to communicate again");
 }
 
-Tensors ProcessGroupACCL::rootList(const std::vector<Tensors>& lists,
-                                                   const at::Tensor& ref, int64_t root, const char* what,
-                                                   const char* name) const {
+Tensors ProcessGroupACCL::rootList(const std::vector<Tensors>& lists, const at::Tensor& ref, int64_t root,
+                                   const char* what, const char* name) const {
   if (rank_ == root) {
     if (lists.size() != 1) valueError(std::string("accl: ") + what + " on the root takes one " + name);
     checkList(lists[0], ref, what, name);

@@ -106,8 +106,7 @@ constexpr int kCompareCall = 4;  // magic, kind, seq, dtype (all_to_all: sizes c
 struct Header {  // kind: the c10d::OpType (its name: collName)
   int64_t magic = kMagic, kind = 0, seq = 0, dtype = 0, op = 0, root = 0, nbytes = 0, numel = 0, extra = 0;
 };
-// One message of the header exchange starts with it (kHeaderBytes); `bytes` of data follow, in the same message
-// in the same message.
+// One message of the header exchange starts with it (kHeaderBytes); `bytes` of data follow in the same message.
 struct Prefix {
   Header head;        // the sender's header (every rank it has heard from agreed with it)
   int64_t bad = 0;    // 1: some rank's header differs from another's
@@ -245,13 +244,13 @@ void armAbortGrace();
 // Device and strided tensors are staged through contiguous host buffers (pinned for device tensors), copied on the
 // caller's stream of issue (Call::stream): the copy out waits for the kernels queued before the call, and the
 // blocking copy back is ordered before the caller's later kernels.
-bool direct(const at::Tensor& t);                        // a contiguous CPU tensor: engines use its own memory
-at::Tensor host(const at::Tensor& t, bool copy);  // t itself when direct, else a 1-D host buffer (copy: filled)
-at::Tensor flatHost(const Tensors& ts);  // every tensor of ts end to end in one host buffer
-void deliver(const at::Tensor& buf, const at::Tensor& t);                    // buf into t unless it is t's memory
+bool direct(const at::Tensor& t);                            // a contiguous CPU tensor: engines use its own memory
+at::Tensor host(const at::Tensor& t, bool copy);             // t when direct, else a 1-D host buffer (copy: filled)
+at::Tensor flatHost(const Tensors& ts);                      // every tensor of ts end to end in one host buffer
+void deliver(const at::Tensor& buf, const at::Tensor& t);    // buf into t unless it is t's memory
 void deliverEach(const at::Tensor& buf, const Tensors& ts);  // buf's elements in order into each
 std::optional<c10::Stream> callerStream(const Tensors& ts);  // of the first device tensor
-char* ptr(const at::Tensor& t);                                             // (nullptr when undefined)
+char* ptr(const at::Tensor& t);                              // (nullptr when undefined)
 // elements [off, off + cnt) of a 1-D host buffer; of each of `rows` rows of `n` elements (rows > 1)
 Seg seg(const at::Tensor& t, int64_t off, int64_t cnt, int64_t rows = 1, int64_t n = 0);
 std::string seconds(std::chrono::milliseconds ms);
@@ -404,47 +403,30 @@ class ProcessGroupACCL : public c10d::Backend {
   const std::string getBackendName() const override { return "accl"; }
   std::string engineName() const { return engine_ ? engine_->name() : mpi_->name(); }
 
-  WorkPtr allreduce(Tensors& tensors,
-                                           const c10d::AllreduceOptions& opts) override;
+  WorkPtr allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) override;
   // sparse COO tensors (torch routes SparseCPU all_reduce to allreduce, SparseCUDA to allreduce_sparse)
-  WorkPtr allreduce_sparse(Tensors& tensors,
-                                                  const c10d::AllreduceOptions& opts) override;
-  WorkPtr allreduce_coalesced(Tensors& tensors,
-                                                     const c10d::AllreduceCoalescedOptions& opts) override;
-  WorkPtr broadcast(Tensors& tensors,
-                                           const c10d::BroadcastOptions& opts) override;
-  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts) override;
-  WorkPtr allgather(std::vector<Tensors>& outputs,
-                                           Tensors& inputs,
-                                           const c10d::AllgatherOptions& opts) override;
+  WorkPtr allreduce_sparse(Tensors& tensors, const c10d::AllreduceOptions& opts) override;
+  WorkPtr allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  WorkPtr broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) override;
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) override;
+  WorkPtr allgather(std::vector<Tensors>& outputs, Tensors& inputs, const c10d::AllgatherOptions& opts) override;
   // the coalesced variants: one call per (output, input) pair, in order; the last one's Work covers them all
   // (collectives complete in issue order)
-  WorkPtr allgather_coalesced(std::vector<Tensors>& outputLists,
-                                                     Tensors& inputs,
-                                                     const c10d::AllgatherOptions& opts) override;
-  WorkPtr allgather_into_tensor_coalesced(Tensors& outputs,
-                                                                 Tensors& inputs,
-                                                                 const c10d::AllgatherOptions& opts) override;
-  WorkPtr reduce_scatter_tensor_coalesced(Tensors& outputs,
-                                                                 Tensors& inputs,
-                                                                 const c10d::ReduceScatterOptions& opts) override;
-  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                                      const c10d::ReduceScatterOptions& opts) override;
-  WorkPtr reduce_scatter(Tensors& outputs,
-                                                std::vector<Tensors>& inputs,
-                                                const c10d::ReduceScatterOptions& opts) override;
-  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input,
-                                               std::vector<int64_t>& outputSplits,
-                                               std::vector<int64_t>& inputSplits,
-                                               const c10d::AllToAllOptions& opts) override;
+  WorkPtr allgather_coalesced(std::vector<Tensors>& outputLists, Tensors& inputs,
+                              const c10d::AllgatherOptions& opts) override;
+  WorkPtr allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                          const c10d::AllgatherOptions& opts) override;
+  WorkPtr reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr reduce_scatter(Tensors& outputs, std::vector<Tensors>& inputs,
+                         const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+                        std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts) override;
   WorkPtr reduce(Tensors& tensors, const c10d::ReduceOptions& opts) override;
-  WorkPtr gather(std::vector<Tensors>& outputs, Tensors& inputs,
-                                        const c10d::GatherOptions& opts) override;
-  WorkPtr scatter(Tensors& outputs, std::vector<Tensors>& inputs,
-                                         const c10d::ScatterOptions& opts) override;
-  WorkPtr alltoall(Tensors& outputs, Tensors& inputs,
-                                          const c10d::AllToAllOptions& opts) override;
+  WorkPtr gather(std::vector<Tensors>& outputs, Tensors& inputs, const c10d::GatherOptions& opts) override;
+  WorkPtr scatter(Tensors& outputs, std::vector<Tensors>& inputs, const c10d::ScatterOptions& opts) override;
+  WorkPtr alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) override;
   WorkPtr barrier(const c10d::BarrierOptions& opts) override;
   WorkPtr send(Tensors& tensors, int dst, int tag) override;
   WorkPtr recv(Tensors& tensors, int src, int tag) override;
@@ -473,8 +455,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void checkRank(int64_t rank, const char* what, const char* name) const;  // a root, src or dst of this group
   void checkTag(int tag) const;
   void checkSameDtype(const at::Tensor& a, const at::Tensor& b, const char* what) const;
-  void checkList(const Tensors& list, const at::Tensor& ref, const char* what,
-                 const char* name) const;
+  void checkList(const Tensors& list, const at::Tensor& ref, const char* what, const char* name) const;
   // `whole` has world_size times `part`'s elements (all_gather_into_tensor's output, reduce_scatter_tensor's input)
   void checkWhole(const at::Tensor& whole, const at::Tensor& part, const char* what, const char* wholeName,
                   const char* partName) const;
@@ -482,8 +463,8 @@ class ProcessGroupACCL : public c10d::Backend {
   void checkOpen() const;
   [[noreturn]] void throwAborted() const;  // (caller holds mu_)
   // gather/scatter's list: the root's one list, checked against `ref`; {} on the others, which must pass none
-  Tensors rootList(const std::vector<Tensors>& lists, const at::Tensor& ref,
-                                   int64_t root, const char* what, const char* name) const;
+  Tensors rootList(const std::vector<Tensors>& lists, const at::Tensor& ref, int64_t root, const char* what,
+                   const char* name) const;
   // all_to_all_single's split sizes: checked against `t` (ours names the values; c10d's computes the lengths)
   void checkSplits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const;
 
@@ -519,8 +500,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void blocking(const Call& c, F phase);
   char* carryBuffer();  // the group's kept buffer for carried data the call does not hold (calls run one at a time)
   // ---- the flight recorder (flight.cpp): `op` in the analyzer's words ("all_reduce", "send 0->1")
-  void record(FrRecord& r, std::string_view op, const Tensors& in,
-              const Tensors& out, int64_t collSeq, bool p2p);
+  void record(FrRecord& r, std::string_view op, const Tensors& in, const Tensors& out, int64_t collSeq, bool p2p);
   // ---- the header exchange (exchange.cpp)
   void exchange(const Call& c, const Carry& carry);  // raises the MismatchError when the ranks' headers differ
   void doubling(Xchg& x);                    // recursive doubling, the ranks past a power of two folded in
@@ -528,7 +508,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void step(Xchg& x, int peer, bool send, bool recv, bool result = false);
   void post(const Xchg& x, int peer, MPI_Request* out);  // this rank's message to `peer`
   void take(Xchg& x, int peer, MPI_Request* in, MPI_Request* out, bool result);  // the peer's, then this rank's
-  // a peer's size that is neither what this rank expects nor (a disagreeing peer's) drainable: raise, leave
+  // a peer's size that is neither what this rank expects nor (a disagreeing peer's) within the buffer: raise, leave
   void checkReadable(int peer, int64_t bytes, bool same, bool agreed, MPI_Request* out);
   [[noreturn]] void refuse(const Call& call);         // every rank's header gathered, then the MismatchError
   // tests `reqs` until all complete (true) or `deadline` passes (false); a past deadline tests once
@@ -561,17 +541,13 @@ class ProcessGroupACCL : public c10d::Backend {
   void rootedBody(Call& c);  // gather (rows to the root) and scatter (rows from the root)
   void alltoallBody(Call& c);
   void barrierBody(Call& c);
-  WorkPtr allgatherStart(const at::Tensor& input, Tensors outputs,
-                                                OpType type, bool asyncOp);
-  WorkPtr reduceScatterStart(Tensors inputs, const at::Tensor& output,
-                                                    c10d::ReduceOp op, OpType type, bool asyncOp);
+  WorkPtr allgatherStart(const at::Tensor& input, Tensors outputs, OpType type, bool asyncOp);
+  WorkPtr reduceScatterStart(Tensors inputs, const at::Tensor& output, c10d::ReduceOp op, OpType type, bool asyncOp);
   // `mineList`: every rank's one tensor; `lists`: the root's list of rows (none elsewhere)
-  WorkPtr rootedStart(OpType kind, const Tensors& mineList,
-                                             const std::vector<Tensors>& lists, int64_t root,
-                                             bool asyncOp);
-  WorkPtr alltoallStart(Tensors inputs, Tensors outputs,
-                                               std::vector<int64_t> sendBytes, std::vector<int64_t> recvBytes,
-                                               OpType type, bool asyncOp);
+  WorkPtr rootedStart(OpType kind, const Tensors& mineList, const std::vector<Tensors>& lists, int64_t root,
+                      bool asyncOp);
+  WorkPtr alltoallStart(Tensors inputs, Tensors outputs, std::vector<int64_t> sendBytes, std::vector<int64_t> recvBytes,
+                        OpType type, bool asyncOp);
   template <typename F>
   WorkPtr inOrder(size_t n, F one);
 

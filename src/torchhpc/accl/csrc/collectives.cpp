@@ -20,7 +20,8 @@ std::string shape(const at::Tensor& t) {
 
 wire::Header callHeader(OpType kind, at::ScalarType dtype, int64_t root, int64_t nbytes, int64_t numel,
                         const Reduction* red = nullptr) {
-  return {wire::kMagic, static_cast<int64_t>(kind), 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes, numel, 0};
+  return {wire::kMagic, static_cast<int64_t>(kind), 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes,
+          numel, 0};
 }
 
 using T = OpType;
@@ -29,10 +30,11 @@ bool isAllreduce(T t) { return t == T::ALLREDUCE || t == T::ALLREDUCE_COALESCED;
 
 // Small calls ride whole in the header exchange (on MPI, within wire::carryBytes and max_segment_bytes): all_reduce,
 // broadcast and all_gather, and reduce_scatter, which sends every rank's whole input there (p times what it needs),
-// so across nodes only up to 3,840 bytes (else the ring sends its 1/p: docs/accl.md)
+// so across nodes only up to kNetReduceScatterCarry (else the ring sends its 1/p: docs/accl.md, the plan)
+constexpr int64_t kNetReduceScatterCarry = 3840;
 bool rides(T t, int64_t bytes, bool spansNodes, const Config& o) {
   const bool kind = isAllreduce(t) || t == T::BROADCAST || t == T::ALLGATHER || t == T::_ALLGATHER_BASE ||
-                    (isReduceScatter(t) && (!spansNodes || bytes <= 3840));
+                    (isReduceScatter(t) && (!spansNodes || bytes <= kNetReduceScatterCarry));
   const int64_t most = wire::carryBytes(spansNodes);
   return kind && bytes <= std::min(most, o.maxSegmentBytes.value_or(most));
 }
@@ -59,8 +61,7 @@ Path plan(OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, co
   return rings(type, bytes, ranks, spansNodes, o) ? Path::kRing : Path::kMpi;
 }
 
-WorkPtr ProcessGroupACCL::start(Call* made, OpType type, Engine* eng, int64_t bytes,
-                                                       bool asyncOp) {
+WorkPtr ProcessGroupACCL::start(Call* made, OpType type, Engine* eng, int64_t bytes, bool asyncOp) {
   std::unique_ptr<Call> c(made);
   c->eng = eng;
   c->path = plan(type, bytes, size_, spansNodes_, onMpi(eng), opts_);
@@ -102,8 +103,7 @@ void ProcessGroupACCL::allreduceBody(Call& c) {
   deliverEach(c.src, c.outputs);
 }
 
-WorkPtr ProcessGroupACCL::allreduce(Tensors& tensors,
-                                                           const c10d::AllreduceOptions& opts) {
+WorkPtr ProcessGroupACCL::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
   const at::Tensor& t = one(tensors, "all_reduce");
   const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "all_reduce");
@@ -114,8 +114,7 @@ WorkPtr ProcessGroupACCL::allreduce(Tensors& tensors,
                OpType::ALLREDUCE, engineFor(OpType::ALLREDUCE, red.dtype, red.op), bytes, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::allreduce_coalesced(Tensors& tensors,
-                                                                     const c10d::AllreduceCoalescedOptions& opts) {
+WorkPtr ProcessGroupACCL::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   if (tensors.empty()) valueError("accl: all_reduce_coalesced needs at least one tensor");
   int64_t numel = 0;
   for (const auto& t : tensors) {
@@ -134,8 +133,7 @@ WorkPtr ProcessGroupACCL::allreduce_coalesced(Tensors& tensors,
                opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::allreduce_sparse(Tensors& tensors,
-                                                                  const c10d::AllreduceOptions& opts) {
+WorkPtr ProcessGroupACCL::allreduce_sparse(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   if (tensors.size() != 1)
     valueError("accl: all_reduce takes exactly one tensor per call, got " + std::to_string(tensors.size()));
   const at::Tensor& t = tensors[0];
@@ -199,8 +197,7 @@ void ProcessGroupACCL::broadcastBody(Call& c) {
   if (rank_ != root) deliver(c.src, c.outputs[0]);
 }
 
-WorkPtr ProcessGroupACCL::broadcast(Tensors& tensors,
-                                                           const c10d::BroadcastOptions& opts) {
+WorkPtr ProcessGroupACCL::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = one(tensors, "broadcast");
   if (opts.rootTensor != 0) valueError("accl: broadcast rootTensor must be 0, got " + std::to_string(opts.rootTensor));
   checkRank(opts.rootRank, "broadcast", "root");
@@ -226,8 +223,7 @@ void ProcessGroupACCL::reduceBody(Call& c) {
   deliver(c.src, c.outputs[0]);
 }
 
-WorkPtr ProcessGroupACCL::reduce(Tensors& tensors,
-                                                        const c10d::ReduceOptions& opts) {
+WorkPtr ProcessGroupACCL::reduce(Tensors& tensors, const c10d::ReduceOptions& opts) {
   const at::Tensor& t = one(tensors, "reduce");
   checkRank(opts.rootRank, "reduce", "root");
   const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "reduce");
@@ -260,9 +256,7 @@ void ProcessGroupACCL::allgatherBody(Call& c) {
   deliverEach(c.dst, c.outputs);
 }
 
-WorkPtr ProcessGroupACCL::allgatherStart(const at::Tensor& input,
-                                                                Tensors outputs, OpType type,
-                                                                bool asyncOp) {
+WorkPtr ProcessGroupACCL::allgatherStart(const at::Tensor& input, Tensors outputs, OpType type, bool asyncOp) {
   checkOpen();
   const int64_t n = input.numel(), esz = input.element_size();
   return start(new Call{.head = callHeader(OpType::ALLGATHER, input.scalar_type(), 0, n * esz, n),
@@ -270,16 +264,14 @@ WorkPtr ProcessGroupACCL::allgatherStart(const at::Tensor& input,
                type, engineFor(OpType::ALLGATHER, input.scalar_type()), n * esz * size_, asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input,
-                                                                 const c10d::AllgatherOptions& opts) {
+WorkPtr ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
   checkSameDtype(output, input, "all_gather_into_tensor");
   checkWhole(output, input, "all_gather_into_tensor", "output", "input");
   return allgatherStart(input, {output}, OpType::_ALLGATHER_BASE, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::allgather(std::vector<Tensors>& outputs,
-                                                           Tensors& inputs,
-                                                           const c10d::AllgatherOptions& opts) {
+WorkPtr ProcessGroupACCL::allgather(std::vector<Tensors>& outputs, Tensors& inputs,
+                                    const c10d::AllgatherOptions& opts) {
   const at::Tensor& input = one(inputs, "all_gather");
   if (outputs.size() != 1)
     valueError("accl: all_gather takes one output list, got " + std::to_string(outputs.size()));
@@ -287,16 +279,14 @@ WorkPtr ProcessGroupACCL::allgather(std::vector<Tensors>& outputs,
   return allgatherStart(input, outputs[0], OpType::ALLGATHER, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::allgather_into_tensor_coalesced(Tensors& outputs,
-                                                                                 Tensors& inputs,
-                                                                                 const c10d::AllgatherOptions& opts) {
+WorkPtr ProcessGroupACCL::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                          const c10d::AllgatherOptions& opts) {
   checkPairs(outputs.size(), inputs.size(), "all_gather_into_tensor");
   return inOrder(inputs.size(), [&](size_t i) { return _allgather_base(outputs[i], inputs[i], opts); });
 }
 
-WorkPtr ProcessGroupACCL::allgather_coalesced(std::vector<Tensors>& outputLists,
-                                                                     Tensors& inputs,
-                                                                     const c10d::AllgatherOptions& opts) {
+WorkPtr ProcessGroupACCL::allgather_coalesced(std::vector<Tensors>& outputLists, Tensors& inputs,
+                                              const c10d::AllgatherOptions& opts) {
   // outputLists[r][j] receives rank r's inputs[j] (torch's layout: one list per rank)
   bool shaped = !inputs.empty() && static_cast<int>(outputLists.size()) == size_;
   for (const auto& l : outputLists) shaped = shaped && l.size() == inputs.size();
@@ -341,9 +331,8 @@ void ProcessGroupACCL::reduceScatterBody(Call& c) {
   deliver(c.dst, c.outputs[0]);
 }
 
-WorkPtr ProcessGroupACCL::reduceScatterStart(Tensors inputs,
-                                                                    const at::Tensor& output, c10d::ReduceOp op,
-                                                                    OpType type, bool asyncOp) {
+WorkPtr ProcessGroupACCL::reduceScatterStart(Tensors inputs, const at::Tensor& output, c10d::ReduceOp op, OpType type,
+                                             bool asyncOp) {
   const Reduction& red = reductionFor(output.scalar_type(), op.op_, "reduce_scatter");
   checkOpen();
   const int64_t n = output.numel(), bytes = n * static_cast<int64_t>(red.esz);
@@ -354,23 +343,22 @@ WorkPtr ProcessGroupACCL::reduceScatterStart(Tensors inputs,
 }
 
 WorkPtr ProcessGroupACCL::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                                                      const c10d::ReduceScatterOptions& opts) {
+                                               const c10d::ReduceScatterOptions& opts) {
   checkSameDtype(output, input, "reduce_scatter_tensor");
   checkWhole(input, output, "reduce_scatter_tensor", "input", "output");
   return reduceScatterStart({input}, output, opts.reduceOp, OpType::_REDUCE_SCATTER_BASE, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::reduce_scatter(Tensors& outputs,
-                                                                std::vector<Tensors>& inputs,
-                                                                const c10d::ReduceScatterOptions& opts) {
+WorkPtr ProcessGroupACCL::reduce_scatter(Tensors& outputs, std::vector<Tensors>& inputs,
+                                         const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& output = one(outputs, "reduce_scatter");
   if (inputs.size() != 1) valueError("accl: reduce_scatter takes one input list");
   checkList(inputs[0], output, "reduce_scatter", "input_list");
   return reduceScatterStart(inputs[0], output, opts.reduceOp, OpType::REDUCE_SCATTER, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::reduce_scatter_tensor_coalesced(
-    Tensors& outputs, Tensors& inputs, const c10d::ReduceScatterOptions& opts) {
+WorkPtr ProcessGroupACCL::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
+                                                          const c10d::ReduceScatterOptions& opts) {
   checkPairs(outputs.size(), inputs.size(), "reduce_scatter_tensor");
   return inOrder(inputs.size(), [&](size_t i) { return _reduce_scatter_base(outputs[i], inputs[i], opts); });
 }
@@ -399,9 +387,8 @@ void ProcessGroupACCL::rootedBody(Call& c) {
   else if (isRoot) deliverEach(c.dst, rows);
 }
 
-WorkPtr ProcessGroupACCL::rootedStart(OpType kind, const Tensors& mineList,
-                                                             const std::vector<Tensors>& lists,
-                                                             int64_t root, bool asyncOp) {
+WorkPtr ProcessGroupACCL::rootedStart(OpType kind, const Tensors& mineList, const std::vector<Tensors>& lists,
+                                      int64_t root, bool asyncOp) {
   const bool toRoot = kind == OpType::GATHER;
   const char* what = toRoot ? "gather" : "scatter";
   const at::Tensor& mine = one(mineList, what);
@@ -416,15 +403,11 @@ WorkPtr ProcessGroupACCL::rootedStart(OpType kind, const Tensors& mineList,
                kind, engineFor(kind, mine.scalar_type()), n * esz * size_, asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::gather(std::vector<Tensors>& outputs,
-                                                        Tensors& inputs,
-                                                        const c10d::GatherOptions& opts) {
+WorkPtr ProcessGroupACCL::gather(std::vector<Tensors>& outputs, Tensors& inputs, const c10d::GatherOptions& opts) {
   return rootedStart(OpType::GATHER, inputs, outputs, opts.rootRank, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::scatter(Tensors& outputs,
-                                                         std::vector<Tensors>& inputs,
-                                                         const c10d::ScatterOptions& opts) {
+WorkPtr ProcessGroupACCL::scatter(Tensors& outputs, std::vector<Tensors>& inputs, const c10d::ScatterOptions& opts) {
   return rootedStart(OpType::SCATTER, outputs, inputs, opts.rootRank, opts.asyncOp);
 }
 
@@ -529,11 +512,8 @@ void ProcessGroupACCL::alltoallBody(Call& c) {
   if (c.outputs.size() > 1 || c.outputs[0].numel()) deliverEach(c.dst, c.outputs);
 }
 
-WorkPtr ProcessGroupACCL::alltoallStart(Tensors inputs,
-                                                               Tensors outputs,
-                                                               std::vector<int64_t> sendBytes,
-                                                               std::vector<int64_t> recvBytes, OpType type,
-                                                               bool asyncOp) {
+WorkPtr ProcessGroupACCL::alltoallStart(Tensors inputs, Tensors outputs, std::vector<int64_t> sendBytes,
+                                        std::vector<int64_t> recvBytes, OpType type, bool asyncOp) {
   Call* c = new Call{.head = callHeader(OpType::ALLTOALL, inputs[0].scalar_type(), 0, 0, 0),
                      .compare = wire::kCompareCall,  // sizes are checked on the byte matrix
                      .body = &ProcessGroupACCL::alltoallBody, .inputs = std::move(inputs),
@@ -543,10 +523,8 @@ WorkPtr ProcessGroupACCL::alltoallStart(Tensors inputs,
   return start(c, type, engineFor(OpType::ALLTOALL), 0, asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                               std::vector<int64_t>& outputSplits,
-                                                               std::vector<int64_t>& inputSplits,
-                                                               const c10d::AllToAllOptions& opts) {
+WorkPtr ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+                                        std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts) {
   checkSameDtype(output, input, "all_to_all_single");
   checkSplits(inputSplits, input, "input");
   checkSplits(outputSplits, output, "output");
@@ -559,9 +537,7 @@ WorkPtr ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input,
   return alltoallStart({input}, {output}, std::move(sb), std::move(rb), OpType::ALLTOALL_BASE, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupACCL::alltoall(Tensors& outputs,
-                                                          Tensors& inputs,
-                                                          const c10d::AllToAllOptions& opts) {
+WorkPtr ProcessGroupACCL::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
   const size_t p = static_cast<size_t>(size_);
   if (outputs.size() != p || inputs.size() != p)
     valueError("accl: all_to_all needs " + std::to_string(p) + " input and " + std::to_string(p) +

@@ -130,7 +130,7 @@ void ProcessGroupACCL::take(Xchg& x, int peer, MPI_Request* in, MPI_Request* out
   wire::Prefix pre;
   std::memcpy(&pre, in_.data(), sizeof pre);
   // a size from a peer is used only once checked: with the same header it must be exactly what this rank expects,
-  // else (a disagreeing peer's, drained) fit the buffer; one that does neither is garbled, and nothing of it is read
+  // else (a disagreeing peer's, ignored) fit the buffer; one that does neither is garbled, and nothing of it is read
   const bool same = !x.bad && !pre.bad && std::memcmp(&pre.head, &x.head, x.compare * sizeof(int64_t)) == 0;
   const bool agreed = same && layoutAgrees(x, pre, size_);
   checkReadable(peer, pre.bytes, same, agreed, out);

@@ -63,8 +63,8 @@ const std::shared_ptr<torch::CapturedTraceback>& noStack() {
   return empty;
 }
 
-void describe(const Tensors& ts, c10::SmallVector<int64_t, 4>& dims,
-              std::vector<c10::ScalarType>& dtypes, c10::SmallVector<int64_t, 8>& sizes) {
+void describe(const Tensors& ts, c10::SmallVector<int64_t, 4>& dims, std::vector<c10::ScalarType>& dtypes,
+              c10::SmallVector<int64_t, 8>& sizes) {
   for (const auto& t : ts) {
     dtypes.push_back(t.scalar_type());
     dims.push_back(t.dim());
@@ -73,8 +73,8 @@ void describe(const Tensors& ts, c10::SmallVector<int64_t, 4>& dims,
 }
 }  // namespace
 
-void ProcessGroupACCL::record(FrRecord& r, std::string_view op, const Tensors& in,
-                              const Tensors& out, int64_t collSeq, bool p2p) {
+void ProcessGroupACCL::record(FrRecord& r, std::string_view op, const Tensors& in, const Tensors& out, int64_t collSeq,
+                              bool p2p) {
   auto& fr = recorder();
   if (!fr.enabled_) return;
   std::lock_guard<std::mutex> lock(frMu_);
@@ -131,8 +131,7 @@ bool frBuilt() { return false; }
 void FrRecord::started() { start.mark(); }
 void FrRecord::completed() { end.mark(); }
 FrRecord::~FrRecord() = default;
-void ProcessGroupACCL::record(FrRecord&, std::string_view, const Tensors&,
-                              const Tensors&, int64_t, bool) {}
+void ProcessGroupACCL::record(FrRecord&, std::string_view, const Tensors&, const Tensors&, int64_t, bool) {}
 std::string frWrite(int) {
   throw std::runtime_error("accl was built without torch's flight recorder: its header needs nlohmann/json.hpp "
                            "(apt install nlohmann-json3-dev, or spack's nlohmann-json), then rebuild accl");

@@ -101,7 +101,8 @@ py::list counterNames() {
 }
 
 #ifdef ACCL_TEST_HOOKS  // a test build: the protocol's tables and texts, and the garbling hook, for tests
-accl::wire::Header headerOf(const std::array<int64_t, 9>& f) {
+constexpr size_t kFields = sizeof(accl::wire::Header) / sizeof(int64_t);  // the header's int64 fields
+accl::wire::Header headerOf(const std::array<int64_t, kFields>& f) {
   return {f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]};
 }
 
@@ -121,9 +122,9 @@ void defineWire(py::module_ m) {
       if (op == wire::kOpNames[i]) return wire::opCode(static_cast<accl::RedOpType>(i));
     return int64_t{0};
   }, "a reduce op's code by name (0: none)");
-  w.def("describe", [](const std::array<int64_t, 9>& f) { return wire::describe(headerOf(f)); },
+  w.def("describe", [](const std::array<int64_t, kFields>& f) { return wire::describe(headerOf(f)); },
         "one rank's call in words, from its header's nine fields");
-  w.def("describe_mismatch", [](const std::vector<std::array<int64_t, 9>>& rows, int compare,
+  w.def("describe_mismatch", [](const std::vector<std::array<int64_t, kFields>>& rows, int compare,
                                 const std::string& group) {
     std::vector<wire::Header> heads;
     for (const auto& f : rows) heads.push_back(headerOf(f));

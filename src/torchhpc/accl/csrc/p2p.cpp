@@ -103,16 +103,15 @@ std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int
   op->peer = peer;
   op->tag = tag;
   op->tensor = t;
-  op->eng = engineFor(type == OpType::SEND ? OpType::SEND : OpType::RECV, t.scalar_type());
-  op->work = c10::make_intrusive<WorkACCL>(rank_, type, std::move(what), Tensors{t}, this);
   const bool send = type == OpType::SEND;
+  op->eng = engineFor(send ? OpType::SEND : OpType::RECV, t.scalar_type());  // any-source receives: RECV's engine
+  op->work = c10::make_intrusive<WorkACCL>(rank_, type, std::move(what), Tensors{t}, this);
   const std::string me = std::to_string(rank_), them = std::to_string(peer);
   record(op->fr, send ? "send " + me + "->" + them : "recv " + me + "<-" + them, {t}, {t}, -1, true);
   return op;
 }
 
-WorkPtr ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op,
-                                                          const std::function<void(P2P&)>& post) {
+WorkPtr ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op, const std::function<void(P2P&)>& post) {
   op->deadline = Clock::now() + opts_.timeout;
   op->fr.started();
   try {

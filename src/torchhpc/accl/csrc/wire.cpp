@@ -43,10 +43,9 @@ const at::ScalarType kDtypes[] = {
     at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kChar, at::kShort, at::kInt, at::kLong, at::kByte,
     at::kBool, at::kComplexFloat, at::kComplexDouble, at::kUInt16, at::kUInt32, at::kUInt64};
 
-std::string kindName(int64_t code) {
-  for (const auto& [t, name] : kCollectives)
-    if (static_cast<int64_t>(t) == code) return name;
-  return "kind#" + std::to_string(code);
+std::string kindName(int64_t code) {  // collName of the header's kind, or the raw code (OpType is 8 bits)
+  const std::string name = code >= 0 && code <= 255 ? collName(static_cast<OpType>(code)) : "unknown";
+  return name != "unknown" ? name : "kind#" + std::to_string(code);
 }
 
 std::string opNameOf(int64_t code) {
