@@ -467,7 +467,7 @@ void alltoallSegment(const std::vector<int64_t>& bytes, int64_t done, int64_t pe
 // wire::carryBytes (32 ranks on one node, 63 across nodes) and checked against each other.  Beyond, the whole
 // matrix would grow as p^2 (16 MiB per rank at 1,024 ranks): each rank checks its own column instead, what every
 // rank sends it (an all-to-all of one count each) against what it expects, and one all-reduce agrees on the verdict
-// and the largest and smallest send; only a mismatch gathers the matrix, for the error every rank raises.  Then
+// and the largest and smallest count; only a mismatch gathers the matrix, for the error every rank raises.  Then
 // MPI's all-to-all segment by segment: without counts where every rank sends every rank the same bytes in one
 // segment (MPICH runs it 2-3x faster than Alltoallv at 1-4 MiB).
 void ProcessGroupACCL::alltoallBody(Call& c) {
@@ -489,8 +489,9 @@ void ProcessGroupACCL::alltoallBody(Call& c) {
     exchange(c, {});
     blocking(c, [&] {
       mpi_->alltoall(c.sendBytes.data(), sizeof(int64_t), toMe.data());
-      int64_t v[3] = {*std::max_element(mine.begin(), mine.begin() + p),
-                      -*std::min_element(mine.begin(), mine.begin() + p), toMe != c.recvBytes};
+      // over this rank's sends and expected receives: "even" then holds for its own buffers whatever a peer says
+      int64_t v[3] = {*std::max_element(mine.begin(), mine.end()), -*std::min_element(mine.begin(), mine.end()),
+                      toMe != c.recvBytes};
       mpi_->allreduce({reinterpret_cast<char*>(v), 3, at::kLong}, reductionFor(at::kLong, RedOpType::MAX, "a2a"));
       std::tie(most, even) = std::pair{v[0], v[0] == -v[1]};
       if (!v[2]) return;
