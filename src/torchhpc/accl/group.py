@@ -4,7 +4,8 @@ The group is torch's own ``ProcessGroup`` with accl's ``c10d::Backend`` (``csrc/
 :func:`.core.load_backend`) registered for ``cpu`` and ``cuda``: torch's dispatcher hands every collective and
 point-to-point call to the C++ class, which owns checks, the header exchange, segmenting, ordering, deadlines
 and completion.  This class identifies the group (its name, options, counters) and adds the one call torch
-gives only gloo: :meth:`ProcessGroupACCL.monitored_barrier`.
+gives only gloo, :meth:`ProcessGroupACCL.monitored_barrier`: torch's dispatcher never reaches it, so it is written
+here over mpi4py, on a communicator of its own (no user message can match its tokens).
 """
 
 from __future__ import annotations
@@ -12,14 +13,31 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
+from ..runtime import waiting
+from ..runtime.errors import PeerTimeoutError
 from . import core
 from .options import AcclOptions
 
 __all__ = ["ProcessGroupACCL"]
+
+_TOKEN, _RELEASE = 1, 2  # the monitored barrier's tags, on its own communicator
+
+
+def _monitored_text(missing: list[int], timeout: timedelta, wait_all: bool) -> str:
+    """Rank 0's report of the ranks that did not arrive, in gloo's words (``ProcessGroupGloo::monitoredBarrier``)."""
+    ms, ranks = int(timeout.total_seconds() * 1000 + 0.5), ", ".join(map(str, missing))
+    words = f"[Rank 0]: Rank {missing[0]} failed to pass monitoredBarrier in {ms} ms"
+    if wait_all:
+        words = f"[Rank 0]: Ranks {ranks} failed to pass monitoredBarrier in {ms} ms"
+    elif ms == 0:  # gloo checks the time left before each rank's wait: none was left for any
+        words = ("Rank 0 timed out in monitoredBarrier after 0 ms. No ranks successfully processed in "
+                 f"monitoredBarrier. Failing rank: {missing[0]}")
+    return f"accl: {words} (missing: ranks [{ranks}])"
 
 
 class ProcessGroupACCL(dist.ProcessGroup):
@@ -39,6 +57,8 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
             accl_engine = AcclEngine(comm, opts)
         self._accl_engine = accl_engine  # the Python half of the C++ engine: alive as long as the group
+        self._timeout = timeout
+        self._monitor = comm.Dup()  # the monitored barrier's (collective, as the group's construction is)
         self._backend = core.load_backend().ProcessGroupACCL(MPI._handleof(comm), opts.backend_options(timeout,
                                                              group_name), accl_engine)
         if global_ranks:  # torch's global ranks (none for the world): the flight record names members by them
@@ -60,11 +80,46 @@ class ProcessGroupACCL(dist.ProcessGroup):
         return self._backend.engine_name
 
     def monitored_barrier(self, timeout: timedelta | None = None, wait_all_ranks: bool = False) -> None:
-        """Barrier that names the ranks that did not arrive within ``timeout``, as gloo's does: rank 0 raises for
-        the first missing rank, or for every one with ``wait_all_ranks=True``.  ``dist.monitored_barrier``
-        itself accepts only gloo groups; call this method on the group."""
-        secs = timeout.total_seconds() if timeout is not None else -1.0  # negative: the group's timeout
-        self._backend.monitored_barrier(secs, wait_all_ranks)
+        """Barrier that names the ranks that did not arrive within ``timeout`` (default: the group's), as gloo's
+        does: rank 0 raises for the first missing rank, or for every one with ``wait_all_ranks=True``; a rank
+        that arrived but got no release raises too.  ``dist.monitored_barrier`` itself accepts only gloo
+        groups; call this method on the group."""
+        timeout = self._timeout if timeout is None else timeout
+        comm, secs, what = self._monitor, max(timeout.total_seconds(), 0.0), "monitored_barrier"
+        if comm.Get_rank() != 0:  # a token to rank 0, then its release
+            token, ack = np.zeros(1, np.int64), np.zeros(1, np.int64)
+            sent, release = comm.Isend(token, 0, _TOKEN), comm.Irecv(ack, 0, _RELEASE)
+            try:
+                waiting.wait_requests([release], secs, what, cancel=True, keep=ack)
+            except PeerTimeoutError:
+                waiting.ABANDONED.append(([sent], token))  # rank 0 may still take the token later
+                raise PeerTimeoutError(f"accl: Rank {comm.Get_rank()} successfully reached monitoredBarrier, but "
+                                       f"got no release from rank 0 within {secs:g} s. Please check rank 0's error "
+                                       "for the faulty ranks.") from None
+            sent.Wait()
+            return
+        tokens = np.zeros(comm.Get_size(), np.int64)
+        pending = {r: comm.Irecv(tokens[r:r + 1], r, _TOKEN) for r in range(1, comm.Get_size())}
+
+        def arrived() -> bool:
+            for r in [r for r, q in pending.items() if q.Test()]:
+                del pending[r]
+            return not pending
+
+        try:
+            waiting.wait_until(arrived, secs, what)
+        except PeerTimeoutError:
+            missing = []
+            for r, q in sorted(pending.items()):
+                q.Cancel()  # withdrawn, so that no later token matches it
+                status = MPI.Status()
+                q.Wait(status)
+                if status.Is_cancelled():  # (else its token arrived after all)
+                    missing.append(r)
+            if missing:
+                raise PeerTimeoutError(_monitored_text(missing, timeout, wait_all_ranks)) from None
+        waiting.wait_requests([comm.Isend(tokens[:1], r, _RELEASE) for r in range(1, comm.Get_size())],
+                              self._timeout.total_seconds(), f"{what}'s release", keep=tokens)
 
     @property
     def stats(self) -> MutableMapping[str, int]:

@@ -253,7 +253,6 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
     : c10d::Backend(commInt(MPI_Comm_rank, "MPI_Comm_rank", comm), commInt(MPI_Comm_size, "MPI_Comm_size", comm)),
       opts_(std::move(config)), engine_(std::move(engine)) {
   coll_ = dup(comm);
-  ctl_ = dup(comm);
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
   mpi_ = std::make_unique<MpiEngine>(coll_);
@@ -295,7 +294,7 @@ void ProcessGroupACCL::shutdown() {
   MPI_Finalized(&finalized);
   if (finalized) return;  // a group never destroyed, collected at interpreter exit after MPI_Finalize
   // best effort in a destructor: a failure to free is not worth an exception here
-  for (MPI_Comm* c : {&coll_, &ctl_, &p2pHead_, &p2pData_})
+  for (MPI_Comm* c : {&coll_, &p2pHead_, &p2pData_})
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
 }
 
@@ -407,6 +406,13 @@ int64_t ProcessGroupACCL::segmentFor(OpType coll) const {
   if (opts_.maxSegmentBytes) return *opts_.maxSegmentBytes;
   const bool reduces = coll == OpType::ALLREDUCE || coll == OpType::REDUCE || coll == OpType::REDUCE_SCATTER;
   return reduces && !engine_ ? int64_t{4} << 20 : int64_t{1} << 30;
+}
+
+void Stats::count(int64_t bytes) {
+  engineCalls.fetch_add(1, std::memory_order_relaxed);
+  int64_t seen = maxCallBytes.load(std::memory_order_relaxed);
+  while (bytes > seen && !maxCallBytes.compare_exchange_weak(seen, bytes)) {
+  }
 }
 
 WorkPtr ProcessGroupACCL::enqueue(std::unique_ptr<Call> call, bool asyncOp) {
@@ -571,10 +577,20 @@ void ProcessGroupACCL::expire(const std::string& what, int peer) {
 
 // ---------------------------------------------------------------------------------------- MPI errors
 
+std::string mpiErrorText(int rc) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) return "error code " + std::to_string(rc);
+  return std::string(text, static_cast<size_t>(len));
+}
+
+MpiCallError::MpiCallError(int code, const char* fn)
+    : c10::DistBackendError(std::string("accl: ") + fn + " failed: " + mpiErrorText(code)), rc(code), call(fn) {}
+
 std::vector<int> ProcessGroupACCL::failedRanks() {
   std::vector<int> out;
 #ifdef MPIX_ERR_PROC_FAILED
-  for (MPI_Comm comm : {coll_, ctl_, p2pHead_, p2pData_}) {
+  for (MPI_Comm comm : {coll_, p2pHead_, p2pData_}) {
     MPI_Group failed, mine;
     if (MPIX_Comm_get_failed(comm, &failed) != MPI_SUCCESS) continue;  // best effort: the error says "a peer"
     MPI_Comm_group(comm, &mine);
@@ -608,7 +624,7 @@ std::exception_ptr ProcessGroupACCL::mpiFailure(const MpiCallError& e, const std
 #ifdef MPIX_ERR_PROC_FAILED
   if (cls == MPIX_ERR_PROC_FAILED || cls == MPIX_ERR_PROC_FAILED_PENDING || cls == MPIX_ERR_REVOKED) {
     // revoke every communicator of the group, so that every survivor's pending and next calls fail at once
-    for (MPI_Comm comm : {coll_, ctl_, p2pHead_, p2pData_}) MPIX_Comm_revoke(comm);
+    for (MPI_Comm comm : {coll_, p2pHead_, p2pData_}) MPIX_Comm_revoke(comm);
     // a rank told only by a revocation may learn who died from the runtime's notice a moment later
     std::vector<int> ranks = failedRanks();
     for (auto until = Clock::now() + std::chrono::milliseconds(250);

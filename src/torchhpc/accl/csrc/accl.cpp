@@ -4,7 +4,6 @@
 
 #include "wire.cpp"
 #include "reduction.cpp"
-#include "engine.cpp"
 #include "ProcessGroupACCL.cpp"
 #include "exchange.cpp"
 #include "collectives.cpp"

@@ -432,9 +432,6 @@ class ProcessGroupACCL : public c10d::Backend {
   WorkPtr recv(Tensors& tensors, int src, int tag) override;
   WorkPtr recvAnysource(Tensors& tensors, int tag) override;
 
-  // gloo's protocol and reports (ProcessGroupGloo::monitoredBarrier): rank 0 names the ranks that did not arrive
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks = false) override;
-
   void shutdown() override;
   void abort() override { shutdown(); }
 
@@ -528,8 +525,8 @@ class ProcessGroupACCL : public c10d::Backend {
   static constexpr int64_t kRingChunk = 512 << 10;  // bytes per message
   // all_reduce in place over `data` (own null), or reduce_scatter of `own` with block `rank` into `out`
   void ring(const Reduction& red, int64_t n, char* data, const char* own, char* out);
-  void ringRecv(RingRun& x, size_t g);  // the g-th chunk received, into a scratch chunk
-  void ringLand(RingRun& x, size_t g);  // ... reduced or copied into place
+  void ringRecv(RingRun& x, int t, int64_t k);  // step t's k-th chunk received, into a scratch chunk
+  void ringLand(RingRun& x, int t, int64_t k);  // ... reduced or copied into place
 
   // ---- the collectives (collectives.cpp): each one's body, and the starts that entry points share
   void allreduceBody(Call& c);
@@ -560,15 +557,12 @@ class ProcessGroupACCL : public c10d::Backend {
   bool openEnvelope(P2P& op);                            // the envelope arrived: true when the op is done
   void postPayload(P2P& op, char* into, const wire::Envelope& env);  // the payload's segments, as the sender's
   void recvOnEngine(P2P& op, const wire::Envelope& env, const std::string& bad);
-  // ---- the monitored barrier's two sides
-  void awaitRelease(std::chrono::milliseconds timeout, Clock::time_point deadline);
-  std::vector<int> collectTokens(Clock::time_point deadline);  // rank 0: the ranks that did not arrive
 
   // ---- state
   Config opts_;
   Stats stats_;
-  // collectives' data; headers and the monitored barrier (no user message travels there); p2p envelopes; payloads
-  MPI_Comm coll_ = MPI_COMM_NULL, ctl_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
+  // collectives (MPI's calls, the header exchange, the ring: no user message travels there); p2p envelopes; payloads
+  MPI_Comm coll_ = MPI_COMM_NULL, p2pHead_ = MPI_COMM_NULL, p2pData_ = MPI_COMM_NULL;
   std::unique_ptr<MpiEngine> mpi_;
   std::shared_ptr<Engine> engine_;         // null: MPI
   std::vector<char> out_, in_;  // the exchange's messages: sent, received (a header and up to carryBytes())

@@ -202,14 +202,6 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
            py::call_guard<py::gil_scoped_release>(),
            "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
            "of the communicator constructs it")
-      .def(
-          "monitored_barrier",
-          [](ProcessGroupACCL& pg, double timeoutS, bool waitAllRanks) {
-            c10d::BarrierOptions o;
-            o.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeoutS * 1000.0 + 0.5));
-            pg.monitoredBarrier(o, waitAllRanks);
-          },
-          py::arg("timeout_s"), py::arg("wait_all_ranks") = false, py::call_guard<py::gil_scoped_release>())
       .def("set_global_ranks", &ProcessGroupACCL::setGlobalRanks, py::arg("ranks"),
            "torch's global rank of each group rank (the flight record's group membership)")
       .def_property_readonly("engine_name", &ProcessGroupACCL::engineName)

@@ -1,4 +1,4 @@
-// Point-to-point and the monitored barrier of ProcessGroupACCL.
+// Point-to-point of ProcessGroupACCL.
 //
 // A send is an envelope (wire::Envelope, then the payload up to kPayloadBytes) on the envelope communicator; a
 // larger payload follows in segments on the payload communicator, received only after the envelope checked out
@@ -13,10 +13,6 @@
 namespace torchhpc::accl {
 namespace {
 
-// the monitored barrier's tags, on the control communicator (which carries no user message)
-constexpr int kToken = 1, kRelease = 2;
-const int64_t kTokenValue = 0;
-
 std::string fromText(int src) {
   return src < 0 ? "from any source" : "from rank " + std::to_string(src);
 }
@@ -24,19 +20,6 @@ std::string fromText(int src) {
 // the element size a sender segmented its payload by (the envelope carries bytes and elements)
 int64_t unitOf(const wire::Envelope& env) {
   return env.numel > 0 ? env.nbytes / env.numel : 1;
-}
-
-// rank 0's report of the ranks that did not arrive, in gloo's words
-std::string monitoredText(const std::vector<int>& missing, std::chrono::milliseconds timeout, bool waitAll) {
-  std::string list;
-  for (size_t i = 0; i < missing.size(); ++i) list += (i ? ", " : "") + std::to_string(missing[i]);
-  const std::string ms = std::to_string(timeout.count()), first = std::to_string(missing[0]);
-  std::string words = "[Rank 0]: Rank " + first + " failed to pass monitoredBarrier in " + ms + " ms";
-  if (waitAll) words = "[Rank 0]: Ranks " + list + " failed to pass monitoredBarrier in " + ms + " ms";
-  else if (timeout.count() == 0)  // gloo checks the time left before each rank's wait: none was left for any
-    words = "Rank 0 timed out in monitoredBarrier after 0 ms. No ranks successfully processed in monitoredBarrier. "
-            "Failing rank: " + first;
-  return "accl: " + words + " (missing: ranks [" + list + "])";
 }
 
 }  // namespace
@@ -233,61 +216,6 @@ void ProcessGroupACCL::recvOnEngine(P2P& op, const wire::Envelope& env, const st
   forSegments(OpType::SEND, env.numel, unitOf(env),
               [&](int64_t off, int64_t cnt) { op.eng->recv(seg(buf, off, cnt), op.source, op.tag); });
   if (bad.empty()) deliver(op.host, op.tensor);
-}
-
-// ============================================================================================== monitored barrier
-
-void ProcessGroupACCL::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
-  // every other rank sends a token to rank 0 and waits for its release; rank 0 waits for every token until the
-  // deadline, then releases everyone or names the ranks that did not arrive
-  checkOpen();
-  const auto timeout = opts.timeout.count() >= 0 ? opts.timeout : opts_.timeout;  // unset (-1): the group's
-  const auto deadline = Clock::now() + timeout;
-  try {
-    if (rank_ != 0) return awaitRelease(timeout, deadline);
-    const std::vector<int> missing = collectTokens(deadline);
-    if (!missing.empty()) throw PeerTimeoutError(monitoredText(missing, timeout, waitAllRanks));
-    std::vector<MPI_Request> releases(size_ - 1);
-    for (int r = 1; r < size_; ++r)
-      ACCL_MPI(MPI_Isend, &kTokenValue, 1, MPI_INT64_T, r, kRelease, ctl_, &releases[r - 1]);
-    if (!testUntil(releases.data(), size_ - 1, Clock::now() + opts_.timeout)) expire("monitored_barrier's release");
-  } catch (const MpiCallError& e) {
-    std::rethrow_exception(mpiFailure(e, "monitored_barrier"));
-  }
-}
-
-void ProcessGroupACCL::awaitRelease(std::chrono::milliseconds timeout, Clock::time_point deadline) {
-  int64_t ack = 0;
-  MPI_Request token = MPI_REQUEST_NULL, release = MPI_REQUEST_NULL;
-  ACCL_MPI(MPI_Isend, &kTokenValue, 1, MPI_INT64_T, 0, kToken, ctl_, &token);
-  ACCL_MPI(MPI_Irecv, &ack, 1, MPI_INT64_T, 0, kRelease, ctl_, &release);
-  if (testUntil(&release, 1, deadline)) {
-    ACCL_MPI(MPI_Wait, &token, MPI_STATUS_IGNORE);  // rank 0 took it before releasing anyone
-    return;
-  }
-  ACCL_MPI(MPI_Cancel, &release);  // withdrawn, so that no later release matches it
-  ACCL_MPI(MPI_Wait, &release, MPI_STATUS_IGNORE);
-  ACCL_MPI(MPI_Request_free, &token);  // its buffer is static: it may complete whenever rank 0 looks
-  throw PeerTimeoutError("accl: Rank " + std::to_string(rank_) +
-                         " successfully reached monitoredBarrier, but got no release from rank 0 within " +
-                         seconds(timeout) + " s. Please check rank 0's error for the faulty ranks.");
-}
-
-std::vector<int> ProcessGroupACCL::collectTokens(Clock::time_point deadline) {
-  std::vector<int64_t> tokens(size_);
-  std::vector<MPI_Request> reqs(size_ - 1, MPI_REQUEST_NULL);
-  for (int r = 1; r < size_; ++r) ACCL_MPI(MPI_Irecv, &tokens[r], 1, MPI_INT64_T, r, kToken, ctl_, &reqs[r - 1]);
-  std::vector<int> missing;
-  if (testUntil(reqs.data(), size_ - 1, deadline)) return missing;
-  for (int r = 1; r < size_; ++r) {
-    int done = 0;
-    ACCL_MPI(MPI_Test, &reqs[r - 1], &done, MPI_STATUS_IGNORE);
-    if (done) continue;
-    missing.push_back(r);
-    ACCL_MPI(MPI_Cancel, &reqs[r - 1]);  // withdrawn, so that no later token matches it
-    ACCL_MPI(MPI_Wait, &reqs[r - 1], MPI_STATUS_IGNORE);
-  }
-  return missing;
 }
 
 }  // namespace torchhpc::accl

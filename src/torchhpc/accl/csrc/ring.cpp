@@ -6,7 +6,7 @@
 // All-gather (all_reduce only): in step p-1+t it sends block r-t and receives block r-t-1 into place.  Every rank
 // sends and receives 2(p-1)/p of the buffer, the least any algorithm moves, where recursive doubling moves all of
 // it log2(p) times.  Each block travels in chunks, reduced as they land while a window of receives stays posted
-// (across steps); a step's sends finish before the next step starts.  Every wait is against the call's deadline.
+// within the step; a step's sends finish before the next step starts.  Every wait is against the call's deadline.
 #include "accl.hpp"
 
 #include <cstring>
@@ -20,10 +20,7 @@ struct RingRun {
   char* data;                   // all_reduce: the buffer, reduced and gathered in place
   const char* own;              // reduce_scatter: this rank's input (left as it is) ...
   char* out;                    // ... and its block of the result
-  std::vector<int64_t> base;    // step t's sends start at sends[base[t]]
-  std::vector<MPI_Request> sends, recvs;
-  std::vector<std::pair<int, int64_t>> stream;  // every received chunk in order: (step, chunk)
-
+  std::vector<MPI_Request> recvs;  // the window's receives (chunk k in slot k % kWindow)
   int64_t mod(int64_t b) const { return ((b % p) + p) % p; }
   int64_t at(int64_t b) const { return mod(b) * n / p; }  // block b's first element (blocks differ by one at most)
   int64_t len(int64_t b) const { return (mod(b) + 1) * n / p - at(b); }
@@ -57,55 +54,48 @@ void ProcessGroupACCL::ring(const Reduction& red, int64_t n, char* data, const c
     return;
   }
   const int64_t esz = static_cast<int64_t>(red.esz);
+  const int left = (rank_ - 1 + size_) % size_, right = (rank_ + 1) % size_;
   RingRun x{&red, size_, rank_, own ? size_ - 1 : 2 * (size_ - 1), n, esz,
             std::max<int64_t>(1, std::min(kRingChunk, segmentFor(OpType::ALLREDUCE)) / esz), n / size_ + 1, data,
-            own, out};
+            own, out, std::vector<MPI_Request>(kWindow, MPI_REQUEST_NULL)};
   ringScratch_.resize(std::max<size_t>(ringScratch_.size(), kWindow * x.per * esz));
   if (own) ringPartial_.resize(std::max<size_t>(ringPartial_.size(), 2 * x.biggest * esz));  // kept: no faults
-  x.base.assign(x.steps + 1, 0);
+  std::vector<MPI_Request> sends;
   for (int t = 0; t < x.steps; ++t) {
-    x.base[t + 1] = x.base[t] + x.chunks(x.sendBlock(t));
-    for (int64_t k = 0; k < x.chunks(x.recvBlock(t)); ++k) x.stream.emplace_back(t, k);
-  }
-  x.sends.assign(x.base[x.steps], MPI_REQUEST_NULL);
-  x.recvs.assign(kWindow, MPI_REQUEST_NULL);
-  size_t g = 0, posted = 0;  // chunks landed; receives posted (up to kWindow ahead, within the step)
-  for (int t = 0; t < x.steps; ++t) {
-    size_t end = g;
-    while (end < x.stream.size() && x.stream[end].first == t) ++end;
-    for (int64_t k = 0; k < x.chunks(x.sendBlock(t)); ++k) {  // each chunk counts as one engine call
+    const int64_t sendChunks = x.chunks(x.sendBlock(t)), recvChunks = x.chunks(x.recvBlock(t));
+    sends.assign(sendChunks, MPI_REQUEST_NULL);
+    for (int64_t k = 0; k < sendChunks; ++k) {  // each chunk counts as one engine call
       const int64_t cnt = x.count(x.sendBlock(t), k);
       stats_.count(cnt * esz);
       ACCL_MPI(MPI_Isend, x.source(t, ringPartial_.data()) + k * x.per * esz, static_cast<int>(cnt * esz), MPI_BYTE,
-               (rank_ + 1) % size_, kTagRing, coll_, &x.sends[x.base[t] + k]);
+               right, kTagRing, coll_, &sends[k]);
     }
-    for (; posted < std::min(end, g + kWindow); ++posted) ringRecv(x, posted);
-    for (; g < end; ++g) {
-      waitRequest(&x.recvs[g % kWindow], 1, (rank_ - 1 + size_) % size_);
-      ringLand(x, g);
-      if (posted < end) ringRecv(x, posted++);
+    int64_t posted = 0;  // receives posted, up to kWindow ahead of the chunk landing
+    for (; posted < std::min<int64_t>(recvChunks, kWindow); ++posted) ringRecv(x, t, posted);
+    for (int64_t k = 0; k < recvChunks; ++k) {
+      waitRequest(&x.recvs[k % kWindow], 1, left);
+      ringLand(x, t, k);
+      if (posted < recvChunks) ringRecv(x, t, posted++);
     }
     // the step's sends done before the next step reuses their blocks.  Measured across a 1 Gbit/s link at 2
     // ranks: receives posted ahead into the next step, or each chunk sent on as soon as it landed, ran at
     // 0.72-0.85x of this (at 4 ranks the latter was 0.97-1.0x of gloo where this is 0.93-1.0x); sent on as they
     // land, at most 1 send in flight: 0.93-0.97x of this at 4-16 MiB and 10 Gbit/s, no steadier at 4 ranks
-    waitRequest(&x.sends[x.base[t]], static_cast<int>(x.base[t + 1] - x.base[t]), (rank_ + 1) % size_);
+    waitRequest(sends.data(), static_cast<int>(sendChunks), right);
   }
 }
 
-void ProcessGroupACCL::ringRecv(RingRun& x, size_t g) {
-  const auto [t, k] = x.stream[g];
-  ACCL_MPI(MPI_Irecv, ringScratch_.data() + (g % kWindow) * x.per * x.esz,
+void ProcessGroupACCL::ringRecv(RingRun& x, int t, int64_t k) {
+  ACCL_MPI(MPI_Irecv, ringScratch_.data() + (k % kWindow) * x.per * x.esz,
            static_cast<int>(x.count(x.recvBlock(t), k) * x.esz), MPI_BYTE, (rank_ - 1 + size_) % size_, kTagRing,
-           coll_, &x.recvs[g % kWindow]);
+           coll_, &x.recvs[k % kWindow]);
 }
 
-void ProcessGroupACCL::ringLand(RingRun& x, size_t g) {
+void ProcessGroupACCL::ringLand(RingRun& x, int t, int64_t k) {
   // a chunk from the left: an all-gather chunk copied into place, a reduce-scatter chunk added to this rank's
   // contribution (the blocks it lands in were sent, if at all, in steps already done)
-  const auto [t, k] = x.stream[g];
   const int64_t b = x.recvBlock(t), cnt = x.count(b, k), off = k * x.per * x.esz;
-  const char* got = ringScratch_.data() + (g % kWindow) * x.per * x.esz;
+  const char* got = ringScratch_.data() + (k % kWindow) * x.per * x.esz;
   if (x.inPlace(t)) {
     std::memcpy(x.data + x.at(b) * x.esz + off, got, cnt * x.esz);
     return;
