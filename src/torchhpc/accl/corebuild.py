@@ -27,6 +27,8 @@ __all__ = ["build", "readable_by_all", "family_of", "default_mpicc", "default_mp
 CSRC = Path(__file__).resolve().parent / "csrc"
 #: the backend's one translation unit (it includes every other file of csrc/)
 UNIT = CSRC / "accl.cpp"
+#: a test build's hooks (the wire protocol shown to Python, a garbled message on purpose): in the repository's tests
+HOOKS = CSRC.parents[3] / "tests" / "accl_hooks.cpp"
 
 
 def default_mpicc() -> str:
@@ -103,8 +105,8 @@ def _stamp(cxx: str, flags: list[str]) -> str:
     import torch
 
     h = hashlib.sha256()
-    for path in sorted(CSRC.iterdir()):
-        if path.suffix in (".cpp", ".hpp"):
+    for path in [*sorted(CSRC.iterdir()), HOOKS]:
+        if path.suffix in (".cpp", ".hpp") and (path != HOOKS or any(f.startswith("-DACCL_TEST_HOOKS") for f in flags)):
             h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(" ".join([cxx, *flags]).encode())
     h.update(b"recorder" if _finds_json(cxx, flags) else b"no recorder")
@@ -138,6 +140,8 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
 
     mpicxx = mpicxx or default_mpicxx(mpicc)
     mpicxx = os.path.abspath(shutil.which(mpicxx) or mpicxx)  # one stamp however the path was spelled
+    if test_hooks and not HOOKS.is_file():
+        raise FileNotFoundError(f"accl: a test build needs the repository's {HOOKS} (an installed package has none)")
     fam = family_of(mpicc or default_mpicc())
     name = f"_backend_{fam}"
     dest = Path(dest) if dest is not None else CSRC.parent
@@ -146,7 +150,7 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     flags = [*_backoff_flags(), "-O2", "-fPIC", "-std=c++20", "-Wall", "-Wextra", "-Werror", "-Wno-unused-parameter",
              "-DFMT_HEADER_ONLY", "-Wno-missing-field-initializers", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-             f"-DACCL_MODULE={name}", *(["-DACCL_TEST_HOOKS"] if test_hooks else []),
+             f"-DACCL_MODULE={name}", *([f'-DACCL_TEST_HOOKS="{HOOKS}"'] if test_hooks else []),
              f'-DTORCH_BUILT_FOR="{torch.__version__}"', *(f"-isystem{p}" for p in cpp_extension.include_paths()),
              f"-isystem{sysconfig.get_paths()['include']}",
              # nlohmann/json.hpp (torch's flight-recorder header needs it) from a Spack view or conda prefix

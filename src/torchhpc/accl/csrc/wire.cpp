@@ -97,10 +97,6 @@ int64_t fieldOf(const Header& h, int i) {
 
 }  // namespace
 
-#ifdef ACCL_TEST_HOOKS
-std::atomic<int64_t> garble{0};
-#endif
-
 int64_t dtypeCode(at::ScalarType t) {
   for (int i = 0; i < 15; ++i)
     if (kDtypes[i] == t) return i + 1;
