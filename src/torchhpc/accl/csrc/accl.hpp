@@ -25,7 +25,6 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -551,7 +550,9 @@ class ProcessGroupACCL : public c10d::Backend {
   // ---- point-to-point
   std::unique_ptr<P2P> newP2P(const at::Tensor& t, int peer, int tag, OpType type, std::string what);
   // posts the op's first requests (`post`), then hands it to progress
-  WorkPtr startP2P(std::unique_ptr<P2P> op, const std::function<void(P2P&)>& post);
+  WorkPtr startP2P(std::unique_ptr<P2P> op, void (ProcessGroupACCL::*post)(P2P&));
+  void postSend(P2P& op);  // the envelope (and a small payload), then a large payload's segments
+  void postRecv(P2P& op);  // the envelope's receive
   WorkPtr recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
   bool advanceP2P(P2P& op);                              // true when done
   bool openEnvelope(P2P& op);                            // the envelope arrived: true when the op is done

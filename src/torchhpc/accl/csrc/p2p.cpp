@@ -35,24 +35,28 @@ WorkPtr ProcessGroupACCL::send(Tensors& tensors, int dst, int tag) {
                    std::to_string(tag) + ")");
   op->send = true;
   op->host = host(t, true);
-  return startP2P(std::move(op), [this](P2P& op) {
-    const wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
-                             static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
-    const bool small = env.nbytes <= wire::kPayloadBytes;
-    op.envelope.assign(wire::kSlotBytes, 0);
-    std::memcpy(op.envelope.data(), &env, sizeof env);
-    if (small && env.nbytes) std::memcpy(op.envelope.data() + wire::kHeaderBytes, op.host.data_ptr(), env.nbytes);
+  return startP2P(std::move(op), &ProcessGroupACCL::postSend);
+}
+
+// The envelope, with the payload when it fits the slot; else the payload's segments after it (on the payload
+// communicator, or the engine's blocking sends, made in order).
+void ProcessGroupACCL::postSend(P2P& op) {
+  const wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
+                           static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
+  const bool small = env.nbytes <= wire::kPayloadBytes;
+  op.envelope.assign(wire::kSlotBytes, 0);
+  std::memcpy(op.envelope.data(), &env, sizeof env);
+  if (small && env.nbytes) std::memcpy(op.envelope.data() + wire::kHeaderBytes, op.host.data_ptr(), env.nbytes);
+  op.reqs.push_back(MPI_REQUEST_NULL);
+  ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(wire::kHeaderBytes + (small ? env.nbytes : 0)), MPI_BYTE,
+           op.peer, op.tag, p2pHead_, &op.reqs.back());
+  if (small) return;
+  forSegments(OpType::SEND, env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
+    const Seg part = seg(op.host, off, cnt);
+    if (!onMpi(op.eng)) return op.eng->send(part, op.peer, op.tag);
     op.reqs.push_back(MPI_REQUEST_NULL);
-    ACCL_MPI(MPI_Isend, op.envelope.data(), static_cast<int>(wire::kHeaderBytes + (small ? env.nbytes : 0)), MPI_BYTE,
-             op.peer, op.tag, p2pHead_, &op.reqs.back());
-    if (small) return;
-    forSegments(OpType::SEND, env.numel, unitOf(env), [&](int64_t off, int64_t cnt) {
-      const Seg part = seg(op.host, off, cnt);
-      if (!onMpi(op.eng)) return op.eng->send(part, op.peer, op.tag);  // the engine's calls block: made in order
-      op.reqs.push_back(MPI_REQUEST_NULL);
-      ACCL_MPI(MPI_Isend, part.data, static_cast<int>(part.bytes()), MPI_BYTE, op.peer, op.tag, p2pData_,
-               &op.reqs.back());
-    });
+    ACCL_MPI(MPI_Isend, part.data, static_cast<int>(part.bytes()), MPI_BYTE, op.peer, op.tag, p2pData_,
+             &op.reqs.back());
   });
 }
 
@@ -72,12 +76,15 @@ WorkPtr ProcessGroupACCL::recvFrom(const at::Tensor& t, int src, int tag) {
   auto op = newP2P(t, src, tag, src < 0 ? OpType::RECVANYSOURCE : OpType::RECV,
                    "recv(" + fromText(src) + ", tag " + std::to_string(tag) + ")");
   op->stream = callerStream({t});
-  return startP2P(std::move(op), [this](P2P& op) {
-    op.envelope.assign(wire::kSlotBytes, 0);
-    op.reqs.push_back(MPI_REQUEST_NULL);
-    ACCL_MPI(MPI_Irecv, op.envelope.data(), static_cast<int>(wire::kSlotBytes), MPI_BYTE,
-             op.peer < 0 ? MPI_ANY_SOURCE : op.peer, op.tag, p2pHead_, &op.reqs.back());
-  });
+  return startP2P(std::move(op), &ProcessGroupACCL::postRecv);
+}
+
+// A slot-sized receive for the envelope; the payload's receives are posted once it checked out (openEnvelope).
+void ProcessGroupACCL::postRecv(P2P& op) {
+  op.envelope.assign(wire::kSlotBytes, 0);
+  op.reqs.push_back(MPI_REQUEST_NULL);
+  ACCL_MPI(MPI_Irecv, op.envelope.data(), static_cast<int>(wire::kSlotBytes), MPI_BYTE,
+           op.peer < 0 ? MPI_ANY_SOURCE : op.peer, op.tag, p2pHead_, &op.reqs.back());
 }
 
 std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int tag, OpType type,
@@ -94,11 +101,11 @@ std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int
   return op;
 }
 
-WorkPtr ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op, const std::function<void(P2P&)>& post) {
+WorkPtr ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op, void (ProcessGroupACCL::*post)(P2P&)) {
   op->deadline = Clock::now() + opts_.timeout;
   op->fr.started();
   try {
-    post(*op);
+    (this->*post)(*op);
   } catch (const MpiCallError& e) {
     std::rethrow_exception(mpiFailure(e, op->work->what()));
   }
