@@ -121,6 +121,13 @@ class ProcessGroupACCL(dist.ProcessGroup):
         waiting.wait_requests([comm.Isend(tokens[:1], r, _RELEASE) for r in range(1, comm.Get_size())],
                               self._timeout.total_seconds(), f"{what}'s release", keep=tokens)
 
+    def shutdown(self) -> None:
+        """The group's end (torch's ``destroy_process_group`` calls it): the backend's communicators are freed,
+        and the monitored barrier's."""
+        super().shutdown()
+        if self._monitor != MPI.COMM_NULL and not MPI.Is_finalized():
+            self._monitor.Free()
+
     @property
     def stats(self) -> MutableMapping[str, int]:
         """Engine calls made, calls sidestepped to MPI, the largest bytes of one call's buffer, and collectives

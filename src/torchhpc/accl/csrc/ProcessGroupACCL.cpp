@@ -1,8 +1,8 @@
 // ProcessGroupACCL: the group itself.  Staging helpers, the Work, the group's communicators, the argument checks
-// (written once), and how a call runs: enqueue -> the caller's thread or the worker -> run() -> the header
+// (written once), and how a call runs: start -> the caller's thread or the worker -> execute() -> the header
 // exchange -> the engine calls -> the copy-back; every wait polled against the group deadline, every MPI error
 // turned into the package's errors in one place (mpiFailure).  The collectives are in collectives.cpp,
-// point-to-point and the monitored barrier in p2p.cpp.
+// point-to-point in p2p.cpp.
 #include <Python.h>  // the GIL, released around MPI's blocking calls
 
 #include "accl.hpp"
@@ -415,15 +415,21 @@ void Stats::count(int64_t bytes) {
   }
 }
 
-WorkPtr ProcessGroupACCL::enqueue(std::unique_ptr<Call> call, bool asyncOp) {
-  auto work = call->work;
+WorkPtr ProcessGroupACCL::start(Call* made, OpType type, Engine* eng, int64_t bytes, bool asyncOp) {
+  std::unique_ptr<Call> call(made);
+  call->eng = eng;
+  call->path = plan(type, bytes, size_, spansNodes_, onMpi(eng), opts_);
+  if (call->inputs.empty()) call->inputs = call->outputs;  // for the flight record: a scatter off the root
+  call->stream = callerStream(call->outputs);
+  if (!call->stream) call->stream = callerStream(call->inputs);  // a gather's input off the root
+  auto work = call->work = c10::make_intrusive<WorkACCL>(rank_, type, "", call->outputs);
   std::unique_lock<std::mutex> lock(mu_);
   if (!aborted_.empty()) throwAborted();
   call->head.seq = seq_++;
   work->name(call->head, groupNameShared());
-  record(call->fr, collName(work->retrieveOpType()), call->inputs, call->outputs, call->head.seq, false);
+  record(call->fr, collName(type), call->inputs, call->outputs, call->head.seq, false);
   if (!asyncOp && queue_.empty() && !running_) {  // idle group, synchronous call: the caller's thread runs it
-    runNow(lock, std::move(call));
+    execute(lock, std::move(call));
     return work;
   }
   queue_.push_back(std::move(call));
@@ -445,7 +451,7 @@ void ProcessGroupACCL::workerLoop() {
     if (!queue_.empty() && !running_) {
       auto call = std::move(queue_.front());
       queue_.pop_front();
-      runNow(lock, std::move(call));
+      execute(lock, std::move(call));
     }
     if (p2pPending_.load() > 0) {
       lock.unlock();
@@ -455,25 +461,18 @@ void ProcessGroupACCL::workerLoop() {
   }
 }
 
-void ProcessGroupACCL::runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call) {
+void ProcessGroupACCL::execute(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call) {
   running_ = true;
+  std::exception_ptr error = abortError_;  // set: queued behind the call that aborted the group, its error
   lock.unlock();
-  execute(std::move(call));
-  lock.lock();
-  running_ = false;
-  cv_.notify_all();
-}
-
-void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {
   auto work = call->work;
-  std::exception_ptr error;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!aborted_.empty()) error = abortError_;  // queued behind the call that aborted the group: its error
-  }
   if (!error) {
     try {
-      run(*call);
+      current_ = call.get();
+      call->fr.started();
+      deadline_ = Clock::now() + opts_.timeout;
+      c10::OptionalStreamGuard onCallerStream(call->stream);  // staging copies of device tensors (host())
+      (this->*call->body)(*call);
       call->fr.completed();
     } catch (const PeerTimeoutError&) {
       error = std::current_exception();
@@ -486,14 +485,9 @@ void ProcessGroupACCL::execute(std::unique_ptr<Call> call) {
   }
   current_ = nullptr;
   work->complete(error);
-}
-
-void ProcessGroupACCL::run(Call& c) {
-  current_ = &c;
-  c.fr.started();
-  deadline_ = Clock::now() + opts_.timeout;
-  c10::OptionalStreamGuard onCallerStream(c.stream);  // staging copies of device tensors (host())
-  (this->*c.body)(c);
+  lock.lock();
+  running_ = false;
+  cv_.notify_all();
 }
 
 template <typename F>

@@ -481,13 +481,12 @@ class ProcessGroupACCL : public c10d::Backend {
 
   // ---- running calls
   // `made` (a new Call: its header words, body and tensors) with its engine, the path plan() chooses for `bytes`
-  // moved in all, the caller's stream and its Work, enqueued
+  // moved in all, the caller's stream and its Work; numbered, recorded, then run now or queued
   WorkPtr start(Call* made, OpType type, Engine* eng, int64_t bytes, bool asyncOp);
-  WorkPtr enqueue(std::unique_ptr<Call> call, bool asyncOp);
   void workerLoop();
-  void runNow(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);  // marks the group busy meanwhile
-  void execute(std::unique_ptr<Call> call);  // run + complete the Work (+ abort on timeout)
-  void run(Call& call);                      // the call's body on the caller's stream, against its deadline; throws
+  // runs `call` with the group marked busy (the caller holds `lock`, released meanwhile): its body on the caller's
+  // stream against the group deadline, then its Work completed (a timeout keeps the call: MPI may still write it)
+  void execute(std::unique_lock<std::mutex>& lock, std::unique_ptr<Call> call);
   // the call's header exchange, carrying `carry` on the carried path; true when the data rode with it (the
   // exchange was the call)
   bool header(Call& c, const Carry& carry = {});

@@ -63,17 +63,6 @@ Path plan(OpType type, int64_t bytes, int ranks, bool spansNodes, bool onMpi, co
   return rings(type, bytes, ranks, spansNodes, o) ? Path::kRing : Path::kMpi;
 }
 
-WorkPtr ProcessGroupACCL::start(Call* made, OpType type, Engine* eng, int64_t bytes, bool asyncOp) {
-  std::unique_ptr<Call> c(made);
-  c->eng = eng;
-  c->path = plan(type, bytes, size_, spansNodes_, onMpi(eng), opts_);
-  if (c->inputs.empty()) c->inputs = c->outputs;  // for the flight record: a scatter off the root
-  c->stream = callerStream(c->outputs);
-  if (!c->stream) c->stream = callerStream(c->inputs);  // a gather's input off the root
-  c->work = c10::make_intrusive<WorkACCL>(rank_, type, "", c->outputs);
-  return enqueue(std::move(c), asyncOp);
-}
-
 bool ProcessGroupACCL::header(Call& c, const Carry& carry) {
   exchange(c, c.path == Path::kCarried ? carry : Carry{});
   return c.path == Path::kCarried;
