@@ -36,12 +36,11 @@ def test_complexity_at_most_grade_c() -> None:
 
 
 # accl's csrc in lizard's NLOC.  The .cpp files alone grew from 1,736 to 2,245 under a bound raised seven times to
-# fit them (to 2,250); that bound stays, and the whole csrc (.cpp and .hpp: 2,710 when it was first counted) has a
-# bound of its own, fixed where the code came back to.  Both are only ever lowered: the goal for the whole is 2,000,
-# and growth pays for itself by deletion (what the lines beyond upstream's ProcessGroupMPI.cpp buy:
-# docs/development.md).
-CSRC_CPP_NLOC_BOUND = 2250
-CSRC_NLOC_BOUND = 2545
+# fit them (to 2,250); the whole csrc (.cpp and .hpp) was 2,710 when it was first counted.  Both bounds sit where the
+# code came back to and are only ever lowered: the goal for the whole is 2,000, and growth pays for itself by
+# deletion (what the lines beyond upstream's ProcessGroupMPI.cpp buy: docs/development.md).
+CSRC_CPP_NLOC_BOUND = 1973
+CSRC_NLOC_BOUND = 2409
 
 
 def test_accl_backend_shape() -> None:

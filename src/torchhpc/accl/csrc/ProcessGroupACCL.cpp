@@ -177,11 +177,6 @@ bool WorkACCL::isCompleted() {
   return completed_;
 }
 
-bool WorkACCL::isSuccess() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return completed_ && !exception_;
-}
-
 int WorkACCL::sourceRank() const {
   int s = source_.load();
   TORCH_CHECK_VALUE(s >= 0, "accl: source_rank() is only defined for a completed recv from any source");
@@ -253,6 +248,7 @@ ProcessGroupACCL::ProcessGroupACCL(MPI_Comm comm, Config config, std::shared_ptr
     : c10d::Backend(commInt(MPI_Comm_rank, "MPI_Comm_rank", comm), commInt(MPI_Comm_size, "MPI_Comm_size", comm)),
       opts_(std::move(config)), engine_(std::move(engine)) {
   coll_ = dup(comm);
+  ctl_ = dup(comm);
   p2pHead_ = dup(comm);
   p2pData_ = dup(comm);
   mpi_ = std::make_unique<MpiEngine>(coll_);
@@ -294,7 +290,7 @@ void ProcessGroupACCL::shutdown() {
   MPI_Finalized(&finalized);
   if (finalized) return;  // a group never destroyed, collected at interpreter exit after MPI_Finalize
   // best effort in a destructor: a failure to free is not worth an exception here
-  for (MPI_Comm* c : {&coll_, &p2pHead_, &p2pData_})
+  for (MPI_Comm* c : {&coll_, &ctl_, &p2pHead_, &p2pData_})
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
 }
 
@@ -485,6 +481,10 @@ void ProcessGroupACCL::execute(std::unique_lock<std::mutex>& lock, std::unique_p
   }
   current_ = nullptr;
   work->complete(error);
+  // released before the lock is taken again: dropping the last reference to a caller's tensor may take the GIL,
+  // which a caller waiting for the lock in start() holds
+  call.reset();
+  work.reset();
   lock.lock();
   running_ = false;
   cv_.notify_all();
@@ -584,7 +584,7 @@ MpiCallError::MpiCallError(int code, const char* fn)
 std::vector<int> ProcessGroupACCL::failedRanks() {
   std::vector<int> out;
 #ifdef MPIX_ERR_PROC_FAILED
-  for (MPI_Comm comm : {coll_, p2pHead_, p2pData_}) {
+  for (MPI_Comm comm : {coll_, ctl_, p2pHead_, p2pData_}) {
     MPI_Group failed, mine;
     if (MPIX_Comm_get_failed(comm, &failed) != MPI_SUCCESS) continue;  // best effort: the error says "a peer"
     MPI_Comm_group(comm, &mine);
@@ -618,7 +618,7 @@ std::exception_ptr ProcessGroupACCL::mpiFailure(const MpiCallError& e, const std
 #ifdef MPIX_ERR_PROC_FAILED
   if (cls == MPIX_ERR_PROC_FAILED || cls == MPIX_ERR_PROC_FAILED_PENDING || cls == MPIX_ERR_REVOKED) {
     // revoke every communicator of the group, so that every survivor's pending and next calls fail at once
-    for (MPI_Comm comm : {coll_, p2pHead_, p2pData_}) MPIX_Comm_revoke(comm);
+    for (MPI_Comm comm : {coll_, ctl_, p2pHead_, p2pData_}) MPIX_Comm_revoke(comm);
     // a rank told only by a revocation may learn who died from the runtime's notice a moment later
     std::vector<int> ranks = failedRanks();
     for (auto until = Clock::now() + std::chrono::milliseconds(250);

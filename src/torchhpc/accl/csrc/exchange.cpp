@@ -1,6 +1,6 @@
 // The header exchange: how every checked collective starts, and the whole of a small one.
 //
-// Recursive doubling over point-to-point messages on the collective communicator (the shape of MPICH's small
+// Recursive doubling over point-to-point messages on the control communicator (the shape of MPICH's small
 // all-reduce): with p2 the largest power of two <= p and rem = p - p2, each even rank below 2*rem first hands its
 // part to the odd rank above it and gets the result from it after the rounds; the other p2 ranks, numbered
 // 0..p2-1, run log2(p2) rounds, in each of which every rank sends one message to the partner whose number differs
@@ -32,7 +32,7 @@ struct Xchg {
 
 namespace {
 
-constexpr int kTagPrefix = 16;  // on the collective communicator (the ring's: 32)
+constexpr int kTagPrefix = 16;  // on the control communicator, which carries nothing else
 static_assert(sizeof(wire::Prefix) <= wire::kHeaderBytes);
 
 // the data this rank sends now (none once a mismatch is known: only the verdict matters then)
@@ -105,7 +105,7 @@ void ProcessGroupACCL::doubling(Xchg& x) {
 
 void ProcessGroupACCL::step(Xchg& x, int peer, bool send, bool recv, bool result) {
   MPI_Request in = MPI_REQUEST_NULL, out = MPI_REQUEST_NULL;
-  if (recv) ACCL_MPI(MPI_Irecv, in_.data(), static_cast<int>(in_.size()), MPI_BYTE, peer, kTagPrefix, coll_, &in);
+  if (recv) ACCL_MPI(MPI_Irecv, in_.data(), static_cast<int>(in_.size()), MPI_BYTE, peer, kTagPrefix, ctl_, &in);
   if (send) post(x, peer, &out);
   if (recv) take(x, peer, &in, &out, result);
   waitRequest(&out, 1, peer);
@@ -121,7 +121,7 @@ void ProcessGroupACCL::post(const Xchg& x, int peer, MPI_Request* out) {
   const wire::Prefix pre{x.head, x.bad ? 1 : 0, bytes + garbled, x.lo, x.hi};
   std::memcpy(out_.data(), &pre, sizeof pre);
   if (bytes) std::memcpy(out_.data() + wire::kHeaderBytes, src, bytes);
-  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(wire::kHeaderBytes + bytes), MPI_BYTE, peer, kTagPrefix, coll_,
+  ACCL_MPI(MPI_Isend, out_.data(), static_cast<int>(wire::kHeaderBytes + bytes), MPI_BYTE, peer, kTagPrefix, ctl_,
            out);
 }
 
