@@ -96,18 +96,19 @@ def default_mpicxx(mpicc: str | None = None) -> str:
     raise SystemExit(f"accl backend build: no mpicxx beside {base}; set MPICXX")
 
 
-def _stamp(cxx: str, flags: list[str]) -> str:
-    """What the module was built from: torch's version, then a digest of every source, the command's flags and
-    whether the compiler finds nlohmann/json.hpp (the flight recorder is built exactly when it does: installing
-    the header after a build changes the stamp, so the next ``make env`` builds the recorder)."""
+def _stamp(cxx: str, flags: list[str], hooks: bool = False) -> str:
+    """What the module was built from: torch's version, then a digest of every source (with ``hooks``, a test
+    build's :data:`HOOKS` too), the command's flags and whether the compiler finds nlohmann/json.hpp (the flight
+    recorder is built exactly when it does: installing the header after a build changes the stamp, so the next
+    ``make env`` builds the recorder)."""
     import hashlib
 
     import torch
 
     h = hashlib.sha256()
-    for path in [*sorted(CSRC.iterdir()), HOOKS]:
-        if path.suffix in (".cpp", ".hpp") and (path != HOOKS or any(f.startswith("-DACCL_TEST_HOOKS") for f in flags)):
-            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    sources = [p for p in sorted(CSRC.iterdir()) if p.suffix in (".cpp", ".hpp")] + ([HOOKS] if hooks else [])
+    for path in sources:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(" ".join([cxx, *flags]).encode())
     h.update(b"recorder" if _finds_json(cxx, flags) else b"no recorder")
     return f"{torch.__version__} {h.hexdigest()}"
@@ -157,7 +158,7 @@ def build(mpicc: str | None = None, dest: Path | None = None, force: bool = Fals
              *(f"-isystem{d}" for d in {Path(sys.prefix) / "include", Path(sys.base_prefix) / "include"}
                if (d / "nlohmann" / "json.hpp").exists())]
     stamp_file = dest / f"{name}.stamp"
-    stamp = _stamp(mpicxx, flags)
+    stamp = _stamp(mpicxx, flags, test_hooks)
     if not force and out.exists() and stamp_file.exists() and stamp_file.read_text().strip() == stamp:
         return out
     dest.mkdir(parents=True, exist_ok=True)

@@ -100,7 +100,6 @@ py::list counterNames() {
   return keys;
 }
 
-
 // the group's options, one struct: torchhpc.accl.AcclOptions fills every field (options.py), and plan() reads them
 void defineOptions(py::module_ m) {
   py::class_<accl::Config>(m, "Options")
