@@ -21,7 +21,6 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
-#include <sstream>
 
 namespace torchhpc::accl {
 namespace {
@@ -29,9 +28,11 @@ namespace {
 std::atomic<bool> gPeersDied{false};
 std::atomic<double> gPeersSilentTimeout{0.0};
 
-void notePeersSilent(double timeoutS) {
-  double seen = gPeersSilentTimeout.load();
-  while (seen < timeoutS && !gPeersSilentTimeout.compare_exchange_weak(seen, timeoutS)) {
+// raises `a` to at least `v`
+template <typename T>
+void atomicMax(std::atomic<T>& a, T v) {
+  T seen = a.load(std::memory_order_relaxed);
+  while (seen < v && !a.compare_exchange_weak(seen, v)) {
   }
 }
 
@@ -150,9 +151,7 @@ Seg seg(const at::Tensor& t, int64_t off, int64_t cnt, int64_t rows, int64_t n) 
 }
 
 std::string seconds(std::chrono::milliseconds ms) {
-  std::ostringstream s;
-  s << static_cast<double>(ms.count()) / 1000.0;
-  return s.str();
+  return c10::str(static_cast<double>(ms.count()) / 1000.0);
 }
 
 // ============================================================================================== Work
@@ -283,7 +282,8 @@ void ProcessGroupACCL::shutdown() {
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& c : queue_) c->work->complete(std::make_exception_ptr(AbortedError("accl: process group shut down")));
+  const auto down = std::make_exception_ptr(c10::DistBackendError("accl: process group shut down"));
+  for (auto& c : queue_) c->work->complete(down);
   queue_.clear();
   if (!aborted_.empty()) return;  // requests given up at a deadline may still use the communicators
   int finalized = 0;
@@ -307,55 +307,45 @@ std::shared_ptr<const std::string> ProcessGroupACCL::groupNameShared() {
 // ---------------------------------------------------------------------------------------- argument checks
 
 const at::Tensor& ProcessGroupACCL::one(const Tensors& ts, const char* what) const {
-  if (ts.size() != 1)
-    valueError(std::string("accl: ") + what + " takes exactly one tensor per call, got " + std::to_string(ts.size()));
-  if (ts[0].is_sparse()) typeError(std::string("accl: ") + what + " does not support sparse tensors");
+  TORCH_CHECK_VALUE(ts.size() == 1, "accl: ", what, " takes exactly one tensor per call, got ", ts.size());
+  TORCH_CHECK_TYPE(!ts[0].is_sparse(), "accl: ", what, " does not support sparse tensors");
   return ts[0];
 }
 
 void ProcessGroupACCL::checkRank(int64_t rank, const char* what, const char* name) const {
-  if (rank < 0 || rank >= size_)
-    valueError("accl: " + std::string(what) + " " + name + "=" + std::to_string(rank) +
-               " is not a rank of this group (size " + std::to_string(size_) + ")");
+  TORCH_CHECK_VALUE(rank >= 0 && rank < size_, "accl: ", what, " ", name, "=", rank,
+                    " is not a rank of this group (size ", size_, ")");
 }
 
 void ProcessGroupACCL::checkTag(int tag) const {
-  if (tag < 0 || tag > tagUb_)
-    valueError("accl: tag " + std::to_string(tag) + " out of range [0, " + std::to_string(tagUb_) + "] (MPI_TAG_UB)");
+  TORCH_CHECK_VALUE(tag >= 0 && tag <= tagUb_, "accl: tag ", tag, " out of range [0, ", tagUb_, "] (MPI_TAG_UB)");
 }
 
 void ProcessGroupACCL::checkSameDtype(const at::Tensor& out, const at::Tensor& in, const char* what) const {
-  if (out.scalar_type() != in.scalar_type())
-    typeError(std::string("accl: ") + what + " dtypes differ: output " + wire::torchName(out.scalar_type()) +
-              ", input " + wire::torchName(in.scalar_type()));
+  TORCH_CHECK_TYPE(out.scalar_type() == in.scalar_type(), "accl: ", what, " dtypes differ: output ",
+                   wire::torchName(out.scalar_type()), ", input ", wire::torchName(in.scalar_type()));
 }
 
 void ProcessGroupACCL::checkList(const Tensors& list, const at::Tensor& ref, const char* what, const char* name) const {
-  std::string w = std::string("accl: ") + what + " " + name;
-  if (static_cast<int>(list.size()) != size_)
-    valueError(w + " has " + std::to_string(list.size()) + " tensors, world_size is " + std::to_string(size_));
+  TORCH_CHECK_VALUE(static_cast<int>(list.size()) == size_, "accl: ", what, " ", name, " has ", list.size(),
+                    " tensors, world_size is ", size_);
   for (size_t i = 0; i < list.size(); ++i) {
-    if (list[i].scalar_type() != ref.scalar_type())
-      typeError(w + "[" + std::to_string(i) + "] is " + wire::torchName(list[i].scalar_type()) + ", expected " +
-                wire::torchName(ref.scalar_type()));
-    if (list[i].numel() != ref.numel())
-      valueError(w + "[" + std::to_string(i) + "] has " + std::to_string(list[i].numel()) + " elements, expected " +
-                 std::to_string(ref.numel()) + " (all ranks' tensors must have the same size)");
+    TORCH_CHECK_TYPE(list[i].scalar_type() == ref.scalar_type(), "accl: ", what, " ", name, "[", i, "] is ",
+                     wire::torchName(list[i].scalar_type()), ", expected ", wire::torchName(ref.scalar_type()));
+    TORCH_CHECK_VALUE(list[i].numel() == ref.numel(), "accl: ", what, " ", name, "[", i, "] has ", list[i].numel(),
+                      " elements, expected ", ref.numel(), " (all ranks' tensors must have the same size)");
   }
 }
 
 void ProcessGroupACCL::checkWhole(const at::Tensor& whole, const at::Tensor& part, const char* what,
                                   const char* wholeName, const char* partName) const {
-  const int64_t p = size_, n = part.numel();
-  if (whole.numel() != p * n)
-    valueError(std::string("accl: ") + what + " " + wholeName + " has " + std::to_string(whole.numel()) +
-               " elements, needs world_size * " + partName + " = " + std::to_string(p) + " * " + std::to_string(n) +
-               " = " + std::to_string(p * n));
+  TORCH_CHECK_VALUE(whole.numel() == size_ * part.numel(), "accl: ", what, " ", wholeName, " has ", whole.numel(),
+                    " elements, needs world_size * ", partName, " = ", size_, " * ", part.numel(), " = ",
+                    size_ * part.numel());
 }
 
 void ProcessGroupACCL::checkPairs(size_t outputs, size_t inputs, const char* what) const {
-  if (outputs != inputs || inputs == 0)
-    valueError(std::string("accl: ") + what + "_coalesced needs matching, non-empty lists");
+  TORCH_CHECK_VALUE(outputs == inputs && inputs > 0, "accl: ", what, "_coalesced needs matching, non-empty lists");
 }
 
 void ProcessGroupACCL::checkOpen() const {
@@ -364,20 +354,19 @@ void ProcessGroupACCL::checkOpen() const {
 }
 
 void ProcessGroupACCL::throwAborted() const {
-  throw AbortedError("accl: process group is aborted (" + aborted_ +
+  throw c10::DistBackendError("accl: process group is aborted (" + aborted_ +
                      "); create a new one (or restart) to communicate again");
 }
 
 Tensors ProcessGroupACCL::rootList(const std::vector<Tensors>& lists, const at::Tensor& ref, int64_t root,
                                    const char* what, const char* name) const {
-  if (rank_ == root) {
-    if (lists.size() != 1) valueError(std::string("accl: ") + what + " on the root takes one " + name);
-    checkList(lists[0], ref, what, name);
-    return lists[0];
+  if (rank_ != root) {
+    for (const auto& l : lists) TORCH_CHECK_VALUE(l.empty(), "accl: ", name, " must be empty/None on non-root ranks");
+    return {};
   }
-  for (const auto& l : lists)
-    if (!l.empty()) valueError(std::string("accl: ") + name + " must be empty/None on non-root ranks");
-  return {};
+  TORCH_CHECK_VALUE(lists.size() == 1, "accl: ", what, " on the root takes one ", name);
+  checkList(lists[0], ref, what, name);
+  return lists[0];
 }
 
 Engine* ProcessGroupACCL::engineFor(OpType coll, std::optional<at::ScalarType> dtype, std::optional<RedOpType> op) {
@@ -406,9 +395,7 @@ int64_t ProcessGroupACCL::segmentFor(OpType coll) const {
 
 void Stats::count(int64_t bytes) {
   engineCalls.fetch_add(1, std::memory_order_relaxed);
-  int64_t seen = maxCallBytes.load(std::memory_order_relaxed);
-  while (bytes > seen && !maxCallBytes.compare_exchange_weak(seen, bytes)) {
-  }
+  atomicMax(maxCallBytes, bytes);
 }
 
 WorkPtr ProcessGroupACCL::start(Call* made, OpType type, Engine* eng, int64_t bytes, bool asyncOp) {
@@ -518,7 +505,7 @@ void ProcessGroupACCL::checkBlocked() {
                "the call, and MPI cannot interrupt a blocking call. Ending the job (MPI_Abort).\n",
                wire::describe(blockedHead_).c_str(), groupName().c_str(), rank_, size_, seconds(opts_.timeout).c_str());
   std::fflush(stderr);
-  notePeersSilent(std::chrono::duration<double>(opts_.timeout).count());
+  atomicMax(gPeersSilentTimeout, std::chrono::duration<double>(opts_.timeout).count());
   dumpFlightRecord();
   armAbortGrace();
   MPI_Abort(MPI_COMM_WORLD, 1);
@@ -563,7 +550,7 @@ void ProcessGroupACCL::expire(const std::string& what, int peer) {
                     " died, hung, or did not make the matching call. The group is aborted; later calls on it raise "
                     "at once.";
   PeerTimeoutError error(msg);
-  notePeersSilent(std::chrono::duration<double>(opts_.timeout).count());
+  atomicMax(gPeersSilentTimeout, std::chrono::duration<double>(opts_.timeout).count());
   abortWith(msg, std::make_exception_ptr(error));
   dumpFlightRecord();
   throw error;
@@ -584,20 +571,19 @@ MpiCallError::MpiCallError(int code, const char* fn)
 std::vector<int> ProcessGroupACCL::failedRanks() {
   std::vector<int> out;
 #ifdef MPIX_ERR_PROC_FAILED
-  for (MPI_Comm comm : {coll_, ctl_, p2pHead_, p2pData_}) {
-    MPI_Group failed, mine;
-    if (MPIX_Comm_get_failed(comm, &failed) != MPI_SUCCESS) continue;  // best effort: the error says "a peer"
-    MPI_Comm_group(comm, &mine);
-    int n = 0;
-    MPI_Group_size(failed, &n);
-    std::vector<int> in(n), ranks(n);
-    for (int i = 0; i < n; ++i) in[i] = i;
-    MPI_Group_translate_ranks(failed, n, in.data(), mine, ranks.data());
-    for (int r : ranks)
-      if (r >= 0 && std::find(out.begin(), out.end(), r) == out.end()) out.push_back(r);
-    MPI_Group_free(&failed);
-    MPI_Group_free(&mine);
-  }
+  // the runtime's knowledge of failed processes, which every communicator of the group shares
+  MPI_Group failed, mine;
+  if (MPIX_Comm_get_failed(coll_, &failed) != MPI_SUCCESS) return out;  // best effort: the error says "a peer"
+  MPI_Comm_group(coll_, &mine);
+  int n = 0;
+  MPI_Group_size(failed, &n);
+  std::vector<int> in(n);
+  out.resize(n);
+  for (int i = 0; i < n; ++i) in[i] = i;
+  MPI_Group_translate_ranks(failed, n, in.data(), mine, out.data());
+  MPI_Group_free(&failed);
+  MPI_Group_free(&mine);
+  out.erase(std::remove(out.begin(), out.end(), MPI_UNDEFINED), out.end());
   std::sort(out.begin(), out.end());
 #endif
   return out;

@@ -65,13 +65,7 @@ struct MpiCallError : c10::DistBackendError {
   int rc;
   const char* call;
 };
-// a group that was aborted (timeout, dead peer, shutdown): torch's DistBackendError
-struct AbortedError : c10::DistBackendError {
-  explicit AbortedError(std::string msg) : c10::DistBackendError(std::move(msg)) {}
-};
 
-[[noreturn]] void valueError(const std::string& msg);
-[[noreturn]] void typeError(const std::string& msg);
 
 // The one way to call MPI: a return code other than MPI_SUCCESS throws MpiCallError naming the function.
 inline void mpiCheck(int rc, const char* fn) {
@@ -536,6 +530,7 @@ class ProcessGroupACCL : public c10d::Backend {
   void rootedBody(Call& c);  // gather (rows to the root) and scatter (rows from the root)
   void alltoallBody(Call& c);
   void barrierBody(Call& c);
+  WorkPtr allreduceStart(const Tensors& tensors, RedOpType op, OpType type, bool asyncOp);
   WorkPtr allgatherStart(const at::Tensor& input, Tensors outputs, OpType type, bool asyncOp);
   WorkPtr reduceScatterStart(Tensors inputs, const at::Tensor& output, c10d::ReduceOp op, OpType type, bool asyncOp);
   // `mineList`: every rank's one tensor; `lists`: the root's list of rows (none elsewhere)
@@ -547,12 +542,10 @@ class ProcessGroupACCL : public c10d::Backend {
   WorkPtr inOrder(size_t n, F one);
 
   // ---- point-to-point
-  std::unique_ptr<P2P> newP2P(const at::Tensor& t, int peer, int tag, OpType type, std::string what);
-  // posts the op's first requests (`post`), then hands it to progress
-  WorkPtr startP2P(std::unique_ptr<P2P> op, void (ProcessGroupACCL::*post)(P2P&));
+  // one op, checked and recorded, its first messages posted, then handed to progress (peer -1: any source)
+  WorkPtr startP2P(const at::Tensor& t, int peer, int tag, OpType type);
   void postSend(P2P& op);  // the envelope (and a small payload), then a large payload's segments
   void postRecv(P2P& op);  // the envelope's receive
-  WorkPtr recvFrom(const at::Tensor& t, int src, int tag);  // src -1: any source
   bool advanceP2P(P2P& op);                              // true when done
   bool openEnvelope(P2P& op);                            // the envelope arrived: true when the op is done
   void postPayload(P2P& op, char* into, const wire::Envelope& env);  // the payload's segments, as the sender's

@@ -14,12 +14,6 @@
 namespace torchhpc::accl {
 namespace {
 
-std::string shape(const at::Tensor& t) {
-  std::string s = "(";
-  for (int64_t i = 0; i < t.dim(); ++i) s += std::to_string(t.size(i)) + (t.dim() == 1 ? "," : i + 1 < t.dim() ? ", " : "");
-  return s + ")";
-}
-
 wire::Header callHeader(OpType kind, at::ScalarType dtype, int64_t root, int64_t nbytes, int64_t numel,
                         const Reduction* red = nullptr) {
   return {wire::kMagic, static_cast<int64_t>(kind), 0, wire::dtypeCode(dtype), red ? red->ocode : 0, root, nbytes,
@@ -96,42 +90,39 @@ void ProcessGroupACCL::allreduceBody(Call& c) {
 
 WorkPtr ProcessGroupACCL::allreduce(Tensors& tensors, const c10d::AllreduceOptions& opts) {
   if (tensors.size() == 1 && tensors[0].is_sparse()) return allreduce_sparse(tensors, opts);
-  const at::Tensor& t = one(tensors, "all_reduce");
-  const Reduction& red = reductionFor(t.scalar_type(), opts.reduceOp.op_, "all_reduce");
-  checkOpen();
-  const int64_t bytes = t.numel() * static_cast<int64_t>(red.esz);
-  return start(new Call{.head = callHeader(OpType::ALLREDUCE, red.dtype, 0, bytes, t.numel(), &red),
-                        .body = &ProcessGroupACCL::allreduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
-               OpType::ALLREDUCE, engineFor(OpType::ALLREDUCE, red.dtype, red.op), bytes, opts.asyncOp);
+  one(tensors, "all_reduce");
+  return allreduceStart(tensors, opts.reduceOp.op_, OpType::ALLREDUCE, opts.asyncOp);
 }
 
 WorkPtr ProcessGroupACCL::allreduce_coalesced(Tensors& tensors, const c10d::AllreduceCoalescedOptions& opts) {
-  if (tensors.empty()) valueError("accl: all_reduce_coalesced needs at least one tensor");
-  int64_t numel = 0;
+  TORCH_CHECK_VALUE(!tensors.empty(), "accl: all_reduce_coalesced needs at least one tensor");
   for (const auto& t : tensors) {
-    if (t.scalar_type() != tensors[0].scalar_type())
-      typeError("accl: all_reduce_coalesced needs tensors of one dtype, got " +
-                wire::torchName(tensors[0].scalar_type()) + " and " + wire::torchName(t.scalar_type()));
-    if (t.device() != tensors[0].device()) valueError("accl: all_reduce_coalesced needs tensors on one device");
-    numel += t.numel();
+    TORCH_CHECK_TYPE(t.scalar_type() == tensors[0].scalar_type(), "accl: all_reduce_coalesced needs tensors of one "
+                     "dtype, got ", wire::torchName(tensors[0].scalar_type()), " and ",
+                     wire::torchName(t.scalar_type()));
+    TORCH_CHECK_VALUE(t.device() == tensors[0].device(), "accl: all_reduce_coalesced needs tensors on one device");
   }
-  const Reduction& red = reductionFor(tensors[0].scalar_type(), opts.reduceOp.op_, "all_reduce_coalesced");
+  return allreduceStart(tensors, opts.reduceOp.op_, OpType::ALLREDUCE_COALESCED, opts.asyncOp);
+}
+
+// the tensors (checked: one dtype, one device) reduced end to end as one call
+WorkPtr ProcessGroupACCL::allreduceStart(const Tensors& tensors, RedOpType op, OpType type, bool asyncOp) {
+  const Reduction& red = reductionFor(tensors[0].scalar_type(), op, collName(type));
   checkOpen();
+  int64_t numel = 0;
+  for (const auto& t : tensors) numel += t.numel();
   const int64_t bytes = numel * static_cast<int64_t>(red.esz);
-  return start(new Call{.head = callHeader(OpType::ALLREDUCE_COALESCED, red.dtype, 0, bytes, numel, &red),
+  return start(new Call{.head = callHeader(type, red.dtype, 0, bytes, numel, &red),
                         .body = &ProcessGroupACCL::allreduceBody, .inputs = tensors, .outputs = tensors, .red = &red},
-               OpType::ALLREDUCE_COALESCED, engineFor(OpType::ALLREDUCE, red.dtype, red.op), bytes,
-               opts.asyncOp);
+               type, engineFor(OpType::ALLREDUCE, red.dtype, red.op), bytes, asyncOp);
 }
 
 WorkPtr ProcessGroupACCL::allreduce_sparse(Tensors& tensors, const c10d::AllreduceOptions& opts) {
-  if (tensors.size() != 1)
-    valueError("accl: all_reduce takes exactly one tensor per call, got " + std::to_string(tensors.size()));
+  TORCH_CHECK_VALUE(tensors.size() == 1, "accl: all_reduce takes exactly one tensor per call, got ", tensors.size());
   const at::Tensor& t = tensors[0];
-  if (t.layout() != at::kSparse) typeError("accl: sparse all_reduce needs a sparse COO tensor");
-  if (opts.reduceOp.op_ != RedOpType::SUM)
-    valueError("accl: sparse all_reduce supports ReduceOp.SUM only (as gloo), got ReduceOp." +
-               opName(opts.reduceOp.op_));
+  TORCH_CHECK_TYPE(t.layout() == at::kSparse, "accl: sparse all_reduce needs a sparse COO tensor");
+  TORCH_CHECK_VALUE(opts.reduceOp.op_ == RedOpType::SUM, "accl: sparse all_reduce supports ReduceOp.SUM only (as ",
+                    "gloo), got ReduceOp.", opName(opts.reduceOp.op_));
   checkOpen();
   Call* c = new Call{.head = callHeader(OpType::ALLREDUCE, t.scalar_type(), 0, 0, t.numel()),
                      .body = &ProcessGroupACCL::sparseBody, .inputs = tensors, .outputs = tensors};
@@ -190,7 +181,7 @@ void ProcessGroupACCL::broadcastBody(Call& c) {
 
 WorkPtr ProcessGroupACCL::broadcast(Tensors& tensors, const c10d::BroadcastOptions& opts) {
   const at::Tensor& t = one(tensors, "broadcast");
-  if (opts.rootTensor != 0) valueError("accl: broadcast rootTensor must be 0, got " + std::to_string(opts.rootTensor));
+  TORCH_CHECK_VALUE(opts.rootTensor == 0, "accl: broadcast rootTensor must be 0, got ", opts.rootTensor);
   checkRank(opts.rootRank, "broadcast", "root");
   checkOpen();
   const int64_t bytes = t.nbytes();
@@ -264,8 +255,7 @@ WorkPtr ProcessGroupACCL::_allgather_base(at::Tensor& output, at::Tensor& input,
 WorkPtr ProcessGroupACCL::allgather(std::vector<Tensors>& outputs, Tensors& inputs,
                                     const c10d::AllgatherOptions& opts) {
   const at::Tensor& input = one(inputs, "all_gather");
-  if (outputs.size() != 1)
-    valueError("accl: all_gather takes one output list, got " + std::to_string(outputs.size()));
+  TORCH_CHECK_VALUE(outputs.size() == 1, "accl: all_gather takes one output list, got ", outputs.size());
   checkList(outputs[0], input, "all_gather", "output_tensor_list");
   return allgatherStart(input, outputs[0], OpType::ALLGATHER, opts.asyncOp);
 }
@@ -281,10 +271,8 @@ WorkPtr ProcessGroupACCL::allgather_coalesced(std::vector<Tensors>& outputLists,
   // outputLists[r][j] receives rank r's inputs[j] (torch's layout: one list per rank)
   bool shaped = !inputs.empty() && static_cast<int>(outputLists.size()) == size_;
   for (const auto& l : outputLists) shaped = shaped && l.size() == inputs.size();
-  if (!shaped)
-    valueError("accl: all_gather_coalesced needs at least one input tensor and " + std::to_string(size_) +
-               " output lists (one per rank), each with one tensor per input tensor (" +
-               std::to_string(inputs.size()) + ")");
+  TORCH_CHECK_VALUE(shaped, "accl: all_gather_coalesced needs at least one input tensor and ", size_,
+                    " output lists (one per rank), each with one tensor per input tensor (", inputs.size(), ")");
   return inOrder(inputs.size(), [&](size_t j) {
     std::vector<Tensors> outs(1);
     for (const auto& l : outputLists) outs[0].push_back(l[j]);
@@ -343,7 +331,7 @@ WorkPtr ProcessGroupACCL::_reduce_scatter_base(at::Tensor& output, at::Tensor& i
 WorkPtr ProcessGroupACCL::reduce_scatter(Tensors& outputs, std::vector<Tensors>& inputs,
                                          const c10d::ReduceScatterOptions& opts) {
   const at::Tensor& output = one(outputs, "reduce_scatter");
-  if (inputs.size() != 1) valueError("accl: reduce_scatter takes one input list");
+  TORCH_CHECK_VALUE(inputs.size() == 1, "accl: reduce_scatter takes one input list");
   checkList(inputs[0], output, "reduce_scatter", "input_list");
   return reduceScatterStart(inputs[0], output, opts.reduceOp, OpType::REDUCE_SCATTER, opts.asyncOp);
 }
@@ -406,18 +394,17 @@ WorkPtr ProcessGroupACCL::scatter(Tensors& outputs, std::vector<Tensors>& inputs
 
 void ProcessGroupACCL::checkSplits(const std::vector<int64_t>& sizes, const at::Tensor& t, const char* name) const {
   const int64_t p = size_, rows = t.dim() ? t.size(0) : 1;
-  auto fail = [name](const std::string& what) { valueError(std::string("accl: all_to_all_single ") + name + what); };
+  const char* what = "accl: all_to_all_single ";
   if (sizes.empty()) {
-    if (t.dim() == 0 || t.size(0) % p)
-      fail(" dim 0 (" + shape(t) + ") is not divisible by world_size " + std::to_string(p) + "; pass split sizes");
+    TORCH_CHECK_VALUE(t.dim() && t.size(0) % p == 0, what, name, " of size ", t.sizes(),
+                      ": dim 0 is not divisible by world_size ", p, "; pass split sizes");
     return;
   }
-  if (static_cast<int64_t>(sizes.size()) != p)
-    fail("_split_sizes has " + std::to_string(sizes.size()) + " entries, world_size is " + std::to_string(p));
-  if (std::any_of(sizes.begin(), sizes.end(), [](int64_t s) { return s < 0; })) fail("_split_sizes must be >= 0");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(sizes.size()) == p, what, name, "_split_sizes has ", sizes.size(),
+                    " entries, world_size is ", p);
+  for (int64_t s : sizes) TORCH_CHECK_VALUE(s >= 0, what, name, "_split_sizes must be >= 0");
   const int64_t sum = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
-  if (sum != rows)
-    fail("_split_sizes sum to " + std::to_string(sum) + " but " + name + " has " + std::to_string(rows) + " rows");
+  TORCH_CHECK_VALUE(sum == rows, what, name, "_split_sizes sum to ", sum, " but ", name, " has ", rows, " rows");
 }
 
 namespace {
@@ -531,12 +518,11 @@ WorkPtr ProcessGroupACCL::alltoall_base(at::Tensor& output, at::Tensor& input, s
 
 WorkPtr ProcessGroupACCL::alltoall(Tensors& outputs, Tensors& inputs, const c10d::AllToAllOptions& opts) {
   const size_t p = static_cast<size_t>(size_);
-  if (outputs.size() != p || inputs.size() != p)
-    valueError("accl: all_to_all needs " + std::to_string(p) + " input and " + std::to_string(p) +
-               " output tensors, got " + std::to_string(inputs.size()) + " and " + std::to_string(outputs.size()));
+  TORCH_CHECK_VALUE(outputs.size() == p && inputs.size() == p, "accl: all_to_all needs ", p, " input and ", p,
+                    " output tensors, got ", inputs.size(), " and ", outputs.size());
   for (const auto* list : {&inputs, &outputs})
     for (const auto& t : *list)
-      if (t.scalar_type() != inputs[0].scalar_type()) typeError("accl: all_to_all needs every tensor of one dtype");
+      TORCH_CHECK_TYPE(t.scalar_type() == inputs[0].scalar_type(), "accl: all_to_all needs every tensor of one dtype");
   checkOpen();
   std::vector<int64_t> sb, rb;
   for (const auto& t : inputs) sb.push_back(static_cast<int64_t>(t.nbytes()));
@@ -591,7 +577,7 @@ void MpiEngine::broadcast(const Seg& b, int root) {
 
 void MpiEngine::blocks(const Seg& rows, int bytes) {
   const int64_t stride = rows.data ? rows.stride : bytes;
-  if (stride * (size_ - 1) > INT_MAX) valueError("accl: a strided block lies beyond MPI's int displacements");
+  TORCH_CHECK_VALUE(stride * (size_ - 1) <= INT_MAX, "accl: a strided block lies beyond MPI's int displacements");
   counts_.assign(size_, bytes);
   displs_.resize(size_);
   for (int r = 0; r < size_; ++r) displs_[r] = static_cast<int>(r * stride);

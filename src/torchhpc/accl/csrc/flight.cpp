@@ -139,7 +139,7 @@ std::string frWrite(int) {
 #endif
 
 void ProcessGroupACCL::setGlobalRanks(std::vector<int64_t> ranks) {
-  if (static_cast<int>(ranks.size()) != size_) valueError("accl: global ranks do not match the group's size");
+  TORCH_CHECK_VALUE(static_cast<int>(ranks.size()) == size_, "accl: global ranks do not match the group's size");
   std::lock_guard<std::mutex> lock(frMu_);
   globalRanks_ = std::move(ranks);
 }

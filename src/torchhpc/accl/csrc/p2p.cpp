@@ -29,13 +29,58 @@ int64_t unitOf(const wire::Envelope& env) {
 WorkPtr ProcessGroupACCL::send(Tensors& tensors, int dst, int tag) {
   const at::Tensor& t = one(tensors, "send");
   checkRank(dst, "send", "dst");
+  return startP2P(t, dst, tag, OpType::SEND);
+}
+
+WorkPtr ProcessGroupACCL::recv(Tensors& tensors, int src, int tag) {
+  const at::Tensor& t = one(tensors, "recv");
+  checkRank(src, "recv", "src");
+  return startP2P(t, src, tag, OpType::RECV);
+}
+
+WorkPtr ProcessGroupACCL::recvAnysource(Tensors& tensors, int tag) {
+  return startP2P(one(tensors, "recv"), -1, tag, OpType::RECVANYSOURCE);
+}
+
+// One op: checked, recorded, its first messages posted (a send's envelope and payload, a receive's envelope), then
+// handed to progress.
+WorkPtr ProcessGroupACCL::startP2P(const at::Tensor& t, int peer, int tag, OpType type) {
   checkTag(tag);
   checkOpen();
-  auto op = newP2P(t, dst, tag, OpType::SEND, "send(to rank " + std::to_string(dst) + ", tag " +
-                   std::to_string(tag) + ")");
-  op->send = true;
-  op->host = host(t, true);
-  return startP2P(std::move(op), &ProcessGroupACCL::postSend);
+  auto op = std::make_unique<P2P>();
+  op->send = type == OpType::SEND;
+  op->peer = peer;
+  op->tag = tag;
+  op->tensor = t;
+  op->eng = engineFor(op->send ? OpType::SEND : OpType::RECV, t.scalar_type());  // any source: RECV's engine
+  const std::string me = std::to_string(rank_), them = std::to_string(peer);
+  const std::string tagged = ", tag " + std::to_string(tag) + ")";
+  op->work = c10::make_intrusive<WorkACCL>(
+      rank_, type, op->send ? "send(to rank " + them + tagged : "recv(" + fromText(peer) + tagged, Tensors{t}, this);
+  record(op->fr, op->send ? "send " + me + "->" + them : "recv " + me + "<-" + them, {t}, {t}, -1, true);
+  op->deadline = Clock::now() + opts_.timeout;
+  op->fr.started();
+  try {
+    if (op->send) op->host = host(t, true);
+    else op->stream = callerStream({t});
+    op->send ? postSend(*op) : postRecv(*op);
+  } catch (const MpiCallError& e) {
+    std::rethrow_exception(mpiFailure(e, op->work->what()));
+  }
+  auto work = op->work;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    work->name(groupNameShared());
+    if (!worker_.joinable()) worker_ = std::thread([this] { workerLoop(); });
+  }
+  {
+    std::lock_guard<std::mutex> lock(p2pMu_);
+    p2p_.push_back(std::move(op));
+    p2pPending_.fetch_add(1);
+  }
+  cv_.notify_all();
+  progressP2P();
+  return work;
 }
 
 // The envelope, with the payload when it fits the slot; else the payload's segments after it (on the payload
@@ -60,69 +105,12 @@ void ProcessGroupACCL::postSend(P2P& op) {
   });
 }
 
-WorkPtr ProcessGroupACCL::recv(Tensors& tensors, int src, int tag) {
-  const at::Tensor& t = one(tensors, "recv");
-  checkRank(src, "recv", "src");
-  return recvFrom(t, src, tag);
-}
-
-WorkPtr ProcessGroupACCL::recvAnysource(Tensors& tensors, int tag) {
-  return recvFrom(one(tensors, "recv"), -1, tag);
-}
-
-WorkPtr ProcessGroupACCL::recvFrom(const at::Tensor& t, int src, int tag) {
-  checkTag(tag);
-  checkOpen();
-  auto op = newP2P(t, src, tag, src < 0 ? OpType::RECVANYSOURCE : OpType::RECV,
-                   "recv(" + fromText(src) + ", tag " + std::to_string(tag) + ")");
-  op->stream = callerStream({t});
-  return startP2P(std::move(op), &ProcessGroupACCL::postRecv);
-}
-
 // A slot-sized receive for the envelope; the payload's receives are posted once it checked out (openEnvelope).
 void ProcessGroupACCL::postRecv(P2P& op) {
   op.envelope.assign(wire::kSlotBytes, 0);
   op.reqs.push_back(MPI_REQUEST_NULL);
   ACCL_MPI(MPI_Irecv, op.envelope.data(), static_cast<int>(wire::kSlotBytes), MPI_BYTE,
            op.peer < 0 ? MPI_ANY_SOURCE : op.peer, op.tag, p2pHead_, &op.reqs.back());
-}
-
-std::unique_ptr<P2P> ProcessGroupACCL::newP2P(const at::Tensor& t, int peer, int tag, OpType type,
-                                              std::string what) {
-  auto op = std::make_unique<P2P>();
-  op->peer = peer;
-  op->tag = tag;
-  op->tensor = t;
-  const bool send = type == OpType::SEND;
-  op->eng = engineFor(send ? OpType::SEND : OpType::RECV, t.scalar_type());  // any-source receives: RECV's engine
-  op->work = c10::make_intrusive<WorkACCL>(rank_, type, std::move(what), Tensors{t}, this);
-  const std::string me = std::to_string(rank_), them = std::to_string(peer);
-  record(op->fr, send ? "send " + me + "->" + them : "recv " + me + "<-" + them, {t}, {t}, -1, true);
-  return op;
-}
-
-WorkPtr ProcessGroupACCL::startP2P(std::unique_ptr<P2P> op, void (ProcessGroupACCL::*post)(P2P&)) {
-  op->deadline = Clock::now() + opts_.timeout;
-  op->fr.started();
-  try {
-    (this->*post)(*op);
-  } catch (const MpiCallError& e) {
-    std::rethrow_exception(mpiFailure(e, op->work->what()));
-  }
-  auto work = op->work;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    work->name(groupNameShared());
-    if (!worker_.joinable()) worker_ = std::thread([this] { workerLoop(); });
-  }
-  {
-    std::lock_guard<std::mutex> lock(p2pMu_);
-    p2p_.push_back(std::move(op));
-    p2pPending_.fetch_add(1);
-  }
-  cv_.notify_all();
-  progressP2P();
-  return work;
 }
 
 // ============================================================================================== progress

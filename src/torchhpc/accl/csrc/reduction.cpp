@@ -71,20 +71,16 @@ MPI_Op mpiOp(at::ScalarType t, RedOpType op) {
 }
 
 void checkPair(at::ScalarType t, RedOpType op, const char* what) {
-  std::string w = what;
-  if (op > RedOpType::BXOR)
-    valueError("accl: " + w + " does not support ReduceOp." + opName(op) +
-               " (supported: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR)");
-  if (!isReducible(t))
-    typeError("accl: " + w + " cannot reduce dtype " + wire::torchName(t) +
-              "; supported: float16, bfloat16, float32, float64, int8, int16, int32, int64, uint8, bool");
-  bool bitwise = op == RedOpType::BAND || op == RedOpType::BOR || op == RedOpType::BXOR;
-  if (bitwise && isFloat(t))
-    typeError("accl: " + w + ": ReduceOp." + opName(op) + " is only defined for integer and bool tensors, got " +
-              wire::torchName(t));
-  if (op == RedOpType::AVG && !isFloat(t))
-    typeError("accl: " + w + ": ReduceOp.AVG needs a floating-point tensor (the average of " + wire::torchName(t) +
-              " values is not a " + wire::torchName(t) + "); got " + wire::torchName(t));
+  const std::string dtype = wire::torchName(t);
+  TORCH_CHECK_VALUE(op <= RedOpType::BXOR, "accl: ", what, " does not support ReduceOp.", opName(op),
+                    " (supported: SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR)");
+  TORCH_CHECK_TYPE(isReducible(t), "accl: ", what, " cannot reduce dtype ", dtype,
+                   "; supported: float16, bfloat16, float32, float64, int8, int16, int32, int64, uint8, bool");
+  const bool bitwise = op == RedOpType::BAND || op == RedOpType::BOR || op == RedOpType::BXOR;
+  TORCH_CHECK_TYPE(!bitwise || !isFloat(t), "accl: ", what, ": ReduceOp.", opName(op),
+                   " is only defined for integer and bool tensors, got ", dtype);
+  TORCH_CHECK_TYPE(op != RedOpType::AVG || isFloat(t), "accl: ", what, ": ReduceOp.AVG needs a floating-point tensor ",
+                   "(the average of ", dtype, " values is not a ", dtype, "); got ", dtype);
 }
 
 }  // namespace

@@ -6,14 +6,6 @@
 
 namespace torchhpc::accl {
 
-[[noreturn]] void valueError(const std::string& msg) {
-  throw c10::ValueError(msg);
-}
-
-[[noreturn]] void typeError(const std::string& msg) {
-  throw c10::TypeError(msg);
-}
-
 // torch's names (its analyzer's): the engine's collectives first (kEngineOps), then the variants of the first rows
 const Named kCollectives[kNamed] = {
     {OpType::ALLREDUCE, "all_reduce"}, {OpType::BROADCAST, "broadcast"}, {OpType::REDUCE, "reduce"},
