@@ -246,6 +246,11 @@ def test_accl_conformance_subset_under_mpich_across_four_nodes(cluster: Cluster)
               extra=("-k", "all_reduce or broadcast or all_to_all or send"))
 
 
+def test_accl_errors_and_monitored_barrier_across_two_nodes(cluster: Cluster) -> None:
+    """Mismatches, timeouts and the monitored barrier with the missing rank on the other node."""
+    mpi_suite(cluster, "mpiexec", [1, 1], "test_accl_async_errors.py", timeout=300)
+
+
 ACCL_ROUND = ("import torch, torch.distributed as dist; from torchhpc.launcher import init_distributed; "
               "i = init_distributed(backend='accl', timeout=30); x = torch.full((1 << 16,), float(i.rank)); "
               "dist.all_reduce(x); assert x[0].item() == sum(range(i.world_size)); print('ACCL-OK', i.rank)")
