@@ -127,6 +127,19 @@ def test_one_rank_group_runs_every_collective(solo) -> None:
         w.source_rank()
 
 
+def test_the_groups_counters_are_a_mapping(solo) -> None:
+    stats = solo.stats
+    assert sorted(stats) == ["engine_calls", "max_call_bytes", "queued_calls", "sidestep_calls"]
+    stats["max_call_bytes"] = 0
+    dist.all_reduce(torch.ones(1 << 12))  # 16 KiB: carried whole by the header exchange, no engine call
+    dist.broadcast(torch.ones(1 << 16), 0)  # 256 KiB: one engine call of all of it
+    assert stats["max_call_bytes"] == 1 << 18 and dict(stats)["max_call_bytes"] == 1 << 18
+    with pytest.raises(KeyError):
+        stats["calls"]
+    with pytest.raises(TypeError, match="set it to 0"):
+        del stats["engine_calls"]
+
+
 def test_one_rank_group_argument_errors(solo) -> None:
     with pytest.raises(ValueError, match="tag -1 out of range"):
         solo.send([torch.ones(1)], 0, -1)

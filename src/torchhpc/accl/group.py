@@ -133,4 +133,33 @@ class ProcessGroupACCL(dist.ProcessGroup):
         """Engine calls made, calls sidestepped to MPI, the largest bytes of one call's buffer, and collectives
         that went to the queue (async, or behind pending work) rather than running in their caller's thread.
         Settable, e.g. ``stats["max_call_bytes"] = 0`` before a measurement."""
-        return self._backend.stats
+        return _Counters(self._backend.stats)
+
+
+class _Counters(MutableMapping[str, int]):
+    """The C++ backend's counters (its ``Stats`` attributes) by name; they can be set but not removed."""
+
+    NAMES = ("engine_calls", "sidestep_calls", "max_call_bytes", "queued_calls")
+
+    def __init__(self, stats) -> None:
+        self._stats = stats
+
+    def _name(self, key: str) -> str:
+        if key not in self.NAMES:
+            raise KeyError(key)
+        return key
+
+    def __getitem__(self, key: str) -> int:
+        return getattr(self._stats, self._name(key))
+
+    def __setitem__(self, key: str, value: int) -> None:
+        setattr(self._stats, self._name(key), value)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError(f"accl's counter {key!r} cannot be removed; set it to 0 instead")
+
+    def __iter__(self):
+        return iter(self.NAMES)
+
+    def __len__(self) -> int:
+        return len(self.NAMES)

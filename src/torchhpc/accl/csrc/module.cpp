@@ -83,23 +83,6 @@ c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, accl::Config options
   return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(options), std::move(engine));
 }
 
-// the group's counters by name, as a mapping (ProcessGroupACCL.stats)
-const std::vector<std::pair<const char*, std::atomic<int64_t> accl::Stats::*>> kCounters = {
-    {"engine_calls", &accl::Stats::engineCalls}, {"sidestep_calls", &accl::Stats::sidestepCalls},
-    {"max_call_bytes", &accl::Stats::maxCallBytes}, {"queued_calls", &accl::Stats::queuedCalls}};
-
-std::atomic<int64_t>& counter(accl::Stats& s, const std::string& name) {
-  for (const auto& [key, field] : kCounters)
-    if (name == key) return s.*field;
-  throw py::key_error(name);
-}
-
-py::list counterNames() {
-  py::list keys;
-  for (const auto& c : kCounters) keys.append(c.first);
-  return keys;
-}
-
 // the group's options, one struct: torchhpc.accl.AcclOptions fills every field (options.py), and plan() reads them
 void defineOptions(py::module_ m) {
   py::class_<accl::Config>(m, "Options")
@@ -156,12 +139,13 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   py::class_<accl::Engine, PyEngine, std::shared_ptr<accl::Engine>>(
       m, "Engine", "an engine other than MPI, implemented in Python: blocking calls on host tensors")
       .def(py::init<std::string>(), py::arg("name"));
-  py::class_<accl::Stats>(m, "Stats", "the group's counters, as a mapping of name to count (settable)")
-      .def("__getitem__", [](accl::Stats& s, const std::string& k) { return counter(s, k).load(); })
-      .def("__setitem__", [](accl::Stats& s, const std::string& k, int64_t v) { counter(s, k).store(v); })
-      .def("__iter__", [](accl::Stats&) { return py::iter(counterNames()); })
-      .def("__len__", [](accl::Stats&) { return kCounters.size(); })
-      .def("keys", [](accl::Stats&) { return counterNames(); });
+  py::class_<accl::Stats> stats(m, "Stats", "the group's counters, settable (group.py shows them as a mapping)");
+  for (auto [name, field] : {std::pair{"engine_calls", &accl::Stats::engineCalls},
+                             {"sidestep_calls", &accl::Stats::sidestepCalls},
+                             {"max_call_bytes", &accl::Stats::maxCallBytes},
+                             {"queued_calls", &accl::Stats::queuedCalls}})
+    stats.def_property(name, [field](accl::Stats& s) { return (s.*field).load(); },
+                       [field](accl::Stats& s, int64_t v) { (s.*field).store(v); });
   defineOptions(m);
   py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
       .def(py::init(&create), py::arg("comm"), py::arg("options"), py::arg("engine") = nullptr,
