@@ -137,15 +137,15 @@ class ProcessGroupACCL(dist.ProcessGroup):
 
 
 class _Counters(MutableMapping[str, int]):
-    """The C++ backend's counters (its ``Stats`` attributes) by name; they can be set but not removed."""
-
-    NAMES = ("engine_calls", "sidestep_calls", "max_call_bytes", "queued_calls")
+    """The C++ backend's counters by name: its ``Stats`` properties, named once in module.cpp; they can be set but
+    not removed."""
 
     def __init__(self, stats) -> None:
         self._stats = stats
+        self._names = tuple(k for k, v in vars(type(stats)).items() if isinstance(v, property))
 
     def _name(self, key: str) -> str:
-        if key not in self.NAMES:
+        if key not in self._names:
             raise KeyError(key)
         return key
 
@@ -159,7 +159,7 @@ class _Counters(MutableMapping[str, int]):
         raise TypeError(f"accl's counter {key!r} cannot be removed; set it to 0 instead")
 
     def __iter__(self):
-        return iter(self.NAMES)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self.NAMES)
+        return len(self._names)

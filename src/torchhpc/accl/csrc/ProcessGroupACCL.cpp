@@ -355,7 +355,7 @@ void ProcessGroupACCL::checkOpen() const {
 
 void ProcessGroupACCL::throwAborted() const {
   throw c10::DistBackendError("accl: process group is aborted (" + aborted_ +
-                     "); create a new one (or restart) to communicate again");
+                              "); create a new one (or restart) to communicate again");
 }
 
 Tensors ProcessGroupACCL::rootList(const std::vector<Tensors>& lists, const at::Tensor& ref, int64_t root,

@@ -66,7 +66,6 @@ struct MpiCallError : c10::DistBackendError {
   const char* call;
 };
 
-
 // The one way to call MPI: a return code other than MPI_SUCCESS throws MpiCallError naming the function.
 inline void mpiCheck(int rc, const char* fn) {
   if (rc != MPI_SUCCESS) throw MpiCallError(rc, fn);
@@ -544,7 +543,7 @@ class ProcessGroupACCL : public c10d::Backend {
   // ---- point-to-point
   // one op, checked and recorded, its first messages posted, then handed to progress (peer -1: any source)
   WorkPtr startP2P(const at::Tensor& t, int peer, int tag, OpType type);
-  void postSend(P2P& op);  // the envelope (and a small payload), then a large payload's segments
+  void postSend(P2P& op);  // staged; the envelope (and a small payload), then a large payload's segments
   void postRecv(P2P& op);  // the envelope's receive
   bool advanceP2P(P2P& op);                              // true when done
   bool openEnvelope(P2P& op);                            // the envelope arrived: true when the op is done

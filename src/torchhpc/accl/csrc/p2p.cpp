@@ -61,8 +61,6 @@ WorkPtr ProcessGroupACCL::startP2P(const at::Tensor& t, int peer, int tag, OpTyp
   op->deadline = Clock::now() + opts_.timeout;
   op->fr.started();
   try {
-    if (op->send) op->host = host(t, true);
-    else op->stream = callerStream({t});
     op->send ? postSend(*op) : postRecv(*op);
   } catch (const MpiCallError& e) {
     std::rethrow_exception(mpiFailure(e, op->work->what()));
@@ -86,6 +84,7 @@ WorkPtr ProcessGroupACCL::startP2P(const at::Tensor& t, int peer, int tag, OpTyp
 // The envelope, with the payload when it fits the slot; else the payload's segments after it (on the payload
 // communicator, or the engine's blocking sends, made in order).
 void ProcessGroupACCL::postSend(P2P& op) {
+  op.host = host(op.tensor, true);
   const wire::Envelope env{wire::kMagic, wire::dtypeCode(op.tensor.scalar_type()),
                            static_cast<int64_t>(op.tensor.nbytes()), op.tensor.numel()};
   const bool small = env.nbytes <= wire::kPayloadBytes;
@@ -107,6 +106,7 @@ void ProcessGroupACCL::postSend(P2P& op) {
 
 // A slot-sized receive for the envelope; the payload's receives are posted once it checked out (openEnvelope).
 void ProcessGroupACCL::postRecv(P2P& op) {
+  op.stream = callerStream({op.tensor});  // a device tensor is copied back on the caller's stream of issue
   op.envelope.assign(wire::kSlotBytes, 0);
   op.reqs.push_back(MPI_REQUEST_NULL);
   ACCL_MPI(MPI_Irecv, op.envelope.data(), static_cast<int>(wire::kSlotBytes), MPI_BYTE,
