@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 from datetime import timedelta
 
 import pytest
@@ -192,6 +194,33 @@ def test_group_timeout_when_a_peer_never_joins() -> None:
     dist.barrier()
     expected = ["gave up"] + ["timed out" if r >= 2 and r & (r - 1) == 0 else "done" for r in range(1, p)]
     assert MPI.COMM_WORLD.allgather(outcome) == expected
+
+
+def test_a_recv_whose_peer_never_sends_times_out_and_its_buffers_are_kept() -> None:
+    """Rank 1 receives from rank 0, which sends only after rank 1's group timeout: the receive fails at the
+    deadline naming rank 0 and the group is aborted, but the given-up receive stays posted in MPI, so its buffers
+    (its envelope's, the tensor it would fill) are kept as long as the group: the late message lands there, never
+    in freed memory."""
+    rank = dist.get_rank()
+    g = dist.new_group(backend="accl", timeout=timedelta(seconds=2))
+    if rank == 1:
+        start = time.monotonic()
+        target = torch.zeros(3)
+        kept = weakref.ref(target)
+        with pytest.raises(PeerTimeoutError, match=r"recv\(from rank 0, tag 3\) in group .* did not complete within "
+                                                   r"the group timeout of 2 s: rank 0 \(this rank was waiting on it\)"):
+            dist.recv(target, 0, group=g, tag=3)
+        assert time.monotonic() - start < 20
+        del target
+        gc.collect()
+        assert kept() is not None, "the given-up receive's tensor was let go while MPI may still write it"
+        with pytest.raises(dist.DistBackendError, match="aborted"):
+            dist.recv(torch.zeros(3), 0, group=g, tag=3)
+    MPI.COMM_WORLD.Barrier()
+    if rank == 0:
+        dist.send(torch.full((3,), 9.0), 1, group=g, tag=3)  # small: complete once sent, received or not
+    MPI.COMM_WORLD.Barrier()
+    dist.barrier()
 
 
 def test_monitored_barrier_method() -> None:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import torchhpc.accl as accl
+from torchhpc.accl.options import plan
 
 MPI_RANKS = (2, 4)
 MPI_TIMEOUT = 240
@@ -245,6 +246,29 @@ def test_reduce_scatter_list_and_tensor(groups, group_name: str) -> None:
             out3 = torch.empty(24, dtype=dtype)
             dist.reduce_scatter_single(out3, full[rank], op=op, group=g)
             assert torch.equal(out3, expect), (dtype, op)
+
+
+@pytest.mark.parametrize("segment", [None, 4096])
+def test_reduce_scatter_on_mpis_own_call(groups, segment: int | None) -> None:
+    """Above the carried size, on a group whose reductions never take accl's ring (ring_min_bytes set huge, as a
+    user whose MPI reduces faster would): MPI's reduce_scatter, in one call or, under max_segment_bytes, in
+    segments of every rank's block at once, for every dtype and op."""
+    options = accl.AcclOptions(ring_min_bytes=1 << 62, max_segment_bytes=segment)
+    g = dist.new_group(backend="accl", pg_options=options)
+    rank, p = dist.get_rank(), dist.get_world_size()
+    n = 9000  # elements per rank's block: above the carried 16 KiB in all at every dtype from 2 ranks
+    for seed, (dtype, op) in enumerate(itertools.product(DTYPES, OPS)):
+        if not valid(dtype, op):
+            continue
+        assert plan("reduce_scatter", n * p * torch.tensor([], dtype=dtype).element_size(), p, False,
+                    options) == "mpi"
+        full = [rank_data(r, n * p, dtype, seed) for r in range(p)]
+        out = torch.empty(n, dtype=dtype)
+        RS(out, full[rank], op=op, group=g)
+        assert torch.equal(out, reference(full, op).view(p, n)[rank]), (dtype, op)
+    if segment:
+        assert 0 < g.stats["max_call_bytes"] <= segment
+    dist.destroy_process_group(g)
 
 
 @pytest.mark.parametrize("group_name", ["world", "tiny"])

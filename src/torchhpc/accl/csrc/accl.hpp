@@ -361,6 +361,7 @@ struct P2P {
   std::exception_ptr error;
   std::vector<unsigned char> drain;     // a mismatched payload, received so that no later receive matches it
   Clock::time_point deadline;
+  bool expired = false;                 // given up at the deadline (its requests may still complete)
   Engine* eng = nullptr;                // the payload's engine (null: MPI); the envelope is always MPI's
   std::optional<c10::Stream> stream;    // a device tensor: the caller's current stream at issue
   c10::intrusive_ptr<WorkACCL> work;
@@ -514,7 +515,8 @@ class ProcessGroupACCL : public c10d::Backend {
 
   // ---- accl's own algorithm for large reductions (ring.cpp)
   static constexpr int64_t kRingChunk = 512 << 10;  // bytes per message
-  // all_reduce in place over `data` (own null), or reduce_scatter of `own` with block `rank` into `out`
+  // all_reduce in place over `data` (own null), or reduce_scatter of `own` with block `rank` into `out`; on 2 or more
+  // ranks (plan() never rings one)
   void ring(const Reduction& red, int64_t n, char* data, const char* own, char* out);
   void ringRecv(RingRun& x, int t, int64_t k);  // step t's k-th chunk received, into a scratch chunk
   void ringLand(RingRun& x, int t, int64_t k);  // ... reduced or copied into place
@@ -537,8 +539,6 @@ class ProcessGroupACCL : public c10d::Backend {
                       bool asyncOp);
   WorkPtr alltoallStart(Tensors inputs, Tensors outputs, std::vector<int64_t> sendBytes, std::vector<int64_t> recvBytes,
                         OpType type, bool asyncOp);
-  template <typename F>
-  WorkPtr inOrder(size_t n, F one);
 
   // ---- point-to-point
   // one op, checked and recorded, its first messages posted, then handed to progress (peer -1: any source)
@@ -581,7 +581,7 @@ class ProcessGroupACCL : public c10d::Backend {
   wire::Header blockedHead_{};
 
   std::mutex p2pMu_;
-  std::vector<std::unique_ptr<P2P>> p2p_;
+  std::vector<std::unique_ptr<P2P>> p2p_, p2pAbandoned_;  // in flight; given up at a deadline (kept, as calls)
   std::atomic<int> p2pPending_{0};
   std::vector<std::unique_ptr<Call>> abandoned_;  // calls given up at a deadline: MPI may still write them
 

@@ -62,13 +62,6 @@ bool ProcessGroupACCL::header(Call& c, const Carry& carry) {
   return c.path == Path::kCarried;
 }
 
-template <typename F>
-WorkPtr ProcessGroupACCL::inOrder(size_t n, F one) {
-  WorkPtr last;
-  for (size_t i = 0; i < n; ++i) last = one(i);
-  return last;
-}
-
 // ============================================================================================== all_reduce
 
 // The tensors staged end to end in one host buffer; reduced whole in the header exchange when small, else by accl's
@@ -263,7 +256,9 @@ WorkPtr ProcessGroupACCL::allgather(std::vector<Tensors>& outputs, Tensors& inpu
 WorkPtr ProcessGroupACCL::allgather_into_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                           const c10d::AllgatherOptions& opts) {
   checkPairs(outputs.size(), inputs.size(), "all_gather_into_tensor");
-  return inOrder(inputs.size(), [&](size_t i) { return _allgather_base(outputs[i], inputs[i], opts); });
+  WorkPtr last;  // collectives complete in issue order: the last one's Work covers them all
+  for (size_t i = 0; i < inputs.size(); ++i) last = _allgather_base(outputs[i], inputs[i], opts);
+  return last;
 }
 
 WorkPtr ProcessGroupACCL::allgather_coalesced(std::vector<Tensors>& outputLists, Tensors& inputs,
@@ -273,12 +268,14 @@ WorkPtr ProcessGroupACCL::allgather_coalesced(std::vector<Tensors>& outputLists,
   for (const auto& l : outputLists) shaped = shaped && l.size() == inputs.size();
   TORCH_CHECK_VALUE(shaped, "accl: all_gather_coalesced needs at least one input tensor and ", size_,
                     " output lists (one per rank), each with one tensor per input tensor (", inputs.size(), ")");
-  return inOrder(inputs.size(), [&](size_t j) {
+  WorkPtr last;
+  for (size_t j = 0; j < inputs.size(); ++j) {
     std::vector<Tensors> outs(1);
     for (const auto& l : outputLists) outs[0].push_back(l[j]);
     Tensors in{inputs[j]};
-    return allgather(outs, in, opts);
-  });
+    last = allgather(outs, in, opts);
+  }
+  return last;
 }
 
 // ============================================================================================== reduce_scatter
@@ -339,7 +336,9 @@ WorkPtr ProcessGroupACCL::reduce_scatter(Tensors& outputs, std::vector<Tensors>&
 WorkPtr ProcessGroupACCL::reduce_scatter_tensor_coalesced(Tensors& outputs, Tensors& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
   checkPairs(outputs.size(), inputs.size(), "reduce_scatter_tensor");
-  return inOrder(inputs.size(), [&](size_t i) { return _reduce_scatter_base(outputs[i], inputs[i], opts); });
+  WorkPtr last;
+  for (size_t i = 0; i < inputs.size(); ++i) last = _reduce_scatter_base(outputs[i], inputs[i], opts);
+  return last;
 }
 
 // ============================================================================================== gather, scatter

@@ -128,6 +128,10 @@ void ProcessGroupACCL::progressP2P() {
   for (auto& op : done) {
     if (!op->error) op->fr.completed();
     op->work->complete(op->error, op->source);
+    if (op->expired) {  // given up at the deadline: MPI may still complete its requests into its buffers
+      std::lock_guard<std::mutex> lock(p2pMu_);
+      p2pAbandoned_.push_back(std::move(op));
+    }
   }
 }
 
@@ -154,6 +158,7 @@ bool ProcessGroupACCL::advanceP2P(P2P& op) {
     return true;
   }
   if (Clock::now() <= op.deadline) return false;
+  op.expired = true;
   try {
     expire(op.work->what(), op.waitedOn());
   } catch (...) {

@@ -49,10 +49,6 @@ constexpr int kWindow = 16;  // receives posted ahead in a step (a 1 Gbit/s link
 }  // namespace
 
 void ProcessGroupACCL::ring(const Reduction& red, int64_t n, char* data, const char* own, char* out) {
-  if (size_ == 1) {
-    if (own) std::memcpy(out, own, n * red.esz);
-    return;
-  }
   const int64_t esz = static_cast<int64_t>(red.esz);
   const int left = (rank_ - 1 + size_) % size_, right = (rank_ + 1) % size_;
   RingRun x{&red, size_, rank_, own ? size_ - 1 : 2 * (size_ - 1), n, esz,

@@ -82,11 +82,6 @@ std::string joined(const Ranked& values, const char* mid, const char* sep) {
   return out;
 }
 
-int64_t fieldOf(const Header& h, int i) {
-  const int64_t* f = &h.magic;
-  return f[i];
-}
-
 }  // namespace
 
 int64_t dtypeCode(at::ScalarType t) {
@@ -124,7 +119,7 @@ std::string describe(const Header& h) {
 std::string describeMismatch(const std::vector<Header>& heads, int compare, const std::string& group) {
   std::vector<std::string> fields;
   for (int i = 0; i < compare; ++i) {
-    const Ranked values = byValue(heads, [i](const Header& h) { return valueOf(i, fieldOf(h, i)); });
+    const Ranked values = byValue(heads, [i](const Header& h) { return valueOf(i, (&h.magic)[i]); });
     if (values.size() > 1) fields.push_back(std::string(kFieldNames[i]) + ": " + joined(values, " ", ", "));
   }
   std::string out = "accl: ranks disagree on a collective" + (group.empty() ? "" : " in group '" + group + "'");
