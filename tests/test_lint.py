@@ -39,8 +39,8 @@ def test_complexity_at_most_grade_c() -> None:
 # fit them (to 2,250); the whole csrc (.cpp and .hpp) was 2,710 when it was first counted.  Both bounds sit where the
 # code came back to and are only ever lowered: the goal for the whole is 2,000, and growth pays for itself by
 # deletion (what the lines beyond upstream's ProcessGroupMPI.cpp buy: docs/development.md).
-CSRC_CPP_NLOC_BOUND = 1904
-CSRC_NLOC_BOUND = 2333
+CSRC_CPP_NLOC_BOUND = 1893
+CSRC_NLOC_BOUND = 2322
 
 
 def test_accl_backend_shape() -> None:

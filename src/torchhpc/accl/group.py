@@ -59,7 +59,7 @@ class ProcessGroupACCL(dist.ProcessGroup):
         self._accl_engine = accl_engine  # the Python half of the C++ engine: alive as long as the group
         self._timeout = timeout
         self._monitor = comm.Dup()  # the monitored barrier's (collective, as the group's construction is)
-        self._backend = core.load_backend().ProcessGroupACCL(MPI._handleof(comm), opts.backend_options(timeout,
+        self._backend = core.load_backend().ProcessGroupACCL(comm.py2f(), opts.backend_options(timeout,
                                                              group_name), accl_engine)
         if global_ranks:  # torch's global ranks (none for the world): the flight record names members by them
             self._backend.set_global_ranks(list(global_ranks))

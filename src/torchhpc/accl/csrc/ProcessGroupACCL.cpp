@@ -233,12 +233,7 @@ void WorkACCL::complete(std::exception_ptr error, int source) {
     fut = future_;
   }
   if (fut) settle(fut, error);
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    completed_ = true;
-    exception_ = error;
-  }
-  cv_.notify_all();
+  finish(error);  // c10d::Work's: completed, with the error, and its waiters woken
 }
 
 // ============================================================================================== group

@@ -26,13 +26,6 @@ std::string libraryVersion() {
   return std::string(buf, static_cast<size_t>(len));
 }
 
-// an MPI handle as mpi4py gives it (MPI._handleof): a pointer (Open MPI) or an int (MPICH)
-template <typename H>
-H handleOf(uintptr_t v) {
-  if constexpr (std::is_pointer_v<H>) return reinterpret_cast<H>(v);
-  else return static_cast<H>(v);
-}
-
 // the engine interface as Python implements it (torchhpc.accl.accl_engine.AcclEngine): dtypes as torch dtypes, ops
 // by name ("SUM")
 class PyEngine : public accl::Engine {
@@ -78,9 +71,9 @@ class PyEngine : public accl::Engine {
   }
 };
 
-c10::intrusive_ptr<ProcessGroupACCL> create(uintptr_t comm, accl::Config options,
-                                            std::shared_ptr<accl::Engine> engine) {
-  return c10::make_intrusive<ProcessGroupACCL>(handleOf<MPI_Comm>(comm), std::move(options), std::move(engine));
+// `comm`: the communicator's Fortran handle (mpi4py's Comm.py2f()), one integer under every MPI
+c10::intrusive_ptr<ProcessGroupACCL> create(MPI_Fint comm, accl::Config options, std::shared_ptr<accl::Engine> engine) {
+  return c10::make_intrusive<ProcessGroupACCL>(MPI_Comm_f2c(comm), std::move(options), std::move(engine));
 }
 
 // the group's options, one struct: torchhpc.accl.AcclOptions fills every field (options.py), and plan() reads them
@@ -150,8 +143,8 @@ PYBIND11_MODULE(ACCL_MODULE, m) {
   py::class_<ProcessGroupACCL, c10d::Backend, c10::intrusive_ptr<ProcessGroupACCL>>(m, "ProcessGroupACCL")
       .def(py::init(&create), py::arg("comm"), py::arg("options"), py::arg("engine") = nullptr,
            py::call_guard<py::gil_scoped_release>(),
-           "a group over a duplicate of the MPI communicator `comm` (mpi4py's handle); collective: every rank "
-           "of the communicator constructs it")
+           "a group over a duplicate of the MPI communicator `comm` (its Fortran handle, mpi4py's Comm.py2f()); "
+           "collective: every rank of the communicator constructs it")
       .def("set_global_ranks", &ProcessGroupACCL::setGlobalRanks, py::arg("ranks"),
            "torch's global rank of each group rank (the flight record's group membership)")
       .def_property_readonly("engine_name", &ProcessGroupACCL::engineName)
