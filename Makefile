@@ -23,7 +23,7 @@ NATIVE_PARTS   := $(patsubst utils/native/build_%.sh,native-%,$(wildcard utils/n
 NATIVE_VARS     = VENV="$(VENV)" PYTHON="$(abspath $(PY))" NATIVE_PREFIX="$(NATIVE_PREFIX)" \
                   NATIVE_SOURCES="$(NATIVE_SOURCES)"
 
-.PHONY: help env test test-long test-unit test-mpi test-torch-suite lint bench docs-plots doctor clean-env native clean-native mpi-backend \
+.PHONY: help env test test-all test-unit test-mpi test-torch-suite lint bench docs-plots doctor clean-env native clean-native mpi-backend \
         gpu-check gpu-check-prep
 
 help: ## List every target with one line each
@@ -66,11 +66,11 @@ clean-native: ## Remove NATIVE_PREFIX (native libraries, extension modules, stam
 $(PY):
 	@echo "No environment at $(VENV): run 'make env' first." >&2; exit 1
 
-test: $(PY) ## Run the whole suite: unit tests and MPI tests at 2 and 4 ranks
+test: $(PY) ## The first tier (~8 min on 2 cores): unit tests, MPI suites at 2 ranks, examples, lint; ends naming what it left out
 	@$(PY) -m pytest tests $(PYTEST_ARGS)
 
-test-long: $(PY) ## The long runs on the virtual cluster not in `make test` (PBS: submitting from Python, a spare node in place; ~6 min)
-	@$(PY) -m pytest tests -m long $(PYTEST_ARGS)
+test-all: $(PY) ## Everything, with every real tool here (CI): the first tier, the virtual cluster (Slurm, OpenPBS), Spack, vendored builds, 4+ ranks
+	@$(PY) -m pytest tests -m "" $(PYTEST_ARGS)
 
 test-unit: $(PY) ## Run only the single-process unit tests
 	@$(PY) -m pytest tests --ignore=tests/test_mpi_suites.py $(PYTEST_ARGS)

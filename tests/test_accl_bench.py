@@ -150,6 +150,7 @@ def test_bench_launch_yields_only_when_oversubscribed(monkeypatch) -> None:
     assert seen[0][0][-3:] == ["-m", "torchhpc.bench", "allreduce"]
 
 
+@pytest.mark.full("the docs' plots drawn again from their data (matplotlib)")
 def test_the_docs_busbw_plots_are_drawn_from_their_data(tmp_path: Path) -> None:
     """`make docs-plots` draws each docs/img/*-busbw*.svg from docs/data: the same data gives the same file, each
     titled with what the run was (one node, or the virtual cluster's nodes and link)."""

@@ -1,6 +1,6 @@
 """all_to_all past 32 ranks on one node, where its byte matrix no longer rides with the header exchange: each rank
 checks its own column and the ranks agree on the verdict (33 oversubscribed ranks, both MPI wheels; about a minute
-each on 2 cores, so a long run: ``make test-long``)."""
+each on 2 cores: the second tier, ``make test-all``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from _mpijob import run_mpi
 
 JOB = Path(__file__).with_name("accl_many_ranks_job.py")
+pytestmark = pytest.mark.full("33 MPI ranks")
 
 
-@pytest.mark.long
 @pytest.mark.parametrize("variant", ["plain", "mpich"])
 def test_all_to_all_at_33_ranks_checks_columns_and_names_a_mismatched_pair(variant: str) -> None:
     res = run_mpi(33, [sys.executable, str(JOB)], timeout=420, variant=variant)

@@ -16,7 +16,7 @@ art = load_script("tests/all_reduce_test.py")
 
 
 @pytest.mark.parametrize("backend", ["gloo", "accl"])
-@pytest.mark.parametrize("nprocs", [2, 4])
+@pytest.mark.parametrize("nprocs", [2, pytest.param(4, marks=pytest.mark.full("4 MPI ranks"))])
 def test_script_under_mpiexec(backend: str, nprocs: int) -> None:
     res = run_mpi(nprocs, [sys.executable, str(SCRIPT), "--backend", backend, "-b", "8", "-e", "256K", "-f", "4",
                            "-w", "1", "-n", "3", "--timeout", "60"], timeout=120)

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 from _upstream import PG_MPI, tagged_upstream
 
+pytestmark = pytest.mark.full("a Slurm started on this host")
+
 ROOT = Path(__file__).resolve().parents[1]
 USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to build/jobs/<user>
 DAEMONS = ("munged", "slurmctld", "slurmd")

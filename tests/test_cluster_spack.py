@@ -338,9 +338,9 @@ def test_py_torchhpc_recipe_declares_what_pyproject_needs(spack_standin: types.M
     assert recipe.build_accl_core.run_after == "install"
 
 
-
-
 # --- the pinned Spack, for real --------------------------------------------------------------------------------
+
+SPACK = pytest.mark.full("the pinned Spack, concretizing and installing")
 
 VENDOR = ROOT.parent / "shared" / "vendor"
 SPACK_INPUTS = ["spack.yaml", "repo.yaml", "utils/pytorch_versions.tsv", "utils/native_versions.tsv",
@@ -446,10 +446,12 @@ def check_graph(graph: dict[str, Any], mpi_provider: str) -> None:
     assert {"py-torch", "py-mpi4py", "xbraid", "aws-ofi-nccl"} <= users
 
 
+@SPACK
 def test_pinned_spack_concretizes_the_generic_site(generic_graph: dict[str, Any]) -> None:
     check_graph(generic_graph, "openmpi")
 
 
+@SPACK
 def test_pinned_spack_concretizes_derecho_with_its_cray_externals(derecho_graph: dict[str, Any]) -> None:
     check_graph(derecho_graph, "cray-mpich")
     mpich = only(derecho_graph, "cray-mpich")
@@ -458,6 +460,7 @@ def test_pinned_spack_concretizes_derecho_with_its_cray_externals(derecho_graph:
     assert fabric.get("external") and "cxi" in fabric["parameters"]["fabrics"]
 
 
+@SPACK
 def test_fake_install_walks_the_whole_generic_graph(generic_graph: dict[str, Any], tmp_path: Path) -> None:
     """`spack install --fake` of the concretized generic graph: every package's install step runs (faked,
     nothing is downloaded or built), so the graph is installable as a whole."""

@@ -4,9 +4,11 @@ Each file there is an ordinary pytest module executed by every rank (they call
 collectives, so every rank runs the same tests in the same order).  A file names
 its rank counts with a line ``MPI_RANKS = (2, 4)`` (the default), may raise its
 time limit with ``MPI_TIMEOUT = 240`` (seconds, default 180), and may ask for extra
-runs at its largest rank count with ``MPI_VARIANTS = ("rank-order", "mpich")``:
-under Open MPI with a non-default ``--map-by``/``--rank-by`` (local rank > rank,
-checked from the ranks' printed mapping) and under the MPICH of ``$VENV/mpich``.
+runs with ``MPI_VARIANTS = ("rank-order", "mpich")``: under Open MPI with a
+non-default ``--map-by``/``--rank-by`` at its largest rank count (local rank > rank,
+checked from the ranks' printed mapping), and under the MPICH of ``$VENV/mpich`` at
+2 ranks and at its largest count.  `make test` runs each file at 2 ranks (plain and
+MPICH); the other counts and the rank order are `make test-all`'s.
 A hung job is killed at the limit and reported as a failure, with every rank's
 Python stacks, never left running.
 
@@ -28,11 +30,26 @@ from _skips import accepted
 MPI_DIR = Path(__file__).parent / "mpi"
 DEFAULT_RANKS = (2, 4)
 DEFAULT_TIMEOUT = 180.0
+OTHER_RUNS = pytest.mark.full("the MPI suites at their other rank counts and launch orders")
 
 
 def _setting(text: str, name: str) -> str | None:
     match = re.search(rf"^{name}\s*=\s*(.+)$", text, re.MULTILINE)
     return match.group(1).split("#")[0].strip() if match else None
+
+
+def _runs(ranks: tuple[int, ...], variants: list[str]) -> list[tuple[int, str, bool]]:
+    """(ranks, variant, first tier?) of each run of a file.  The first tier (`make test`) runs a file at 2 ranks
+    (or its smallest count, where 2 is not among them), under the MPICH variant there too; every other count, the
+    MPICH variant at the largest and the rank-order variant are the second tier's (`make test-all`)."""
+    first = 2 if 2 in ranks else min(ranks)
+    runs = [(n, "plain", n == first) for n in ranks]
+    for variant in variants:
+        if variant == "rank-order":
+            runs.append((max(3, max(ranks)), variant, False))
+        else:
+            runs += [(n, variant, n == first) for n in sorted({first, max(ranks)})]
+    return runs
 
 
 def _cases() -> list:
@@ -43,12 +60,11 @@ def _cases() -> list:
         ranks = tuple(int(n) for n in re.findall(r"\d+", ranks_src)) if ranks_src else DEFAULT_RANKS
         timeout_src = _setting(text, "MPI_TIMEOUT")
         timeout = float(timeout_src) if timeout_src else DEFAULT_TIMEOUT
-        for n in ranks:
-            cases.append(pytest.param(path, n, timeout, "plain", id=f"{path.stem}-np{n}"))
-        variants_src = _setting(text, "MPI_VARIANTS")
-        for variant in re.findall(r"[\w-]+", variants_src or ""):
-            n = max(3, max(ranks)) if variant == "rank-order" else max(ranks)
-            cases.append(pytest.param(path, n, timeout, variant, id=f"{path.stem}-np{n}-{variant}"))
+        variants = re.findall(r"[\w-]+", _setting(text, "MPI_VARIANTS") or "")
+        for n, variant, first in _runs(ranks, variants):
+            suffix = "" if variant == "plain" else f"-{variant}"
+            cases.append(pytest.param(path, n, timeout, variant, id=f"{path.stem}-np{n}{suffix}",
+                                      marks=() if first else OTHER_RUNS))
     return cases
 
 

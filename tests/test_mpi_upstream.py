@@ -20,6 +20,8 @@ from _mpijob import run_mpi
 
 from torchhpc.mpi_upstream import build as mb
 
+pytestmark = pytest.mark.full("PyTorch's own MPI backend built per MPI wheel")
+
 ROOT = Path(__file__).resolve().parents[1]
 VENDOR = ROOT / "third_party" / "pytorch"
 HEADER = Path(torch.__file__).parent / "include" / "torch" / "csrc" / "distributed" / "c10d" / "ProcessGroupMPI.hpp"

@@ -26,6 +26,7 @@ FABRIC_H = Path("/usr/include/rdma/fabric.h")
 STAND_IN_ROW = "2.6.0"  # the utils/pytorch_versions.tsv row whose NCCL (2.21.5) the pinned wheel provides
 
 pytestmark = [
+    pytest.mark.full("the OFI plugin built from its vendored archives"),
     pytest.mark.skipif(not (INPUTS / "cuda/include/cuda_runtime.h").exists(),
                        reason=f"no CUDA/NCCL wheels in {INPUTS}: run `make nccl-ofi-inputs`"),
     pytest.mark.skipif(not FABRIC_H.exists(), reason="libfabric headers missing: apt-get install libfabric-dev"),

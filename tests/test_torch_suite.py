@@ -15,6 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "torch_suite"))
 import driver  # noqa: E402
 
+pytestmark = pytest.mark.full("PyTorch's own distributed suite at 3 ranks")
+
 SUBSET = [
     # collectives: ops, async, complex, groups, point-to-point, objects, group teardown
     "test_all_reduce_sum", "test_all_reduce_max", "test_all_reduce_sum_async", "test_all_reduce_sum_complex",

@@ -47,6 +47,7 @@ from torchhpc.runtime.mpirun import side_mpich
 USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to build/jobs/<user>
 
 NODES = 4
+pytestmark = pytest.mark.full("the virtual cluster under Slurm")
 PYTHON = "python"  # the venv's, first on the nodes' PATH
 
 
@@ -162,12 +163,9 @@ LAUNCHES = [
     ("srun", [3, 1], "openmpi", None),
     ("sbatch", [2, 2], "openmpi", "openmpi"),
 ]
-# mpiexec inside a batch job is the slowest launch here (about 40 s a run), and the jobscript, make-test and
-# binding tests run that path in make test already: its launcher-facts and thread-budget runs are long runs
-LAUNCH_PARAMS = [pytest.param(*x, marks=pytest.mark.long) if x[0] == "sbatch" else x for x in LAUNCHES]
 
 
-@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCH_PARAMS,
+@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES,
                          ids=[f"{h}-{m}-{'+'.join(map(str, lay))}" for h, lay, m, _ in LAUNCHES])
 def test_launcher_facts_across_nodes(cluster: Cluster, how: str, layout: list[int], mpi: str,
                                      launcher: str | None) -> None:
@@ -196,7 +194,7 @@ def test_launcher_facts_across_nodes(cluster: Cluster, how: str, layout: list[in
 USER_ENV = {"PYTHONPATH": str(ROOT / "tests")}
 
 
-@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCH_PARAMS,
+@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES,
                          ids=[f"{h}-{m}-{'+'.join(map(str, lay))}" for h, lay, m, _ in LAUNCHES])
 def test_one_thread_budget_per_rank_under_every_launcher(cluster: Cluster, how: str, layout: list[int], mpi: str,
                                                          launcher: str | None) -> None:

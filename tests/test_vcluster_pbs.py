@@ -1,7 +1,7 @@
-"""The PBS targets end to end on a real OpenPBS across a 2-node virtual cluster (`make cluster-up SCHEDULER=pbs`).
+"""The PBS targets end to end on a real OpenPBS across a 3-node virtual cluster (`make cluster-up SCHEDULER=pbs`).
 
 OpenPBS is built once from the pinned commit (utils/vcluster/build_openpbs.sh; the vendor archive in CI); node1
-runs the server, scheduler, comm and a mom, node2 a mom (and node3 for the long runs: the spare of 2-node jobs); output
+runs the server, scheduler, comm and a mom, node2 and node3 a mom each (node3: the spare of 2-node jobs); output
 comes back through the moms' `$usecp` to the shared file system, as on a site.  Every job goes through the real
 `qsub`, is deleted with the real `qdel`, and its exit status comes from PBS's own job record (`qstat -x`).  The
 module skips, saying why, where the cluster or OpenPBS cannot be built or started here.
@@ -48,17 +48,16 @@ USER = pwd.getpwuid(os.geteuid()).pw_name  # job scripts and logs go to <prefix>
 SUBMIT = "bash utils/submit_job.sh --scheduler pbs --shape build --select 1:ncpus=1"
 
 
+# node1 and node2 run the jobs; node3 is the spare of the 2-node jobs that restart in place
+NODES = 3
+pytestmark = pytest.mark.full("the virtual cluster under OpenPBS")
+
+
 @pytest.fixture(scope="module")
-def pbs(request: pytest.FixtureRequest) -> Iterator[Cluster]:
-    # the first bring-up in a fresh checkout builds OpenPBS (about 2-3 minutes on 2 cores); the long runs
-    # (make test-long) take a third node: the spare of 2-node jobs
-    with cluster_up(pbs_nodes(request.config), "pbs", timeout=900) as up:
+def pbs() -> Iterator[Cluster]:
+    # the first bring-up in a fresh checkout builds OpenPBS (about 2-3 minutes on 2 cores)
+    with cluster_up(NODES, "pbs", timeout=900) as up:
         yield up
-
-
-def pbs_nodes(config: pytest.Config) -> int:
-    """2 nodes, or 3 where the long runs are selected (``-m long``)."""
-    return 2 if config.option.markexpr == "not long" else 3
 
 
 @pytest.fixture()
@@ -99,8 +98,8 @@ def qstat_x(pbs: Cluster, job: str) -> dict[str, str]:
 # ---- the server and its nodes --------------------------------------------------------------------------------
 
 
-def test_every_mom_is_free_and_cluster_up_is_idempotent(pbs: Cluster, request: pytest.FixtureRequest) -> None:
-    count = pbs_nodes(request.config)
+def test_every_mom_is_free_and_cluster_up_is_idempotent(pbs: Cluster) -> None:
+    count = NODES
     nodes = json.loads(pbs.ok("pbsnodes -a -F json"))["nodes"]
     assert sorted(nodes) == [f"node{i + 1}" for i in range(count)], nodes
     assert {n["state"] for n in nodes.values()} == {"free"}, nodes
@@ -322,7 +321,6 @@ def site_script(pbs: Cluster, prefix: Path, site: str, shape: str) -> Path:
     return path
 
 
-@pytest.mark.long
 def test_submit_runs_python_functions_on_pbs(pbs: Cluster) -> None:
     """torchhpc.submit under OpenPBS: the calls made under Slurm (tests/_vcluster.py's check_submit), 6 through
     map_array; the requeue goes through qsub from the job's first node, the time left from qstat's start time and
@@ -378,7 +376,6 @@ def uninterrupted(pbs: Cluster) -> str:
     return want[0]
 
 
-@pytest.mark.long
 def test_a_lost_node_is_replaced_by_a_spare_in_place(pbs: Cluster, prefix: Path, uninterrupted: str) -> None:
     """`torchhpc jobscript --scheduler pbs --nodes 2 --spare-nodes 1`: 3 nodes (tolerate_node_failures=all), the
     training on 2 with mpiexec.  The step's node other than the mother superior is torn down after the second
