@@ -165,15 +165,33 @@ LAUNCHES = [
 ]
 
 
-@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES,
-                         ids=[f"{h}-{m}-{'+'.join(map(str, lay))}" for h, lay, m, _ in LAUNCHES])
+# what a user's shell has: no OMP_NUM_THREADS, so the launcher's binding and torchhpc's budget decide
+USER_ENV = {"PYTHONPATH": str(ROOT / "tests")}
+_WHOAMI: dict[tuple[str, str, str], list[dict]] = {}
+
+
+def whoami(cluster: Cluster, how: str, layout: list[int], mpi: str) -> list[dict]:
+    """Every rank's record (tests/vcluster/whoami.py) of one launch from a user's shell, by rank; launched once and
+    shared by the launcher-facts and thread-budget tests, which read the same job."""
+    key = (how, "+".join(map(str, layout)), mpi)
+    if key not in _WHOAMI:
+        out = cluster.ok(launch(cluster, how, layout, [PYTHON, str(ROOT / "tests/vcluster/whoami.py")], mpi,
+                                rank_env=USER_ENV), env=USER_ENV)
+        ranks = [json.loads(line[len("WHOAMI "):]) for line in out.splitlines() if line.startswith("WHOAMI ")]
+        assert len(ranks) == sum(layout), out
+        _WHOAMI[key] = sorted(ranks, key=lambda r: r["rank"])
+    return _WHOAMI[key]
+
+
+LAUNCH_IDS = [f"{h}-{m}-{'+'.join(map(str, lay))}" for h, lay, m, _ in LAUNCHES]
+
+
+@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES, ids=LAUNCH_IDS)
 def test_launcher_facts_across_nodes(cluster: Cluster, how: str, layout: list[int], mpi: str,
                                      launcher: str | None) -> None:
-    out = cluster.ok(launch(cluster, how, layout, [PYTHON, str(ROOT / "tests/vcluster/whoami.py")], mpi), env=RANK_ENV)
-    ranks = sorted((json.loads(line[len("WHOAMI "):]) for line in out.splitlines() if line.startswith("WHOAMI ")),
-                   key=lambda r: r["rank"])
+    ranks = whoami(cluster, how, layout, mpi)
     n = sum(layout)
-    assert [r["rank"] for r in ranks] == list(range(n)), out
+    assert [r["rank"] for r in ranks] == list(range(n)), ranks
     per_host = Counter(r["host"] for r in ranks)
     assert sorted(per_host.values(), reverse=True) == sorted((k for k in layout if k), reverse=True), per_host
     for r in ranks:
@@ -190,21 +208,12 @@ def test_launcher_facts_across_nodes(cluster: Cluster, how: str, layout: list[in
     assert {r["mpi"].split()[0] for r in ranks} == {"MPICH" if mpi == "mpich" else "Open"}
 
 
-# what a user's shell has: no OMP_NUM_THREADS, so the launcher's binding and torchhpc's budget decide
-USER_ENV = {"PYTHONPATH": str(ROOT / "tests")}
-
-
-@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES,
-                         ids=[f"{h}-{m}-{'+'.join(map(str, lay))}" for h, lay, m, _ in LAUNCHES])
+@pytest.mark.parametrize(("how", "layout", "mpi", "launcher"), LAUNCHES, ids=LAUNCH_IDS)
 def test_one_thread_budget_per_rank_under_every_launcher(cluster: Cluster, how: str, layout: list[int], mpi: str,
                                                          launcher: str | None) -> None:
     """Without OMP_NUM_THREADS, whatever the launcher binds: no node runs more torch threads than it has CPUs
     (one per rank at least), a rank alone with CPUs of its own uses them all, and the ranks say why."""
-    out = cluster.ok(launch(cluster, how, layout, [PYTHON, str(ROOT / "tests/vcluster/whoami.py")], mpi,
-                            rank_env=USER_ENV), env=USER_ENV)
-    ranks = [json.loads(line[len("WHOAMI "):]) for line in out.splitlines() if line.startswith("WHOAMI ")]
-    assert len(ranks) == sum(layout), out
-    check_thread_budget(ranks)
+    check_thread_budget(whoami(cluster, how, layout, mpi))
 
 
 EXAMPLES = {"rehearsal": ["examples/continual_digits.py"],
