@@ -26,6 +26,8 @@ VARIANTS = ("plain", "rank-order", "mpich")
 # get local ranks 2 and 1.  The harness checks the printed mapping really has a local rank > rank.
 RANK_ORDER_ARGS = ("--map-by", "core", "--rank-by", "fill")
 STACKS_MARGIN = 15.0  # seconds before the kill at which every rank dumps its stacks
+# the second tier's (`make test-all`) jobs that kill, stop or hang ranks on purpose and wait out the deadlines
+FAULT_INJECTION = pytest.mark.full("fault injection: ranks killed, stopped or hung and waited out")
 
 
 def inner_pytest_argv(target: str, rootdir: str | None = None) -> list[str]:

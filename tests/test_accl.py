@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from _mpijob import FAULT_INJECTION
 
 import torchhpc.accl as accl
 from torchhpc.accl import rendezvous
@@ -208,6 +209,7 @@ def test_cuda_calls_follow_the_callers_stream(solo) -> None:  # pragma: no cover
         assert torch.equal(out, u)
 
 
+@FAULT_INJECTION
 def test_a_stopped_peer_ends_the_job_instead_of_holding_it_at_exit() -> None:
     """Rank 2 of 3 SIGSTOPs itself mid-loop (a node that stops answering without dying): the others raise
     torchhpc's timeout naming the rank they wait on, and at exit, where MPI_Finalize would wait for the stopped
@@ -230,6 +232,7 @@ def test_a_stopped_peer_ends_the_job_instead_of_holding_it_at_exit() -> None:
     assert "2" in [peer for *_, peer in survivors], survivors
 
 
+@FAULT_INJECTION
 def test_a_peer_stopped_after_the_last_collective_ends_the_job_at_exit() -> None:
     """Rank 2 of 3 SIGSTOPs itself right after its last collective: the others finish without an error, and
     at exit wait for it at most the default group's timeout (2 s) instead of in MPI_Finalize for ever."""
@@ -246,6 +249,7 @@ def test_a_peer_stopped_after_the_last_collective_ends_the_job_at_exit() -> None
     assert res.returncode != 0 and "waited 2 s at exit for peers that did not come" in out, out[-5000:]
 
 
+@FAULT_INJECTION
 def test_a_peer_stopped_inside_a_blocking_collective_ends_the_job() -> None:
     """Rank 2 of 3 stops inside MPI's blocking data phase of a large all_reduce (after the header proved that
     every rank arrived): MPI cannot interrupt the others' call, so accl's watchdog ends the job a second past

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _mpijob import run_mpi
+from _mpijob import FAULT_INJECTION, run_mpi
 
 from torchhpc.runtime.mpirun import fault_tolerant_args, find_mpiexec, mpi_flavor, mpiexec_argv
 
@@ -33,6 +33,7 @@ def _ulfm_available() -> str | None:
     return None
 
 
+@FAULT_INJECTION
 @pytest.mark.parametrize(("mode", "nprocs"), [("sync", 2), ("sync", 4), ("async", 3), ("queued", 4),
                                                ("recv", 3)])
 def test_survivors_fail_fast_naming_the_dead_rank(mode: str, nprocs: int) -> None:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _mpijob import inner_pytest_argv, run_mpi
+from _mpijob import FAULT_INJECTION, inner_pytest_argv, run_mpi
 from _skips import accepted
 
 MPI_DIR = Path(__file__).parent / "mpi"
@@ -107,6 +107,7 @@ def inner_outcome(out: str) -> tuple[int, list[str]]:
     return (int(found.group(1)) if found else 0), [reason for (_, reason), n in groups.items() for _ in range(n)]
 
 
+@FAULT_INJECTION
 def test_stacks_dumped_before_a_hung_job_is_killed(tmp_path: Path) -> None:
     """A job that hangs is killed only after every rank dumped its Python stacks into the report."""
     hang = tmp_path / "test_hang.py"

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 import pytest
+from _mpijob import FAULT_INJECTION
 
+pytestmark = FAULT_INJECTION
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "resumable_training.py"
 STEPS, EVERY = 160, 20
