@@ -56,14 +56,16 @@ def test_the_first_tier_names_what_it_left_out_and_the_command_that_runs_it(tmp_
 
 def test_what_needs_a_cluster_spack_or_more_ranks_is_in_the_second_tier() -> None:
     """Collected as `make test` collects: no test of the virtual cluster, the host's Slurm, the real Spack, the
-    vendored plugin build or 33 ranks, and the MPI suites at 2 ranks only (or a file's smallest count above it)."""
+    vendored plugin build, PyTorch's own backend and suite, fault injection or 33 ranks, and the MPI suites at 2
+    ranks only (or a file's smallest count above it), under MPICH too."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first = [line for line in proc.stdout.splitlines() if "::" in line]
     assert len(first) > 300, proc.stdout[-3000:]
     for heavy in ("test_vcluster.py", "test_vcluster_pbs.py", "test_cluster_slurm.py", "test_nccl_ofi_plugin.py",
-                  "test_accl_many_ranks.py", "test_pinned_spack_", "test_fake_install_"):
+                  "test_mpi_upstream.py", "test_torch_suite.py", "test_accl_many_ranks.py", "test_accl_peer_death.py",
+                  "test_restart.py", "test_pinned_spack_", "test_fake_install_"):
         assert not [t for t in first if heavy in t], f"{heavy} in the first tier"
     suites = [t.split("[")[1].rstrip("]") for t in first if "test_mpi_suites.py::test_mpi_suite[" in t]
     assert suites and all("-np2" in s or s == "test_workloads_mesh-np4" for s in suites), suites
