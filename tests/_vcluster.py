@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import _background as background
 import pytest
 from _mpijob import kill_session
 
@@ -94,37 +95,13 @@ def state_dir() -> Path:
     return Path(os.environ.get("VCLUSTER_DIR") or prefix_dir() / "vcluster")
 
 
-# OpenPBS's build (minutes on 2 cores) runs beside the tests before the PBS ones, at the lowest CPU priority
-_OPENPBS_BUILD: list[subprocess.Popen] = []
-
-
 def start_openpbs_build() -> None:
-    """Start utils/vcluster/build_openpbs.sh (a no-op once built) in the background at nice 19, its output in
-    ``<prefix>/openpbs-build.log``: called as a session that will run the PBS tests starts, so that the build
-    overlaps the tests before them instead of adding its minutes; `cluster_up` waits for it.  The build is a
-    session of its own, so its scheduler autogroup gets nice 19 too: the kernel weighs autogroups against each
-    other before it looks at a process's nice, and at nice 0 the group would take a core from the tests."""
-    if _OPENPBS_BUILD or os.geteuid() != 0:  # the virtual cluster needs root: its tests skip without it
-        return
-    log = prefix_dir() / "openpbs-build.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    lowest = 'echo 19 2>/dev/null >/proc/self/autogroup; exec nice -n 19 bash "$0"'  # no autogroups: nice alone
-    argv = ["bash", "-c", lowest, str(VCLUSTER.with_name("build_openpbs.sh"))]
-    with log.open("w") as out:
-        _OPENPBS_BUILD.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                               start_new_session=True))
-
-
-def openpbs_built(timeout: float | None) -> None:
-    """Wait for the background build, if one was started, at most ``timeout`` s (None: stop it now); one still
-    running then is killed (the bring-up's own build, or its failure, follows)."""
-    while _OPENPBS_BUILD:
-        build = _OPENPBS_BUILD.pop()
-        try:
-            build.wait(timeout=timeout or 0.01)
-        except subprocess.TimeoutExpired:
-            kill_session(build.pid)
-            build.wait()
+    """OpenPBS's build (utils/vcluster/build_openpbs.sh, a no-op once built; minutes on 2 cores) in the
+    background (tests/_background.py), its output in ``<prefix>/openpbs-build.log``; `cluster_up` waits for it.
+    Only as root: the virtual cluster's tests skip without it."""
+    if os.geteuid() == 0:
+        background.start("openpbs", ["bash", str(VCLUSTER.with_name("build_openpbs.sh"))],
+                         prefix_dir() / "openpbs-build.log")
 
 
 @contextlib.contextmanager
@@ -133,7 +110,7 @@ def cluster_up(nodes: int, scheduler: str, timeout: float = 180) -> Iterator[Clu
     own pre-flight says this host cannot carry one (exit 3); removes it, and checks nothing is left, after."""
     env = {**os.environ, "VENV": sys.prefix}  # the venv running these tests is the one the nodes put on PATH
     if scheduler == "pbs":
-        openpbs_built(timeout)
+        background.wait("openpbs", timeout)
     up = subprocess.run(["bash", str(VCLUSTER), "up", str(nodes), scheduler], capture_output=True, text=True,
                         timeout=timeout, env=env)
     if up.returncode == 3:  # not root, no Slurm, no network namespaces, OpenPBS cannot be built here

@@ -47,8 +47,8 @@ def pytest_terminal_summary(terminalreporter):  # noqa: ANN001
     took = time.monotonic() - _STARTED
     if not _LEFT_OUT:
         if terminalreporter.config.option.markexpr == "":
-            terminalreporter.write_line(f"make test-all: {took:.0f} s of pytest against CI's {BUDGET_S['all']} s "
-                                        "for everything, installs included")
+            terminalreporter.write_line(f"this run, both tiers selected: {took:.0f} s; CI's budget for all of "
+                                        f"`make test-all`, installs included: {BUDGET_S['all']} s")
         return
     total = sum(_LEFT_OUT.values())
     terminalreporter.section("not run here", sep="-")
@@ -60,22 +60,27 @@ def pytest_terminal_summary(terminalreporter):  # noqa: ANN001
 
 
 def pytest_collection_finish(session):  # noqa: ANN001
-    """A session that will run the PBS tests starts building OpenPBS now, beside the tests before them."""
-    if any(item.path.name == "test_vcluster_pbs.py" for item in session.items):
-        from _vcluster import start_openpbs_build
-
-        start_openpbs_build()
+    """A module whose selected tests need a slow preparation (``start_in_background``) starts it now, to run beside
+    the tests before them (tests/_background.py)."""
+    if session.config.option.collectonly:
+        return
+    selected: dict = {}
+    for item in session.items:
+        selected.setdefault(getattr(item, "module", None), []).append(item)
+    for module, items in selected.items():
+        if hasattr(module, "start_in_background"):
+            module.start_in_background(items)
 
 
 def pytest_sessionfinish(session, exitstatus):  # noqa: ANN001, ARG001
     """This process's Open MPI singleton segment, if it made one, is not left in /dev/shm; a background OpenPBS
-    build that no test waited for (a run stopped early) does not outlive the session."""
-    from _vcluster import openpbs_built
+    preparation that no test waited for (a run stopped early) does not outlive the session."""
+    import _background
 
     from torchhpc.runtime.mpi_info import release_singleton_segment
 
     release_singleton_segment()
-    openpbs_built(None)
+    _background.stop_all()
 
 
 @pytest.fixture

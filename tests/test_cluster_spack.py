@@ -18,11 +18,13 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import types
 from pathlib import Path
 from typing import Any
 
+import _background as background
 import pytest
 import tomllib
 
@@ -377,19 +379,48 @@ def inputs_key(site: str) -> str:
     return digest.hexdigest()
 
 
+SITES_CONCRETIZED = ("generic", "derecho")
+
+
+def _lock_and_key(site: str) -> tuple[Path, Path]:
+    build = ROOT / "build"
+    return build / f"spack-{site}.lock", build / f"spack-{site}.key"
+
+
+def start_in_background(items: list[pytest.Item]) -> None:
+    """Where the real Spack tests are selected and their inputs are here, both sites are concretized beside the
+    tests before them (tests/_background.py), one after the other (both use the repository's environment), each
+    graph's key written once it is saved; `concretize` waits for them."""
+    if not any(item.get_closest_marker("full") == SPACK.mark for item in items):
+        return
+    try:
+        need_spack_inputs()
+    except pytest.skip.Exception:
+        return  # the tests say why
+    steps = []
+    for site in SITES_CONCRETIZED:
+        lock, key_file = _lock_and_key(site)
+        steps.append(f"SITE={site} bash utils/spack_env.sh concretize && echo {inputs_key(site)} > {key_file} && "
+                     f"echo $SECONDS > {lock.with_suffix('.seconds')}")
+    home = Path(tempfile.mkdtemp(prefix="torchhpc-spack-home-"))
+    background.start("spack", ["bash", "-c", "set -e; " + "; SECONDS=0; ".join(steps)], ROOT / "build" / "spack-bg.log",
+                     cwd=ROOT, env=spack_env(home))
+
+
 def concretize(site: str, tmp: Path) -> dict[str, Any]:
     """The concretized graph of spack.yaml for `site` (spack.lock as JSON), from build/ when its inputs are
-    unchanged, else by running `utils/spack_env.sh concretize` with the pinned Spack."""
+    unchanged (as the background concretization leaves them), else by running `utils/spack_env.sh concretize` with
+    the pinned Spack."""
     need_spack_inputs()
-    build = ROOT / "build"
-    lock, key_file = build / f"spack-{site}.lock", build / f"spack-{site}.key"
+    background.wait("spack", timeout=2400)
+    lock, key_file = _lock_and_key(site)
     key = inputs_key(site)
     if not (lock.is_file() and key_file.is_file() and key_file.read_text().strip() == key):
         start = time.monotonic()
         proc = subprocess.run(["bash", "utils/spack_env.sh", "concretize"], cwd=ROOT, capture_output=True,
                               text=True, timeout=2400, env={**spack_env(tmp), "SITE": site})
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-        (build / f"spack-{site}.seconds").write_text(f"{time.monotonic() - start:.0f}\n")
+        lock.with_suffix(".seconds").write_text(f"{time.monotonic() - start:.0f}\n")
         key_file.write_text(key + "\n")
     return json.loads(lock.read_text())
 

@@ -36,6 +36,7 @@ from _vcluster import (
     cluster_up,
     readme_knobs,
     site_env_over,
+    start_openpbs_build,
     train_command,
     wait_for_line,
 )
@@ -51,6 +52,11 @@ SUBMIT = "bash utils/submit_job.sh --scheduler pbs --shape build --select 1:ncpu
 # node1 and node2 run the jobs; node3 is the spare of the 2-node jobs that restart in place
 NODES = 3
 pytestmark = pytest.mark.full("the virtual cluster under OpenPBS")
+
+
+def start_in_background(items: list[pytest.Item]) -> None:
+    """OpenPBS is built beside the tests that run before these (tests/_background.py)."""
+    start_openpbs_build()
 
 
 @pytest.fixture(scope="module")
