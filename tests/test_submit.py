@@ -102,6 +102,23 @@ def test_the_call_folder_is_private_and_its_files_closed(tmp_path: Path) -> None
         folder.create(tmp_path / "runs", "t")
 
 
+def test_a_cancelled_job_is_cancelled_whatever_its_scheduler_recorded(tmp_path: Path, ended: None,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """qdel as a job starts: OpenPBS may record an ordinary exit (here: COMPLETED).  A call cancel() ended before
+    its ranks all returned is CANCELLED; one whose ranks had all returned keeps its scheduler's word."""
+    monkeypatch.setattr(scheduler, "cancel", lambda sched, job_id: None)
+    job = submitted(tmp_path, ranks_say_where)
+    assert job.wait() == "COMPLETED"
+    job.cancel()
+    assert job.wait() == "CANCELLED"
+    with pytest.raises(JobError, match=r"ended CANCELLED before its ranks started: it was cancelled \(scancel/qdel\)"):
+        job.result()
+    folder.write_json(job.folder, "world.json", {"world_size": 1})
+    assert job.wait() == "CANCELLED"  # started, rank 0 not returned
+    folder.write_outcome(job.folder, 0, {"ok": True, "value": 7})
+    assert job.wait() == "COMPLETED" and job.result() == 7
+
+
 def test_outside_a_job_the_in_job_calls_say_so() -> None:
     with pytest.raises(JobError, match="not inside a job submitted with torchhpc.submit"):
         job_environment()

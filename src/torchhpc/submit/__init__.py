@@ -73,10 +73,17 @@ class Job:
 
     def _final_state(self) -> str | None:
         """The newest job's final state once the call runs no more (it ended and was not submitted again: a job
-        that requeues itself records its successor before it ends), else None.  One scheduler query."""
+        that requeues itself records its successor before it ends), else None.  One scheduler query.  A job
+        :meth:`cancel` ended before every rank returned is ``CANCELLED`` whatever its scheduler recorded: OpenPBS
+        records a job deleted as it starts as an ordinary exit (seen: ``Exit_status = 0``, not substate 91)."""
         records = files.records(self.folder)
         state = scheduler.state(records[-1]["JOB_SCHEDULER"], records[-1]["JOB_ID"])
-        return state if state in scheduler.FINAL and len(files.records(self.folder)) == len(records) else None
+        if state not in scheduler.FINAL or len(files.records(self.folder)) != len(records):
+            return None
+        if state != "CANCELLED" and (self.folder / files.CANCELLED).exists() \
+                and not files.every_rank_returned(self.folder):
+            return "CANCELLED"
+        return state
 
     def done(self) -> bool:
         """Whether the call runs no more: its newest job has ended and was not submitted again."""

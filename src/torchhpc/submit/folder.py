@@ -24,7 +24,7 @@ from ..runtime import private
 from ..runtime.errors import TorchhpcError
 
 __all__ = ["JobError", "create", "write_call", "read_call", "records", "write_json", "read_json",
-           "write_outcome", "read_outcome", "output_path", "CANCELLED"]
+           "write_outcome", "read_outcome", "every_rank_returned", "output_path", "CANCELLED"]
 
 CANCELLED = "cancelled"
 
@@ -124,7 +124,17 @@ def write_outcome(folder: Path, rank: int, outcome: dict[str, Any]) -> None:
             data = cloudpickle.dumps({"ok": False, "type": type(exc).__name__, "host": outcome.get("host", "?"),
                                       "message": f"its return value cannot be pickled: {exc}", "traceback": "",
                                       "exception": None})
-    _write(folder / f"rank-{rank}.result", data)
+    _write(_outcome_path(folder, rank), data)
+
+
+def every_rank_returned(folder: Path) -> bool:
+    """Whether the job's ranks started and each wrote its outcome (read nothing back)."""
+    world = read_json(folder, "world.json")
+    return world is not None and all(_outcome_path(folder, r).exists() for r in range(world["world_size"]))
+
+
+def _outcome_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank}.result"
 
 
 def read_outcome(folder: Path, rank: int, job: str) -> dict[str, Any] | None:
@@ -132,7 +142,7 @@ def read_outcome(folder: Path, rank: int, job: str) -> dict[str, Any] | None:
     file cannot be trusted or read back (truncated, from another version, not a pickle)."""
     import pickle
 
-    path = folder / f"rank-{rank}.result"
+    path = _outcome_path(folder, rank)
     if not path.exists():
         return None
     try:
