@@ -15,7 +15,8 @@ from _mpijob import kill_session
 
 # A background job is a session of its own, so its scheduler autogroup gets nice 19 too: the kernel weighs
 # autogroups against each other before it looks at a process's nice, and at nice 0 the group would take a core from
-# the tests (seen: Slurm tests beside OpenPBS's build up to 49 s slower).  Where there are no autogroups, nice alone.
+# the tests (seen: the Slurm examples beside OpenPBS's build 18-20 s slower each, 39-44 s against 18-26 s).
+# Where there are no autogroups, nice alone.
 _LOWEST = 'echo 19 2>/dev/null >/proc/self/autogroup; exec nice -n 19 "$0" "$@"'
 _JOBS: dict[str, subprocess.Popen] = {}
 

@@ -64,7 +64,7 @@ def test_what_needs_a_cluster_spack_or_more_ranks_is_in_the_second_tier() -> Non
     first = [line for line in proc.stdout.splitlines() if "::" in line]
     assert len(first) > 300, proc.stdout[-3000:]
     for heavy in ("test_vcluster.py", "test_vcluster_pbs.py", "test_cluster_slurm.py", "test_nccl_ofi_plugin.py",
-                  "test_mpi_upstream.py", "test_torch_suite.py", "test_accl_many_ranks.py", "test_accl_peer_death.py",
+                  "test_mpi_upstream.py", "test_torch_suite.py", "test_accl_many_ranks.py", "test_survivors_fail_fast_",
                   "test_restart.py", "test_pinned_spack_", "test_fake_install_"):
         assert not [t for t in first if heavy in t], f"{heavy} in the first tier"
     suites = [t.split("[")[1].rstrip("]") for t in first if "test_mpi_suites.py::test_mpi_suite[" in t]
