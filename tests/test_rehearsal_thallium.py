@@ -7,6 +7,8 @@ absent here); the transport under mpiexec is tested in tests/mpi/test_rehearsal.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -177,3 +179,51 @@ def test_single_rank_buffer_over_thallium_keeps_labels_with_samples() -> None:
             flat = out.samples.reshape(out.samples.shape[0], -1)
             assert (flat == flat[:, :1]).all() and torch.equal(flat[:, 0].long() % 10, out.targets)
 
+
+
+_STALLED_PEERS = r"""
+import sys, time
+import numpy as np, torch
+from torchhpc.rehearsal.thallium import MARGO_CONFIG
+from torchhpc.runtime import native
+ext = native.load("thallium")
+K, HEADER, RECORD, SLOTS = 2, 64, 192, 5
+blocks = [torch.zeros(HEADER + SLOTS * RECORD, dtype=torch.uint8) for _ in range(3)]
+trs = [ext.Transport(sys.argv[1], b.data_ptr(), b.numel(), HEADER, RECORD, K, MARGO_CONFIG, bytes(range(32)))
+       for b in blocks]
+for r, t in enumerate(trs):
+    t.connect([t.address() for t in trs], r)
+for t in trs[1:]:
+    t.lock_exclusive()  # an owner whose handlers wait for its lock answers nothing: a stuck peer
+out = np.zeros((2, RECORD), dtype=np.uint8)
+for name, call in (("fills", lambda: trs[0].fills([1, 2], 1.0)),
+                   ("read", lambda: trs[0].read(np.array([1, 2]), np.array([0, 0]), [(out, 0)], 1.0))):
+    start = time.perf_counter()
+    try:
+        call()
+    except ext.PeerTimeout as exc:
+        print(f"{name}: {time.perf_counter() - start:.2f} s: {exc}", flush=True)
+for t in trs[1:]:
+    t.unlock_exclusive()
+for t in trs:
+    t.close()
+print("exited normally", flush=True)
+"""
+
+
+@pytest.mark.parametrize("protocol", ["na+sm", "ofi+tcp"])
+def test_two_stuck_owners_are_one_timeout_not_an_abort(protocol: str) -> None:
+    """A draw from two owners that both stop answering raises the package's timeout for the first, within the
+    deadline and naming it, after awaiting the second: an answer left unawaited made thallium's destructor throw
+    its own timeout inside a noexcept destructor, and the process ended in std::terminate (SIGABRT)."""
+    _extension()
+    proc = subprocess.run([sys.executable, "-c", _STALLED_PEERS, protocol], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for name, what in (("fills", "a fill-count request"), ("read", "a record read")):
+        line = next((x for x in lines if x.startswith(f"{name}: ")), None)
+        assert line is not None, proc.stdout + proc.stderr[-3000:]
+        assert f"rank 1 did not answer {what} within the 1 s deadline" in line, line
+        assert 0.9 < float(line.split()[1]) < 10, line
+    assert lines[-1] == "exited normally", proc.stdout

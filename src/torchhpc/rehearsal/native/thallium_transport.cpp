@@ -159,29 +159,20 @@ class Transport {
     py::array_t<std::int64_t> fills(const std::vector<int>& ranks, double timeout_s) {
         py::array_t<std::int64_t> out({ranks.size(), m_num_classes});
         std::vector<std::vector<std::int64_t>> got(ranks.size());
+        for (int r : ranks) peer(r);  // a rank out of range is the caller's error, raised before anything is sent
         {
             py::gil_scoped_release nogil;
-            auto limit = to_duration(timeout_s);
-            std::vector<tl::async_response> pending;
-            pending.reserve(ranks.size());
-            for (int r : ranks) pending.push_back(m_fills_rpc_->on(peer(r)).timed_async(limit, m_secret));
-            for (std::size_t i = 0; i < ranks.size(); ++i) {
-                try {
-                    got[i] = pending[i].wait().as<std::vector<std::int64_t>>();
-                } catch (const tl::timeout&) {
-                    throw PeerTimeout("rank " + std::to_string(ranks[i]) + " did not answer a fill-count request within " +
-                                      seconds(timeout_s) + " s (stuck or dead?)");
-                } catch (const tl::exception& e) {
-                    throw PeerUnreachable("rank " + std::to_string(ranks[i]) + " is unreachable (" + e.what() +
-                                          "): its buffer is closed or its process died");
-                }
-                if (got[i].size() == 1 && got[i][0] == -kDenied)
-                    throw PeerError("rank " + std::to_string(ranks[i]) + " refused a fill-count request (" +
-                                    status_text(kDenied) + ")");
-                if (got[i].size() != m_num_classes)
-                    throw PeerError("rank " + std::to_string(ranks[i]) + " answered " + std::to_string(got[i].size()) +
-                                    " fill counts, expected " + std::to_string(m_num_classes) + " (closed or other layout)");
-            }
+            await_all(
+                "a fill-count request", ranks, timeout_s,
+                [&](int r, std::chrono::milliseconds limit) { return m_fills_rpc_->on(peer(r)).timed_async(limit, m_secret); },
+                [&](std::size_t i, const tl::packed_data<>& answer) -> std::string {
+                    got[i] = answer.as<std::vector<std::int64_t>>();
+                    if (got[i].size() == 1 && got[i][0] == -kDenied) return status_text(kDenied);
+                    if (got[i].size() != m_num_classes)
+                        return "answered " + std::to_string(got[i].size()) + " fill counts, expected " +
+                               std::to_string(m_num_classes) + ": closed or another layout";
+                    return "";
+                });
         }
         auto view = out.mutable_unchecked<2>();
         for (std::size_t i = 0; i < ranks.size(); ++i)
@@ -217,7 +208,6 @@ class Transport {
         const std::int64_t* rk = ranks.data();
         const std::int64_t* sl = slots.data();
         py::gil_scoped_release nogil;
-        auto limit = to_duration(timeout_s);
         std::vector<std::vector<std::uint64_t>> want_slots(m_peers.size()), want_rows(m_peers.size());
         std::size_t count = 0;
         for (std::size_t i = 0; i < n; ++i) {
@@ -230,41 +220,20 @@ class Transport {
         }
         if (count == 0 || segments.empty()) return 0;
         tl::bulk dest = m_engine->expose(segments, tl::bulk_mode::write_only);
-        std::vector<std::pair<int, tl::async_response>> pending;
+        std::vector<int> owners;
         for (std::size_t r = 0; r < m_peers.size(); ++r)
-            if (!want_slots[r].empty())
-                pending.emplace_back(static_cast<int>(r), m_read_rpc_->on(peer(static_cast<int>(r)))
-                                                              .timed_async(limit, m_secret, want_slots[r], want_rows[r],
-                                                                           offsets, nbytes, bases, dest));
-        // Wait for every answer before `dest` may go, even after a failure; report the first failure.
-        enum class Failure { none, timeout, unreachable, refused } failed = Failure::none;
-        std::string text;
-        for (auto& [r, resp] : pending) {
-            Failure now = Failure::none;
-            std::string what;
-            try {
-                int status = resp.wait().as<int>();
-                if (status != kOk) {
-                    now = Failure::refused;
-                    what = "rank " + std::to_string(r) + " refused a record read (" + status_text(status) + ")";
-                }
-            } catch (const tl::timeout&) {
-                now = Failure::timeout;
-                what = "rank " + std::to_string(r) + " did not serve a record read within " + seconds(timeout_s) +
-                       " s (stuck or dead?)";
-            } catch (const tl::exception& e) {
-                now = Failure::unreachable;
-                what = "rank " + std::to_string(r) + " is unreachable (" + e.what() +
-                       "): its buffer is closed or its process died";
-            }
-            if (failed == Failure::none && now != Failure::none) {
-                failed = now;
-                text = what;
-            }
-        }
-        if (failed == Failure::timeout) throw PeerTimeout(text);
-        if (failed == Failure::unreachable) throw PeerUnreachable(text);
-        if (failed == Failure::refused) throw PeerError(text);
+            if (!want_slots[r].empty()) owners.push_back(static_cast<int>(r));
+        // every answer is awaited before `dest` may go, even after a failure
+        await_all(
+            "a record read", owners, timeout_s,
+            [&](int r, std::chrono::milliseconds limit) {
+                return m_read_rpc_->on(peer(r)).timed_async(limit, m_secret, want_slots[r], want_rows[r], offsets, nbytes,
+                                                            bases, dest);
+            },
+            [&](std::size_t, const tl::packed_data<>& answer) -> std::string {
+                int status = answer.as<int>();
+                return status == kOk ? "" : status_text(status);
+            });
         std::size_t per_record = 0;
         for (auto nb : nbytes) per_record += nb;
         return count * per_record;
@@ -285,6 +254,61 @@ class Transport {
     }
 
   private:
+    // Send one request to each of `ranks` (issue(rank, deadline) -> async_response), all in flight at once, and
+    // await every answer, passing each to check(index, answer), which returns "" or why the answer is refused.
+    // Every response is awaited, whatever failed before it: thallium's ~async_response waits for an unawaited
+    // one, and a timeout thrown there, in a noexcept destructor, would end the process in std::terminate.  The
+    // first failure is then thrown as this module's error, naming the rank and the time that really passed: a
+    // transport that gives up early (Mercury's send retries end after NA_OFI_OP_RETRY_TIMEOUT, 120 s by
+    // default) is told apart from our own deadline.
+    template <class Issue, class Check>
+    void await_all(const char* what, const std::vector<int>& ranks, double timeout_s, Issue issue, Check check) {
+        using clock = std::chrono::steady_clock;
+        const auto limit = to_duration(timeout_s);
+        const auto start = clock::now();
+        enum class Failure { none, timeout, unreachable, refused } failed = Failure::none;
+        std::string text;
+        auto fail = [&](Failure kind, const std::string& why) {
+            if (failed != Failure::none) return;
+            failed = kind;
+            text = why;
+        };
+        auto rank_text = [&](std::size_t i) { return "rank " + std::to_string(ranks[i]) + " "; };
+        auto waited = [&] {
+            return std::chrono::duration<double>(clock::now() - start).count();
+        };
+        std::vector<std::optional<tl::async_response>> pending(ranks.size());
+        for (std::size_t i = 0; i < ranks.size(); ++i) {
+            try {
+                pending[i].emplace(issue(ranks[i], limit));
+            } catch (const std::exception& e) {
+                fail(Failure::unreachable, rank_text(i) + "is unreachable (" + e.what() + ")");
+            }
+        }
+        for (std::size_t i = 0; i < ranks.size(); ++i) {
+            if (!pending[i]) continue;
+            try {
+                std::string refused = check(i, pending[i]->wait());
+                if (!refused.empty()) fail(Failure::refused, rank_text(i) + "refused " + what + " (" + refused + ")");
+            } catch (const tl::timeout&) {
+                double s = waited();
+                if (s >= 0.95 * timeout_s)
+                    fail(Failure::timeout, rank_text(i) + "did not answer " + what + " within the " + seconds(timeout_s) +
+                                               " s deadline (stuck or dead?)");
+                else
+                    fail(Failure::timeout, rank_text(i) + "did not answer " + what + ": the transport gave up after " +
+                                               seconds(s) + " s, before the " + seconds(timeout_s) +
+                                               " s deadline (no message reached it: stuck, dead or unreachable?)");
+            } catch (const std::exception& e) {
+                fail(Failure::unreachable, rank_text(i) + "is unreachable (" + e.what() + ") after " + seconds(waited()) +
+                                               " s: its buffer is closed or its process died");
+            }
+        }
+        if (failed == Failure::timeout) throw PeerTimeout(text);
+        if (failed == Failure::unreachable) throw PeerUnreachable(text);
+        if (failed == Failure::refused) throw PeerError(text);
+    }
+
     static std::chrono::milliseconds to_duration(double s) {
         if (!(s > 0)) throw std::invalid_argument("timeout must be > 0 seconds");
         return std::chrono::milliseconds(static_cast<std::int64_t>(s * 1000.0 + 0.5));
