@@ -43,6 +43,9 @@ for header in /usr/include/libical/ical.h /usr/include/cjson/cJSON.h /usr/includ
   [[ -f "$header" ]] || unfit "$header not found (apt-get install the packages in the header of $0)"
 done
 command -v pg_config >/dev/null || unfit "pg_config not found (apt-get install postgresql-server-dev-all)"
+# The system's Python and its python3-config, named: configure otherwise takes the first `python` on PATH, and
+# an active venv's has no python3-config beside it (no include flags: "Python.h: No such file").
+[[ -x /usr/bin/python3-config ]] || unfit "/usr/bin/python3-config not found (apt-get install python3-dev)"
 
 archive="$sources/openpbs-$short.tar.gz"
 rm -rf "$src" "$src.tmp"
@@ -71,7 +74,7 @@ log="$src/torchhpc-build.log"
 say "building in $src (log: $log) into $dest"
 {
   ./autogen.sh
-  ./configure --prefix="$dest"
+  ./configure --prefix="$dest" --with-python=/usr
   make -j"$(nproc)"
   rm -rf "$dest"
   make install
