@@ -27,6 +27,7 @@ from sklearn.model_selection import train_test_split
 from torch import nn
 
 from torchhpc.rehearsal import RehearsalBuffer, RehearsalLoader
+from torchhpc.rehearsal.options import TRANSPORTS
 
 TASKS = [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
 
@@ -77,7 +78,7 @@ def run(rehearsal: bool, args: argparse.Namespace, comm: MPI.Comm) -> np.ndarray
     if rehearsal:
         buffer = RehearsalBuffer(num_classes=10, slots_per_class=args.slots, num_candidates=args.candidates,
                                  num_representatives=args.representatives, sample_shapes=(64,),
-                                 seed=args.seed, comm=comm)
+                                 seed=args.seed, comm=comm, transport=args.transport)
     acc = np.zeros((len(TASKS), len(TASKS)))
     for t, classes in enumerate(TASKS):
         mask = torch.isin(ytr, torch.tensor(classes))
@@ -97,6 +98,9 @@ def run(rehearsal: bool, args: argparse.Namespace, comm: MPI.Comm) -> np.ndarray
     if buffer is not None:
         if rank == 0:
             st = buffer.stats()
+            engines = getattr(buffer.storage, "addresses", None)  # the Thallium engines' addresses, by rank
+            print(f"rank 0 buffer: transport {buffer.transport}"
+                  + (f", engines {' '.join(engines)}" if engines else ""))
             print(f"rank 0 buffer: {st['size']}/{st['capacity']} samples, per-stage ms "
                   + ", ".join(f"{k} {v:.2f}" for k, v in st["timings_ms"].items()))
         buffer.close()
@@ -120,6 +124,8 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=4)
     parser.add_argument("--representatives", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                        help="how ranks read each other's slots (auto: Thallium across nodes where built, else MPI)")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     hosts = comm.gather(socket.gethostname())

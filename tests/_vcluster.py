@@ -209,6 +209,38 @@ def check_submit(cluster: Cluster, array: int, walltime_kill: bool) -> None:
     assert 0 < requeue["result"]["started_at"] < steps and len(requeue["ids"]) == 2, requeue
 
 
+# The rehearsal example's job shapes: (nodes, ranks per node, cores per rank, transport).  Two ranks of one core
+# each on a node is a cluster node's shape (one rank per core, bound); auto takes Thallium across nodes.
+REHEARSAL_SHAPES = [(2, 2, 1, "thallium"), (2, 2, 1, "mpi"), (2, 1, 2, "auto"), (2, 1, 2, "mpi")]
+
+
+def check_rehearsal_jobs(cluster: Cluster) -> None:
+    """examples/continual_digits.py from `torchhpc jobscript --submit`, in each of :data:`REHEARSAL_SHAPES` on the
+    cluster's scheduler: every job finishes, rehearses over the transport asked for, and a Thallium engine listens
+    on the address the other node reaches (a rank bound to CPU 1 once listened on 127.0.0.1, and its job timed out)."""
+    for nodes, per_node, cpus, transport in REHEARSAL_SHAPES:
+        work = cluster.shared / f"rehearsal-{nodes}x{per_node}x{cpus}-{transport}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        started = time.monotonic()
+        out = cluster.ok(f"cd {work} && torchhpc jobscript --scheduler {cluster.scheduler} --nodes {nodes} "
+                         f"--ranks-per-node {per_node} --cpus {cpus} --gpus 0 --walltime 00:05:00 --name rehearsal "
+                         f"--submit -- python {ROOT}/examples/continual_digits.py --epochs 1 --transport {transport}",
+                         timeout=300, env={"SITE": "generic", "TORCHHPC_PREFIX": str(work / "prefix")})
+        shape = f"{nodes} x {per_node} x {cpus} core(s), {transport}: {time.monotonic() - started:.0f} s"
+        assert "exit status 0" in out, f"{shape}\n{out}"
+        log = Path(out.split("; log: ")[1].split()[0]).read_text()
+        assert "with rehearsal: final average accuracy" in log, f"{shape}\n{log}"
+        used = re.search(r"rank 0 buffer: transport (\w+)(?:, engines (.*))?", log)
+        assert used and used.group(1) == ("thallium" if transport == "auto" else transport), f"{shape}\n{log}"
+        if used.group(1) == "thallium":
+            ips = [e.removeprefix("ofi+tcp://").rsplit(":", 1)[0] for e in used.group(2).split()]
+            by_node = [set(ips[n * per_node:(n + 1) * per_node]) for n in range(nodes)]  # ranks fill node by node
+            assert len(ips) == nodes * per_node and all(len(ip) == 1 for ip in by_node) \
+                and len(set.union(*by_node)) == nodes and not any(ip.startswith("127.") for ip in ips), \
+                f"{shape}: each node's engines on that node's address, none on loopback: {used.group(2)}"
+
+
 # examples/resumable_training.py as the restart tests and tests/vcluster/recovery.py run it on 2 nodes
 RESUME_STEPS, RESUME_EVERY = 200, 20
 DIGEST = re.compile(rf"FINAL step {RESUME_STEPS} sha256 ([0-9a-f]{{64}})")

@@ -261,7 +261,7 @@ def test_test_slurm_runs_the_all_reduce_table_with_mpiexec(slurm: Slurm, tmp_pat
     assert "# torchhpc all_reduce_test: backend accl, 2 ranks, device cpu, launcher openmpi" in log
     # a core each: from the node's topology where the job holds the node whole (2 ranks of a core on 2 cores)
     maps = " -x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP" if WHOLE_NODE else ""
-    assert f"+ mpiexec -n 2 --map-by ppr:2:node:PE=1 --bind-to core{maps} python" in log
+    assert f"+ mpiexec -n 2 --map-by ppr:2:node:PE=1 --bind-to core --mca mpi_yield_when_idle 1{maps} python" in log
 
 
 def test_test_slurm_with_srun_pmix(slurm: Slurm, tmp_path: Path) -> None:
@@ -269,7 +269,8 @@ def test_test_slurm_with_srun_pmix(slurm: Slurm, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = job_log(proc)
     bind = "--cpu-bind=mask_cpu:0x1\\,0x2" if WHOLE_NODE else "--cpu-bind=cores"  # the log quotes as bash does
-    assert f"+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 --cpus-per-task 1 {bind} python" in log
+    assert (f"+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 --cpus-per-task 1 {bind} "
+            "--export=ALL,OMPI_MCA_mpi_yield_when_idle=1 python") in log
     assert log.count("# Out of bounds values : 0 OK") == 1
 
 

@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 def test_rehearsal_reduces_forgetting_on_digits() -> None:
     mod = load_script("examples/continual_digits.py")
-    args = argparse.Namespace(epochs=2, batch=8, lr=0.05, slots=10, candidates=4, representatives=8, seed=0)
+    args = argparse.Namespace(epochs=2, batch=8, lr=0.05, slots=10, candidates=4, representatives=8, seed=0,
+                              transport="auto")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny MLP: extra intra-op threads only spin on a shared, loaded machine
     try:

@@ -32,6 +32,7 @@ from _vcluster import (
     ROOT,
     VCLUSTER,
     Cluster,
+    check_rehearsal_jobs,
     check_submit,
     check_thread_budget,
     cluster_up,
@@ -356,6 +357,12 @@ def test_jobscript_runs_a_training_example_with_its_ranks_where_asked(cluster: C
     log = Path(out.split("; log: ")[1].split()[0]).read_text()
     assert "ranks on hosts: 0:node1 1:node1 2:node2 3:node2" in log, log
     assert f"2 node(s) x 2 rank(s) with {launcher} in {work}" in log, log
+
+
+def test_rehearsal_example_jobs_in_the_shapes_users_run(cluster: Cluster) -> None:
+    """The rehearsal example as Slurm jobs: 2 nodes x 2 ranks bound to a core each over Thallium and over MPI,
+    and 2 x 1 x 2 cores on the default transport."""
+    check_rehearsal_jobs(cluster)
 
 
 def test_submit_runs_python_functions_on_slurm(cluster: Cluster) -> None:

@@ -31,6 +31,7 @@ from _vcluster import (
     RESUME_STEPS,
     ROOT,
     Cluster,
+    check_rehearsal_jobs,
     check_submit,
     check_thread_budget,
     cluster_up,
@@ -272,7 +273,8 @@ def test_make_test_pbs_prints_the_table_with_ranks_on_both_nodes(pbs: Cluster, p
     assert "# Out of bounds values : 0 OK" in log, log
     # a core each; from the node's topology where ncpus=2 is every CPU of the (shared) host
     maps = " -x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP" if os.cpu_count() == 2 else ""
-    assert f"+ mpiexec -n 4 --map-by ppr:2:node:PE=1 --bind-to core{maps} python" in log, log
+    launch = f"+ mpiexec -n 4 --map-by ppr:2:node:PE=1 --bind-to core --mca mpi_yield_when_idle 1{maps} python"
+    assert launch in log, log
     assert "# Out of bounds values : 0 OK" in out, "the table is shown"
     script = (prefix / "jobs" / USER / "torchhpc-test-all-reduce.pbs").read_text()
     assert "#PBS -l place=scatter:excl" in script, script
@@ -325,6 +327,12 @@ def site_script(pbs: Cluster, prefix: Path, site: str, shape: str) -> Path:
     path = prefix / f"{site}-{shape}.pbs"
     path.write_text(text)
     return path
+
+
+def test_rehearsal_example_jobs_in_the_shapes_users_run(pbs: Cluster) -> None:
+    """The rehearsal example as OpenPBS jobs: 2 nodes x 2 ranks bound to a core each over Thallium and over MPI,
+    and 2 x 1 x 2 cores on the default transport."""
+    check_rehearsal_jobs(pbs)
 
 
 def test_submit_runs_python_functions_on_pbs(pbs: Cluster) -> None:

@@ -72,6 +72,17 @@ launch_resolve() {
       ((per < 1)) || words=(--cpu-bind depth -d "$per") ;;
   esac
   if ((${#LAUNCH_WORDS[@]})); then LAUNCH+=("${LAUNCH_WORDS[@]}"); else LAUNCH+=("${words[@]}"); fi
+  # A rank with one core or less has no core for a helper thread that calls MPI beside the training thread (the
+  # rehearsal buffer's worker): two threads busy-polling Open MPI's progress on one core starved each other, and
+  # 2 nodes x 2 ranks x 1 core of the rehearsal example over MPI RMA never finished (2 s with yielding).  Open MPI
+  # yields when idle only where it sees more ranks than slots; here it is told (on srun's line, as the variable
+  # Open MPI's ranks read; MPICH's ignore it).
+  if ((per <= 1)); then
+    case "$LAUNCH_FLAVOR" in
+      openmpi) LAUNCH+=(--mca mpi_yield_when_idle 1) ;;
+      srun) LAUNCH+=("--export=ALL,OMPI_MCA_mpi_yield_when_idle=1") ;;
+    esac
+  fi
   [[ "$LAUNCH_FLAVOR" != openmpi ]] || ((${#LAUNCH_WORDS[@]} == 0)) || LAUNCH+=(-x TORCHHPC_CPU_MAP -x TORCHHPC_GPU_MAP)
   if [[ -n "${LAUNCH_HOSTS:-}" ]]; then
     local flags

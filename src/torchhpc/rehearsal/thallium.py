@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 
 import numpy as np
 from mpi4py import MPI
@@ -62,6 +63,28 @@ def spans_nodes(comm: MPI.Comm) -> bool:
     return not one_node
 
 
+def tcp_listen_address(hosts: list[str], rank: int) -> str:
+    """The IPv4 address rank ``rank`` of ``hosts`` (each rank's host name) listens on over ``ofi+tcp``: the one its
+    kernel sends the first other host's traffic from; loopback when every rank is on this host.
+
+    Named because Mercury, given none, takes one of the host's TCP domains round-robin by the first CPU the
+    creating thread may run on, loopback among them: a rank bound to CPU 1 of a node with one network interface
+    listened on 127.0.0.1, and no rank of another node could reach it."""
+    others = [h for h in hosts if h != hosts[rank]]
+    if not others:
+        return "127.0.0.1"
+    try:
+        peer = socket.getaddrinfo(others[0], None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, 9))  # a datagram socket's connect only asks the routing table: nothing is sent
+            return probe.getsockname()[0]
+    except OSError as exc:
+        raise TorchhpcError(
+            f"{_WHAT}: cannot tell which address of {hosts[rank]} reaches {others[0]} over TCP ({exc}); "
+            "the ranks' host names (MPI_Get_processor_name) must resolve to IPv4 addresses"
+        ) from None
+
+
 def default_protocol(comm: MPI.Comm) -> str:
     """``na+sm`` when every rank of ``comm`` shares this node, else ``ofi+tcp`` (collective)."""
     return "ofi+tcp" if spans_nodes(comm) else "na+sm"
@@ -85,25 +108,36 @@ class ThalliumSlotStorage(SlotStorage):
             np.zeros(32, dtype=np.uint8)
         wait_requests([comm.Ibcast([secret, MPI.BYTE], root=0)], self.timeout, f"{_WHAT}: agreeing the job's secret",
                       keep=(secret,))
+        name = MPI.Get_processor_name().encode()[: _ADDR_BYTES - 1]  # MPI_MAX_PROCESSOR_NAME: 256 in both families
+        hosts = [h.decode() for h in self._allgather(name, "host names")]
         with agreed(comm, self.timeout, _WHAT):  # a rank that cannot start its engine stops every rank
+            listen = protocol
+            if protocol == "ofi+tcp":
+                listen = f"ofi+tcp://{tcp_listen_address(hosts, self.rank)}"
             ext = native.load("thallium")
             self._errors = (ext.PeerTimeout, ext.PeerError, ext.PeerUnreachable)
             self.transport = ext.Transport(
-                protocol, self.bytes.data_ptr(), layout.total_bytes, layout.header_bytes, layout.record_bytes,
+                listen, self.bytes.data_ptr(), layout.total_bytes, layout.header_bytes, layout.record_bytes,
                 layout.num_classes, margo_config(), secret.tobytes(),
             )
             mine = self.transport.address().encode()
             if len(mine) >= _ADDR_BYTES:
                 raise TorchhpcError(f"Thallium address {mine!r} is longer than {_ADDR_BYTES - 1} bytes")
-        send = np.zeros(_ADDR_BYTES, dtype=np.uint8)
-        send[: len(mine)] = np.frombuffer(mine, dtype=np.uint8)
-        table = np.zeros((self.size, _ADDR_BYTES), dtype=np.uint8)
-        hint = f"{_WHAT}: exchanging engine addresses over {self.size} ranks"
-        wait_requests([comm.Iallgather([send, MPI.BYTE], [table, MPI.BYTE])], self.timeout, hint, keep=(send, table))
-        addresses = [bytes(row).rstrip(b"\0").decode() for row in table]
+        addresses = [a.decode() for a in self._allgather(mine, "engine addresses")]
         with agreed(comm, self.timeout, _WHAT):
             self.transport.connect(addresses, self.rank)
         self.addresses = addresses
+
+    def _allgather(self, mine: bytes, what: str) -> list[bytes]:
+        """Every rank's ``mine`` (checked by the caller to be under :data:`_ADDR_BYTES` bytes, on every rank) in
+        rank order, within the deadline."""
+        send = np.zeros(_ADDR_BYTES, dtype=np.uint8)
+        send[: len(mine)] = np.frombuffer(mine, dtype=np.uint8)
+        table = np.zeros((self.size, _ADDR_BYTES), dtype=np.uint8)
+        hint = f"{_WHAT}: exchanging {what} over {self.size} ranks"
+        wait_requests([self.comm.Iallgather([send, MPI.BYTE], [table, MPI.BYTE])], self.timeout, hint,
+                      keep=(send, table))
+        return [bytes(row).rstrip(b"\0") for row in table]
 
     @property
     def remote(self) -> bool:
