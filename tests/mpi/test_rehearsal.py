@@ -12,7 +12,7 @@ import torch
 from mpi4py import MPI
 
 from torchhpc.rehearsal import RehearsalBuffer, RehearsalLoader
-from torchhpc.runtime.errors import EngineUnavailableError
+from torchhpc.runtime.errors import EngineUnavailableError, PeerTimeoutError
 from torchhpc.runtime.native import load
 
 MPI_RANKS = (1, 2, 4)
@@ -207,3 +207,40 @@ def test_local_sampling_stays_local(comm: MPI.Comm) -> None:
             src, _ = decode(*buf.wait()[:2])
             assert (src == rank).all()
     assert np.isfinite(buf.stats()["timings_ms"]["update"])
+
+
+def test_a_stuck_thallium_owner_is_each_readers_timeout_not_an_abort(comm: MPI.Comm) -> None:
+    """Rank 1's engine stops answering (its block lock held, so its handlers wait): every other rank's next draw
+    raises torchhpc's PeerTimeoutError naming rank 1 within the transport's deadline, and no process aborts."""
+    if comm.Get_size() < 2:
+        pytest.skip("needs a peer to be stuck")
+    try:
+        load("thallium")
+    except EngineUnavailableError as exc:
+        pytest.skip(str(exc))
+    rank = comm.Get_rank()
+    buf = make(comm, transport="thallium", timeout=3.0)
+    try:
+        for step in range(2):
+            y = torch.arange(6) % K
+            buf.accumulate(encode(y, torch.arange(6) + 6 * step, rank), y)
+            buf.wait()
+        comm.Barrier()
+        if rank == 1:
+            buf.storage.transport.lock_exclusive()
+        comm.Barrier()
+        if rank != 1:
+            y = torch.arange(6) % K
+            buf.accumulate(encode(y, torch.arange(6) + 12, rank), y)
+            started = time.monotonic()
+            with pytest.raises(RuntimeError, match="the rehearsal worker failed") as failed:
+                buf.wait(timeout=60)  # the worker's own deadline (3 s) ends it, not this one
+            assert time.monotonic() - started < 15
+            cause = failed.value.__cause__
+            assert isinstance(cause, PeerTimeoutError), repr(cause)
+            assert "rank 1 did not answer a fill-count request within the 3 s deadline" in str(cause), cause
+        comm.Barrier()
+        if rank == 1:
+            buf.storage.transport.unlock_exclusive()
+    finally:
+        buf.close()

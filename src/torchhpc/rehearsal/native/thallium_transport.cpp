@@ -249,7 +249,9 @@ class Transport {
         m_fills_rpc_.reset();
         m_read_rpc_.reset();
         m_block = tl::bulk();
-        m_engine->finalize();
+        // and wait for the handlers still running: margo_finalize alone returns while they do, and a handler that
+        // was waiting for the block lock then read a block already freed (SIGSEGV, seen after a stuck owner)
+        m_engine->finalize_and_wait();
         m_engine.reset();
     }
 
