@@ -108,10 +108,11 @@ class ThalliumSlotStorage(SlotStorage):
             np.zeros(32, dtype=np.uint8)
         wait_requests([comm.Ibcast([secret, MPI.BYTE], root=0)], self.timeout, f"{_WHAT}: agreeing the job's secret",
                       keep=(secret,))
-        name = MPI.Get_processor_name().encode()[: _ADDR_BYTES - 1]  # MPI_MAX_PROCESSOR_NAME: 256 in both families
-        hosts = [h.decode() for h in self._allgather(name, "host names")]
+        listen = protocol
+        if protocol == "ofi+tcp":  # the same on every rank: the host names are exchanged only where they are used
+            name = MPI.Get_processor_name().encode()[: _ADDR_BYTES - 1]  # MPI_MAX_PROCESSOR_NAME: 256 in both
+            hosts = [h.decode() for h in self._allgather(name, "host names")]
         with agreed(comm, self.timeout, _WHAT):  # a rank that cannot start its engine stops every rank
-            listen = protocol
             if protocol == "ofi+tcp":
                 listen = f"ofi+tcp://{tcp_listen_address(hosts, self.rank)}"
             ext = native.load("thallium")
