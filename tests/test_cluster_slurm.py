@@ -270,7 +270,7 @@ def test_test_slurm_with_srun_pmix(slurm: Slurm, tmp_path: Path) -> None:
     log = job_log(proc)
     bind = "--cpu-bind=mask_cpu:0x1\\,0x2" if WHOLE_NODE else "--cpu-bind=cores"  # the log quotes as bash does
     assert (f"+ srun --mpi=pmix --nodes 1 --ntasks-per-node 2 -n 2 --cpus-per-task 1 {bind} "
-            "--export=ALL,OMPI_MCA_mpi_yield_when_idle=1 python") in log
+            "--export=ALL\\,OMPI_MCA_mpi_yield_when_idle=1 python") in log
     assert log.count("# Out of bounds values : 0 OK") == 1
 
 

@@ -213,7 +213,7 @@ def test_a_stuck_thallium_owner_is_each_readers_timeout_not_an_abort(comm: MPI.C
     """Rank 1's engine stops answering (its block lock held, so its handlers wait): every other rank's next draw
     raises torchhpc's PeerTimeoutError naming rank 1 within the transport's deadline, and no process aborts."""
     if comm.Get_size() < 2:
-        pytest.skip("needs a peer to be stuck")
+        pytest.skip("not at this rank count: needs a peer to be stuck")
     try:
         load("thallium")
     except EngineUnavailableError as exc:

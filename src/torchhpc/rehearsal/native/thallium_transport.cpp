@@ -27,6 +27,7 @@
 #include <thallium/serialization/stl/string.hpp>
 #include <thallium/serialization/stl/vector.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -66,6 +67,7 @@ constexpr int kTooLarge = 2;
 constexpr int kClosed = 3;
 constexpr int kTransfer = 4;
 constexpr int kDenied = 5;
+constexpr int kLate = 6;
 
 // Whether [at, at + len) lies within [0, size), computed without overflow.
 bool fits(std::uint64_t at, std::uint64_t len, std::uint64_t size) { return len <= size && at <= size - len; }
@@ -112,6 +114,21 @@ class SharedHold {
     std::shared_mutex& m_m;
 };
 
+// The requester's deadline as a handler sees it: the wait the request carries, counted from the handler's start
+// (later than the send, so never before the requester gives up).  Past it the requester has stopped waiting and
+// may have closed its engine: a transfer or an answer to it would be retried by Mercury for up to
+// NA_OFI_OP_RETRY_TIMEOUT (120 s) over TCP, and closing this engine waits for that handler.  So nothing is sent.
+class Deadline {
+  public:
+    explicit Deadline(std::int64_t wait_ms) : m_until(clock::now() + std::chrono::milliseconds(wait_ms)) {}
+    bool passed() const { return clock::now() >= m_until; }
+    double left_ms() const { return std::chrono::duration<double, std::milli>(m_until - clock::now()).count(); }
+
+  private:
+    using clock = std::chrono::steady_clock;
+    clock::time_point m_until;
+};
+
 class Transport {
   public:
     Transport(const std::string& protocol, std::uintptr_t base, std::size_t nbytes, std::size_t header_bytes,
@@ -125,15 +142,17 @@ class Transport {
         m_engine = std::make_unique<tl::engine>(protocol, THALLIUM_SERVER_MODE, config);
         std::vector<std::pair<void*, std::size_t>> block{{m_base, m_nbytes}};
         m_block = m_engine->expose(block, tl::bulk_mode::read_only);
-        m_fills_rpc_ = m_engine->define("torchhpc_rehearsal_fills", [this](const tl::request& req, const std::string& token) {
-            serve_fills(req, token);
-        });
+        m_fills_rpc_ = m_engine->define(
+            "torchhpc_rehearsal_fills", [this](const tl::request& req, const std::string& token, std::int64_t wait_ms) {
+                serve_fills(req, token, Deadline(wait_ms));
+            });
         m_read_rpc_ = m_engine->define(
             "torchhpc_rehearsal_read",
-            [this](const tl::request& req, const std::string& token, const std::vector<std::uint64_t>& slots,
-                   const std::vector<std::uint64_t>& rows, const std::vector<std::uint64_t>& offsets,
-                   const std::vector<std::uint64_t>& nbytes, const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
-                serve_read(req, token, slots, rows, offsets, nbytes, bases, dest);
+            [this](const tl::request& req, const std::string& token, std::int64_t wait_ms,
+                   const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
+                   const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
+                   const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+                serve_read(req, token, Deadline(wait_ms), slots, rows, offsets, nbytes, bases, dest);
             });
     }
 
@@ -164,7 +183,7 @@ class Transport {
             py::gil_scoped_release nogil;
             await_all(
                 "a fill-count request", ranks, timeout_s,
-                [&](int r, std::chrono::milliseconds limit) { return m_fills_rpc_->on(peer(r)).timed_async(limit, m_secret); },
+                [&](int r, std::chrono::milliseconds limit) { return m_fills_rpc_->on(peer(r)).timed_async(limit, m_secret, limit.count()); },
                 [&](std::size_t i, const tl::packed_data<>& answer) -> std::string {
                     got[i] = answer.as<std::vector<std::int64_t>>();
                     if (got[i].size() == 1 && got[i][0] == -kDenied) return status_text(kDenied);
@@ -227,8 +246,8 @@ class Transport {
         await_all(
             "a record read", owners, timeout_s,
             [&](int r, std::chrono::milliseconds limit) {
-                return m_read_rpc_->on(peer(r)).timed_async(limit, m_secret, want_slots[r], want_rows[r], offsets, nbytes,
-                                                            bases, dest);
+                return m_read_rpc_->on(peer(r)).timed_async(limit, m_secret, limit.count(), want_slots[r], want_rows[r],
+                                                            offsets, nbytes, bases, dest);
             },
             [&](std::size_t, const tl::packed_data<>& answer) -> std::string {
                 int status = answer.as<int>();
@@ -329,6 +348,7 @@ class Transport {
             case kClosed: return "its buffer is closed";
             case kTransfer: return "a bulk transfer failed";
             case kDenied: return "the request did not carry this job's secret: not a rank of this job";
+            case kLate: return "it reached the records after the reader's deadline";
             default: return "status " + std::to_string(status);
         }
     }
@@ -339,24 +359,33 @@ class Transport {
         return m_peers[r];
     }
 
-    // Answer a request, or drop the answer if it cannot leave: the requester may have given up (its deadline
-    // passed) and closed its engine, and margo_respond then fails (HG_TIMEOUT across nodes).  Thrown from a
-    // handler, that error would end this process in std::terminate; the requester has already reported it.
+    // Answer a request, giving the answer until the requester's deadline (and a second's grace) to leave, then
+    // cancelling it: a requester that gave up may have closed its engine, and Mercury retries a send to it for up to
+    // NA_OFI_OP_RETRY_TIMEOUT (120 s) over TCP, which this engine's close would wait for.  A failed or cancelled
+    // answer is dropped (the requester has already reported its timeout): thrown from a handler, it would end this
+    // process in std::terminate.
     template <class T>
-    static void answer(const tl::request& req, const T& value) noexcept {
+    void answer(const tl::request& req, const T& value, const Deadline& deadline) noexcept {
         try {
-            req.respond(value);
+            hg_handle_t handle = req.native_handle();
+            tl::timed_callback cancel = m_engine->create_timed_callback([handle] { HG_Cancel(handle); });
+            cancel.start(std::max(deadline.left_ms(), 0.0) + 1000.0);
+            try {
+                req.respond(value);
+            } catch (const std::exception&) {
+            }
+            cancel.cancel();  // returns once a callback already running has finished: the handle outlives it
         } catch (const std::exception&) {
         }
     }
 
-    void serve_fills(const tl::request& req, const std::string& token) {
+    void serve_fills(const tl::request& req, const std::string& token, const Deadline& deadline) {
         if (!same_secret(token, m_secret)) {
-            answer(req, std::vector<std::int64_t>{-kDenied});
+            answer(req, std::vector<std::int64_t>{-kDenied}, deadline);
             return;
         }
         if (m_closed.load()) {
-            answer(req, std::vector<std::int64_t>{});
+            answer(req, std::vector<std::int64_t>{}, deadline);
             return;
         }
         std::vector<std::int64_t> out(m_num_classes);
@@ -364,47 +393,68 @@ class Transport {
             SharedHold hold(m_lock);
             std::memcpy(out.data(), m_base, 8 * m_num_classes);
         }
-        answer(req, out);
+        answer(req, out, deadline);
     }
 
-    void serve_read(const tl::request& req, const std::string& token, const std::vector<std::uint64_t>& slots,
-                    const std::vector<std::uint64_t>& rows, const std::vector<std::uint64_t>& offsets,
-                    const std::vector<std::uint64_t>& nbytes, const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
+    void serve_read(const tl::request& req, const std::string& token, const Deadline& deadline,
+                    const std::vector<std::uint64_t>& slots, const std::vector<std::uint64_t>& rows,
+                    const std::vector<std::uint64_t>& offsets, const std::vector<std::uint64_t>& nbytes,
+                    const std::vector<std::uint64_t>& bases, tl::bulk& dest) {
         if (!same_secret(token, m_secret)) {
-            answer(req, kDenied);
+            answer(req, kDenied, deadline);
             return;
         }
         if (m_closed.load()) {
-            answer(req, kClosed);
+            answer(req, kClosed, deadline);
             return;
         }
         bool ok = rows.size() == slots.size();
         for (auto s : slots) ok = ok && s < m_num_slots;
         if (!ok) {
-            answer(req, kBadSlot);
+            answer(req, kBadSlot, deadline);
             return;
         }
         if (!ranges_fit(rows, offsets, nbytes, bases, m_record_bytes, dest.size())) {
-            answer(req, kTooLarge);
+            answer(req, kTooLarge, deadline);
             return;
         }
-        int status = kOk;
+        answer(req, push_records(req, deadline, slots, rows, offsets, nbytes, bases, dest), deadline);
+    }
+
+    // Push each requested record's fields into the reader's rows under the shared lock; the status to answer.
+    // Nothing is sent once the reader's deadline has passed (it waited for the lock that long: the reader gave
+    // up), and a transfer gets only what is left of it.  Every transfer started is awaited, each on its own: an
+    // async_bulk_op left to its destructor would wait there and throw a timeout from it (std::terminate).
+    int push_records(const tl::request& req, const Deadline& deadline, const std::vector<std::uint64_t>& slots,
+                     const std::vector<std::uint64_t>& rows, const std::vector<std::uint64_t>& offsets,
+                     const std::vector<std::uint64_t>& nbytes, const std::vector<std::uint64_t>& bases,
+                     tl::bulk& dest) {
+        SharedHold hold(m_lock);  // no writer while records leave
+        if (deadline.passed()) return kLate;
+        bool sent = true;
+        std::vector<tl::async_bulk_op> ops;
+        ops.reserve(slots.size() * nbytes.size());
         try {
+            const double left_ms = deadline.left_ms();
             tl::remote_bulk remote = dest.on(req.get_endpoint());
-            SharedHold hold(m_lock);  // no writer while records leave
-            std::vector<tl::async_bulk_op> ops;
-            ops.reserve(slots.size() * nbytes.size());
             for (std::size_t q = 0; q < slots.size(); ++q) {
                 std::size_t record = m_header_bytes + slots[q] * m_record_bytes;
                 for (std::size_t f = 0; f < nbytes.size(); ++f)
-                    ops.push_back(m_block.select(record + offsets[f], nbytes[f])
-                                      .push_to(remote.select(bases[f] + rows[q] * nbytes[f], nbytes[f])));
+                    ops.push_back(remote.select(bases[f] + rows[q] * nbytes[f], nbytes[f])
+                                      .timed(left_ms)
+                                      .push_from(m_block.select(record + offsets[f], nbytes[f])));
             }
-            for (auto& op : ops) op.wait();
         } catch (const std::exception&) {
-            status = kTransfer;
+            sent = false;
         }
-        answer(req, status);
+        for (auto& op : ops) {
+            try {
+                op.wait();
+            } catch (const std::exception&) {
+                sent = false;
+            }
+        }
+        return sent ? kOk : kTransfer;
     }
 
     char* m_base;
